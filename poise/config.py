@@ -1,0 +1,232 @@
+"""Engine configuration: one frozen dataclass per concern.
+
+Invariants:
+- Config objects are never mutated after construction. Values derived later (the number of KV
+  blocks, a max_model_len clamped to the checkpoint) are computed by their owner and passed on
+  explicitly, never written back here.
+- Validation raises ``ValueError`` naming the offending field, so the CLI and the server can
+  show it verbatim.
+- Each field's ``metadata["help"]`` is the CLI help text; the CLI is generated from it.
+- The seed documents and other engines use other names for the same knobs; ``ALIASES`` maps
+  them onto ours (vLLM's vocabulary), so ``max_batch_tokens=4096`` works like
+  ``max_num_batched_tokens=4096``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+SchedulingPolicy = Literal["fifo", "prefill_first"]
+SCHEDULING_POLICIES: tuple[str, ...] = ("fifo", "prefill_first")
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "auto")
+
+# Other engines' / the seed's names -> ours.
+ALIASES: dict[str, str] = {
+    "max_requests_per_batch": "max_num_seqs",
+    "max_running_requests": "max_num_seqs",
+    "max_batch_tokens": "max_num_batched_tokens",
+    "max_num_scheduled_tokens": "max_num_batched_tokens",
+    "max_memory_percent": "gpu_memory_utilization",
+    "mem_fraction_static": "gpu_memory_utilization",
+    "num_blocks": "num_kv_blocks",
+    "page_size": "block_size",
+    "watermark": "safety_margin",
+    "max_num_queued_reqs": "max_num_queued_requests",
+    "max_queued_requests": "max_num_queued_requests",
+    "schedule_policy": "scheduling_policy",
+}
+
+
+def _help(text: str, **kw: Any) -> Any:
+    return field(metadata={"help": text}, **kw)
+
+
+def _require(cond: bool, field_name: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{field_name}: {message}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = _help(
+        "Hugging Face directory (config.json + *.safetensors), a .gguf file, or 'dummy:<dir or "
+        "config.json>' for random weights. Default: the embedded SmolLM2-135M-Instruct GGUF.",
+        default=None,
+    )
+    tokenizer: str | None = _help(
+        "Tokenizer directory, when it differs from the model's.", default=None
+    )
+    dtype: str = _help(
+        "Weights and activations dtype: float32, bfloat16, float16 or auto (bfloat16 when the "
+        "device supports it fast, else float32).",
+        default="auto",
+    )
+    device: str = _help("torch device: cpu, cuda, cuda:1 ...", default="cpu")
+    seed: int = _help("Seed for dummy weights and for unseeded sampling.", default=0)
+    max_model_len: int | None = _help(
+        "Longest sequence (prompt + output) a request may reach. Default: the model's context "
+        "length. Longer prompts are rejected with a 400, never truncated.",
+        default=None,
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _require(
+            self.max_model_len is None or self.max_model_len > 0,
+            "max_model_len",
+            f"must be > 0, got {self.max_model_len}",
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _help(
+        "Tokens per KV block. Smaller blocks waste less memory per request; larger ones mean "
+        "fewer, bigger gathers.",
+        default=16,
+    )
+    num_kv_blocks: int | None = _help(
+        "KV pool size in blocks. Overrides the memory budget when set.", default=None
+    )
+    gpu_memory_utilization: float = _help(
+        "Fraction of device memory for weights + activations + KV cache (alias: "
+        "max_memory_percent). On CPU it applies to kv_cache_memory_bytes' default instead.",
+        default=0.9,
+    )
+    kv_cache_memory_bytes: int | None = _help(
+        "KV pool budget in bytes (the CPU byte budget). Default on CPU: 1 GiB.", default=None
+    )
+    enable_prefix_caching: bool = _help(
+        "Reuse KV blocks of identical prompt prefixes across requests.", default=False
+    )
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+            "block_size",
+            f"must be a positive power of two, got {self.block_size}",
+        )
+        _require(
+            self.num_kv_blocks is None or self.num_kv_blocks > 0,
+            "num_kv_blocks",
+            f"must be > 0, got {self.num_kv_blocks}",
+        )
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _require(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            "kv_cache_memory_bytes",
+            f"must be > 0, got {self.kv_cache_memory_bytes}",
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = _help(
+        "Request cap: most requests in one batch (alias: max_requests_per_batch). Higher means "
+        "more throughput and more KV pressure.",
+        default=64,
+    )
+    max_num_batched_tokens: int = _help(
+        "Token budget per forward (alias: max_batch_tokens). Bigger: faster prefill, but longer "
+        "steps that make running decodes (TPOT) and queued short prompts (TTFT) wait.",
+        default=2048,
+    )
+    enable_chunked_prefill: bool = _help(
+        "Split long prompts across steps so they share the budget with decodes. Off: a prompt "
+        "must fit the token budget whole.",
+        default=True,
+    )
+    long_prefill_token_threshold: int = _help(
+        "Cap on prompt tokens one request may take in a step (0 = off), so one long prompt "
+        "cannot starve short ones. Ignored when that request is alone in the batch.",
+        default=0,
+    )
+    scheduling_policy: str = _help(
+        "fifo (decode-first: running requests are served before new prefills, steady TPOT) or "
+        "prefill_first (unfinished chunked prefills before decodes: faster TTFT for long "
+        "prompts, decodes stutter).",
+        default="fifo",
+    )
+    safety_margin: float = _help(
+        "Fraction of KV blocks kept free when admitting new prefills (alias: watermark), so "
+        "running decodes can grow without preemption.",
+        default=0.05,
+    )
+    max_num_queued_requests: int | None = _help(
+        "Waiting-queue bound; beyond it new requests get 429 + Retry-After (None = unbounded).",
+        default=None,
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs > 0, "max_num_seqs", f"must be > 0, got {self.max_num_seqs}")
+        _require(
+            self.max_num_batched_tokens > 0,
+            "max_num_batched_tokens",
+            f"must be > 0, got {self.max_num_batched_tokens}",
+        )
+        _require(
+            self.long_prefill_token_threshold >= 0,
+            "long_prefill_token_threshold",
+            f"must be >= 0, got {self.long_prefill_token_threshold}",
+        )
+        _require(
+            self.scheduling_policy in SCHEDULING_POLICIES,
+            "scheduling_policy",
+            f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",
+        )
+        _require(
+            0.0 <= self.safety_margin < 1.0,
+            "safety_margin",
+            f"must be in [0, 1), got {self.safety_margin}",
+        )
+        _require(
+            self.max_num_queued_requests is None or self.max_num_queued_requests >= 0,
+            "max_num_queued_requests",
+            f"must be >= 0, got {self.max_num_queued_requests}",
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments (ours, vLLM's or the seed's names).
+
+        ``scheduling_policy`` also accepts ``prefill-first`` and ``fcfs``.
+        """
+        parts: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+        owner = {f.name: part for part in parts for f in dataclasses.fields(part)}
+        for key, value in kwargs.items():
+            name = ALIASES.get(key, key)
+            if name not in owner:
+                raise ValueError(f"{key}: unknown engine option")
+            if name == "scheduling_policy" and isinstance(value, str):
+                value = normalize_policy(value)
+            parts[owner[name]][name] = value
+        return cls(
+            model=ModelConfig(**parts[ModelConfig]),
+            cache=CacheConfig(**parts[CacheConfig]),
+            scheduler=SchedulerConfig(**parts[SchedulerConfig]),
+        )
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        """All knobs in one flat dict (for records and logs)."""
+        out: dict[str, Any] = {}
+        for part in (self.model, self.cache, self.scheduler):
+            out.update(dataclasses.asdict(part))
+        return out
+
+
+def normalize_policy(value: str) -> str:
+    value = value.replace("-", "_").lower()
+    return {"fcfs": "fifo", "decode_first": "fifo"}.get(value, value)

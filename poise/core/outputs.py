@@ -1,0 +1,109 @@
+"""The scheduler/executor seam: plain dataclasses of ints, lists and params. No tensors.
+
+One engine step is three calls::
+
+    out = scheduler.schedule(now)            # SchedulerOutput
+    result = executor.execute(out)           # ModelRunnerOutput
+    deltas, stats = scheduler.update(out, result, now)
+
+``ScheduledRequest`` carries everything the runner needs to build its flat inputs for one
+request: the tokens to feed, where they start, and the request's whole block table. The runner
+keeps no scheduling state, only caches keyed by request id that it drops when the id appears in
+``finished_request_ids``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from poise.core.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    # Tokens fed this step: all_token_ids[start_position : start_position + len(token_ids)].
+    token_ids: list[int]
+    # num_computed_tokens before this step = position of token_ids[0].
+    start_position: int
+    # The request's whole block table after this step's allocation.
+    block_ids: list[int]
+    # True when this chunk reaches the end of the known tokens, so its last position is sampled.
+    sample: bool
+    sampling_params: SamplingParams
+    # Output tokens generated before this step (index of the token sampled now), for seeding.
+    output_index: int
+    num_prompt_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        """A chunk that covers prompt tokens (or recomputes after preemption)."""
+        return self.start_position + len(self.token_ids) <= self.num_prompt_tokens or (
+            len(self.token_ids) > 1
+        )
+
+
+@dataclass
+class SchedulerOutput:
+    step_id: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Requests that finished/aborted/were preempted since the previous step: the runner drops
+    # any per-request state it keeps for them.
+    finished_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    # request_id -> the token sampled for it this step (only requests with sample=True).
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class RequestDelta:
+    """What changed for one request in one step, for its output stream."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    # The stop token id that ended it, if any.
+    stop_reason: str | int | None = None
+    error_message: str | None = None
+
+
+@dataclass
+class StepStats:
+    step_id: int
+    # When the step was scheduled and when its results were applied (engine clock).
+    start_time: float
+    end_time: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_prefill_requests: int
+    num_decode_requests: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    # Requests that finished in this step (for metrics and the simulator's records).
+    num_finished: int = 0
+    num_prefix_cache_hit_tokens: int = 0
+
+    @property
+    def step_duration(self) -> float:
+        return self.end_time - self.start_time

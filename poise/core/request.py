@@ -1,0 +1,114 @@
+"""A request's state as the scheduler sees it: tokens, progress, status and timestamps.
+
+The vLLM framing: ``num_computed_tokens`` (tokens whose KV is in the cache) catches up with
+``num_tokens`` (prompt + generated). Prefill and decode are not separate phases: a request whose
+``num_computed_tokens == num_tokens - 1`` is decoding; anything further behind is prefilling
+(possibly in chunks, possibly again after a preemption).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from poise.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_REJECTED = "rejected"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI-style finish_reason for finished states."""
+        return self.value if self.finished else None
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_REJECTED,
+    RequestStatus.FINISHED_ERROR,
+}
+
+
+@dataclass
+class RequestTimes:
+    """Timestamps (seconds, on whatever clock the engine was given). None until they happen."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    # One entry per output token, when the step that produced it ended.
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    # Prompt tokens served from the prefix cache at the last admission.
+    num_cached_tokens: int = 0
+    stop_reason: str | int | None = None
+    # Why a request was rejected or failed, for the client.
+    error_message: str | None = None
+    times: RequestTimes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.times = RequestTimes(arrival=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_id_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Upper bound on this request's length: prompt + max_tokens."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens

@@ -1,0 +1,60 @@
+"""Per-request generation parameters (sampling and stopping), separate from scheduling config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from poise.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """What to generate. ``temperature == 0`` means greedy.
+
+    ``top_k <= 0`` disables top-k; ``top_p == 1`` and ``min_p == 0`` disable theirs. A ``seed``
+    makes sampling reproducible whatever else is in the batch (the runner derives each token's
+    random stream from the seed and the token's index).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidRequestError naming the field; ``vocab_size`` checks stop token ids."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise InvalidRequestError(
+                f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens"
+            )
+        if self.temperature < 0:
+            raise InvalidRequestError(
+                f"temperature must be >= 0, got {self.temperature}", "temperature"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < 0 and self.top_k != -1:
+            raise InvalidRequestError(
+                f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}", "top_k"
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty", "stop")
+        if vocab_size is not None:
+            for tid in self.stop_token_ids:
+                if not 0 <= tid < vocab_size:
+                    raise InvalidRequestError(
+                        f"stop_token_ids: {tid} is outside the vocabulary [0, {vocab_size})",
+                        "stop_token_ids",
+                    )

@@ -1,0 +1,29 @@
+"""Errors that cross module boundaries, each mapped to one HTTP status by the server."""
+
+from __future__ import annotations
+
+
+class PoiseError(Exception):
+    """Base class."""
+
+
+class InvalidRequestError(PoiseError, ValueError):
+    """The request can never be served as asked (HTTP 400). ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class OverloadedError(PoiseError):
+    """The engine cannot take this request now (HTTP 429 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class EngineDeadError(PoiseError):
+    """The engine loop failed; requests cannot be served (HTTP 500 / 503)."""
