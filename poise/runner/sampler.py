@@ -1,0 +1,194 @@
+"""Token sampling for one engine step: greedy, temperature, top-k, top-p, min-p, per-request seed.
+
+``sample(logits, params, output_indices)`` turns the logits rows of the requests sampled this
+step into one token id each. Row ``i`` of ``logits`` belongs to ``params[i]``, whose next token
+is its ``output_indices[i]``-th output token.
+
+Invariants and choices:
+- All math is float32, whatever the logits dtype.
+- ``temperature == 0`` (and ``top_k == 1``) is greedy: the argmax of the raw logits. A batch of
+  only greedy rows takes one ``argmax`` and nothing else.
+- Filters apply in this order on the temperature-scaled distribution: top-k, top-p (on the
+  distribution renormalised after top-k), min-p (relative to the most likely token). Each one
+  becomes a per-row *probability threshold*: a token survives iff its probability is at least
+  the largest of the row's thresholds. Thresholds make ties behave the same on every code path
+  (top-k keeps all tokens tied with the k-th one) and vectorise across rows.
+- No full-vocabulary sort: top-k/top-p look at a ``topk`` candidate set that grows only for
+  rows whose top-p mass is not yet covered. The thresholds found do not depend on the
+  candidate count, so a row's result does not depend on its neighbours.
+- Sampling is inverse-CDF: one uniform ``u`` per row, ``searchsorted`` in the row's cumulative
+  probabilities. A token with probability 0 can never be chosen (its CDF step is flat).
+- Seeded requests draw ``u`` from a hash of ``(seed, output_index)``: the same token whatever
+  else is in the batch, in whatever order, and again when the request is recomputed after a
+  preemption. Unseeded rows draw from ``generator`` (torch's default generator when None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from poise.core.sampling_params import SamplingParams
+
+# First candidate count for top-p; it grows by _GROWTH until the row's top-p mass is covered.
+_TOP_P_CANDIDATES = 256
+_GROWTH = 8
+_MASK64 = (1 << 64) - 1
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    output_indices: list[int],
+    *,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """One token id per logits row. ``logits`` is [S, V] in any float dtype."""
+    if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(output_indices):
+        raise ValueError(
+            f"logits {tuple(logits.shape)} must be [S, V] with S == len(params) == "
+            f"len(output_indices) ({len(params)}, {len(output_indices)})"
+        )
+    if not params:
+        return []
+    is_greedy = [p.temperature == 0.0 or p.top_k == 1 for p in params]
+    if all(is_greedy):
+        # Fast path: argmax is exact in any float dtype, no float32 copy needed.
+        return [int(t) for t in logits.argmax(dim=-1).tolist()]
+
+    out = [0] * len(params)
+    greedy_rows = [i for i, g in enumerate(is_greedy) if g]
+    if greedy_rows:
+        picked = logits[torch.tensor(greedy_rows)].argmax(dim=-1).tolist()
+        for row, tok in zip(greedy_rows, picked, strict=True):
+            out[row] = int(tok)
+
+    rows = [i for i, g in enumerate(is_greedy) if not g]
+    sub_params = [params[i] for i in rows]
+    sub = logits[torch.tensor(rows)].to(torch.float32)  # [R, V], a copy we may modify
+    probs = _filtered_probs(sub, sub_params)
+    uniforms = _uniforms(sub_params, [output_indices[i] for i in rows], generator)
+    for row, tok in zip(rows, _inverse_cdf(probs, uniforms), strict=True):
+        out[row] = tok
+    return out
+
+
+def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k / top-p / min-p as one threshold per row; zeroes filtered tokens.
+
+    ``logits`` [R, V] float32 is scaled in place. Returns unnormalised probabilities [R, V].
+    """
+    n_rows, vocab = logits.shape
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    logits.div_(temps.unsqueeze(1))
+    probs = torch.softmax(logits, dim=-1)  # [R, V]
+
+    # top_k <= 0 (or >= V) disables it; k == V keeps everything anyway.
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    use_p = [p.top_p < 1.0 for p in params]
+    thresholds = torch.zeros(n_rows, dtype=torch.float32)
+
+    if any(ks) or any(use_p):
+        thresholds = torch.maximum(thresholds, _topk_topp_threshold(probs, params, ks, use_p))
+    min_ps = [p.min_p for p in params]
+    if any(m > 0.0 for m in min_ps):
+        max_prob = probs.amax(dim=-1)  # [R]
+        thresholds = torch.maximum(thresholds, torch.tensor(min_ps) * max_prob)
+    if any(ks) or any(use_p) or any(m > 0.0 for m in min_ps):
+        # The row's most likely token always survives: every threshold is <= its probability.
+        probs.masked_fill_(probs < thresholds.unsqueeze(1), 0.0)
+    return probs
+
+
+def _topk_topp_threshold(
+    probs: torch.Tensor, params: Sequence[SamplingParams], ks: list[int], use_p: list[bool]
+) -> torch.Tensor:
+    """Per-row probability threshold implementing top-k then top-p, from topk candidates only."""
+    n_rows, vocab = probs.shape
+    thresholds = torch.zeros(n_rows, dtype=torch.float32)
+    todo = [i for i in range(n_rows) if ks[i] or use_p[i]]
+    count = max([ks[i] for i in todo] + [_TOP_P_CANDIDATES if any(use_p) else 0])
+    while todo:
+        count = min(count, vocab)
+        idx = torch.tensor(todo)
+        values = probs[idx].topk(count, dim=-1, sorted=True).values  # [T, count], descending
+        still: list[int] = []
+        for j, row in enumerate(todo):
+            thr, covered = _row_threshold(
+                values[j], ks[row], params[row].top_p if use_p[row] else 1.0, count == vocab
+            )
+            if covered:
+                thresholds[row] = thr
+            else:
+                still.append(row)
+        todo = still
+        count *= _GROWTH
+    return thresholds
+
+
+def _row_threshold(
+    values: torch.Tensor, k: int, top_p: float, complete: bool
+) -> tuple[float, bool]:
+    """Threshold for one row from its descending candidate probabilities ``values``.
+
+    Returns (threshold, covered); covered is False when more candidates are needed to find the
+    top-p cutoff. The top-k candidates always fit (count >= k).
+    """
+    thr_k = float(values[k - 1]) if k else 0.0
+    if top_p >= 1.0:
+        return thr_k, True
+    kept = values[: k or len(values)]
+    # Mass of the top-k-renormalised distribution: the kept values' sum when top-k is on, else
+    # the whole row's (softmax) mass, which is 1 up to rounding.
+    total = float(kept.sum()) if k else 1.0
+    exclusive = torch.cumsum(kept, dim=0) - kept  # mass strictly before each candidate
+    inside = exclusive < top_p * total
+    n_inside = int(inside.sum())
+    if n_inside == len(kept) and not k and not complete:
+        return 0.0, False  # the cutoff may lie beyond the candidates
+    # Sorted descending: the smallest kept value is the last one inside the nucleus.
+    return max(thr_k, float(kept[n_inside - 1])), True
+
+
+def _uniforms(
+    params: Sequence[SamplingParams], output_indices: Sequence[int], gen: torch.Generator | None
+) -> list[float]:
+    """One uniform in [0, 1) per row: hashed from (seed, index) when seeded, else from ``gen``."""
+    unseeded = [i for i, p in enumerate(params) if p.seed is None]
+    drawn = torch.rand(len(unseeded), dtype=torch.float64, generator=gen).tolist()
+    by_row = dict(zip(unseeded, drawn, strict=True))
+    return [
+        by_row[i] if p.seed is None else seeded_uniform(p.seed, output_indices[i])
+        for i, p in enumerate(params)
+    ]
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
+    """Sample each row of unnormalised ``probs`` [R, V] at its uniform."""
+    cdf = torch.cumsum(probs, dim=-1)  # [R, V], non-decreasing
+    total = cdf[:, -1:]  # [R, 1]
+    target = torch.tensor(uniforms, dtype=torch.float32).unsqueeze(1) * total
+    # u < 1, but u * total can round up to total; keep the target strictly below it so the
+    # search lands on a token with non-zero probability.
+    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
+    # right=True: the first index whose CDF is > target, so flat (zero-prob) steps are skipped.
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return [int(t) for t in picked.clamp_(max=probs.shape[1] - 1).tolist()]
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, output_index: int) -> float:
+    """The uniform in [0, 1) that a request with ``seed`` uses for its ``output_index``-th token.
+
+    A pure function of its arguments (no generator state), so batch composition, order and
+    recompute after preemption cannot change it.
+    """
+    h = _splitmix64(_splitmix64(seed & _MASK64) ^ (output_index & _MASK64))
+    return (h >> 11) * (1.0 / (1 << 53))
