@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from poise.core.request import RequestTimes
 from poise.core.sampling_params import SamplingParams
 
 
@@ -50,6 +51,8 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     step_id: int
+    # The engine clock when the step was scheduled (start of the step).
+    schedule_time: float = 0.0
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     # Requests that finished/aborted/were preempted since the previous step: the runner drops
     # any per-request state it keeps for them.
@@ -84,6 +87,11 @@ class RequestDelta:
     # The stop token id that ended it, if any.
     stop_reason: str | int | None = None
     error_message: str | None = None
+    # Set on the finishing delta only: what metrics and responses need about the request.
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    times: RequestTimes | None = None
 
 
 @dataclass

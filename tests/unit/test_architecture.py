@@ -53,7 +53,9 @@ def test_import_direction(sub: str) -> None:
             assert parts[1] in ALLOWED[sub], f"{path} imports {module}"
 
 
-@pytest.mark.parametrize("module", ["poise.core", "poise.kv", "poise.sched", "poise.engine", "poise.sim"])
+@pytest.mark.parametrize(
+    "module", ["poise.core", "poise.kv", "poise.sched", "poise.engine", "poise.sim"]
+)
 def test_no_torch_in_subprocess(module: str) -> None:
     code = f"import sys, {module}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -7,7 +7,9 @@ from poise.config import EngineConfig, SchedulerConfig
 
 def test_aliases_map_to_vllm_names() -> None:
     cfg = EngineConfig.from_kwargs(
-        max_requests_per_batch=16, max_batch_tokens=4096, max_memory_percent=0.85,
+        max_requests_per_batch=16,
+        max_batch_tokens=4096,
+        max_memory_percent=0.85,
         scheduling_policy="prefill-first",
     )
     assert cfg.scheduler.max_num_seqs == 16

@@ -1,0 +1,139 @@
+"""EngineCore: validation, admission and the three-call step around one Scheduler.
+
+One step::
+
+    out = scheduler.schedule(clock.now())
+    result = executor.execute(out)
+    deltas, stats = scheduler.update(out, result, clock.now())
+
+No torch and no wall clock here: the executor and the clock are injected, so the simulator runs
+exactly this code with a SimExecutor and a VirtualClock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from poise.config import EngineConfig
+from poise.core.outputs import ModelRunnerOutput, RequestDelta, StepStats
+from poise.core.request import Request, RequestStatus
+from poise.core.sampling_params import SamplingParams
+from poise.engine.clock import Clock, MonotonicClock
+from poise.engine.executor import Executor
+from poise.errors import InvalidRequestError, OverloadedError
+from poise.kv.manager import KVCacheManager
+from poise.sched.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        *,
+        num_kv_blocks: int,
+        max_model_len: int,
+        vocab_size: int | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+        clock: Clock | None = None,
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.clock: Clock = clock or MonotonicClock()
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.kv = KVCacheManager(
+            num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len)
+        self.max_model_len = self.scheduler.max_len
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
+        """Raise InvalidRequestError if this request can never be served."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty", "prompt")
+        sampling_params.validate(self.vocab_size)
+        if self.vocab_size is not None:
+            bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                    "prompt",
+                )
+        reason = self.scheduler.rejection_reason(len(prompt_token_ids))
+        if reason is not None:
+            raise InvalidRequestError(reason, "prompt")
+
+    def check_capacity(self) -> None:
+        """Raise OverloadedError when the waiting queue is at its bound."""
+        limit = self.config.scheduler.max_num_queued_requests
+        if limit is not None and self.scheduler.num_waiting >= limit:
+            raise OverloadedError(
+                f"waiting queue is full ({self.scheduler.num_waiting} requests, "
+                f"max_num_queued_requests={limit}); retry later"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> Request:
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "id")
+        self.validate(prompt_token_ids, sampling_params)
+        self.check_capacity()
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=sampling_params,
+            arrival_time=self.clock.now() if arrival_time is None else arrival_time,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, request_ids: Iterable[str]) -> list[RequestDelta]:
+        return self.scheduler.finish_requests(
+            request_ids, RequestStatus.FINISHED_ABORTED, self.clock.now()
+        )
+
+    def finish(self, request_id: str) -> RequestDelta | None:
+        """Finish a request because a stop string matched (finish_reason "stop")."""
+        deltas = self.scheduler.finish_requests(
+            [request_id], RequestStatus.FINISHED_STOPPED, self.clock.now()
+        )
+        return deltas[0] if deltas else None
+
+    def fail(self, request_ids: Iterable[str], message: str) -> list[RequestDelta]:
+        """Finish requests with an error (e.g. the step that ran them raised)."""
+        for rid in request_ids:
+            request = self.scheduler.requests.get(rid)
+            if request is not None:
+                request.error_message = message
+        return self.scheduler.finish_requests(
+            request_ids, RequestStatus.FINISHED_ERROR, self.clock.now()
+        )
+
+    # -- stepping -----------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.scheduler.requests.get(request_id)
+
+    def step(self) -> tuple[list[RequestDelta], StepStats | None]:
+        """Run one engine step. Returns (deltas, None) when there was nothing to compute."""
+        output = self.scheduler.schedule(self.clock.now())
+        if output.is_empty:
+            deltas, _ = self.scheduler.update(output, ModelRunnerOutput(), self.clock.now())
+            return deltas, None
+        result = self.executor.execute(output)
+        return self.scheduler.update(output, result, self.clock.now())

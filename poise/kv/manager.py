@@ -1,0 +1,140 @@
+"""Per-request block tables on top of the block pool, and prefix caching.
+
+A request's block table covers its first ``num_computed_tokens + num_new_tokens`` tokens::
+
+    tokens:  [0 .. 15][16 .. 31][32 .. 40      ]      block_size = 16
+    blocks:  [   7   ][   2    ][   9 (partial)]      block table = [7, 2, 9]
+    slot of token t = block_table[t // block_size] * block_size + t % block_size
+
+With prefix caching on, every *full* block of a request is registered under a key chained
+from its parent's, so a later request whose prompt starts with the same tokens takes those
+blocks (reference-counted) instead of recomputing them. At least the last prompt token is
+always recomputed, so the runner has a position to sample from.
+"""
+
+from __future__ import annotations
+
+from poise.core.request import Request
+from poise.kv.block_pool import BlockKey, BlockPool
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._tables: dict[str, list[int]] = {}
+        # Per request: prefix keys of its full blocks so far (index i = block i).
+        self._keys: dict[str, list[BlockKey]] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by requests (free-but-cached blocks count as free)."""
+        return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return self._tables.get(request_id, [])
+
+    # -- prefix caching -------------------------------------------------------------------
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks holding the longest cached prefix of the request's tokens (not yet taken).
+
+        Stops one token short of the end, so at least one token is left to compute.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        blocks: list[int] = []
+        parent: int | None = None
+        for i in range(max_blocks):
+            key = (parent, tuple(request.token_ids_slice(i * bs, (i + 1) * bs)))
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            blocks.append(block)
+            parent = hash(key)
+        return blocks
+
+    def _register_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        table = self._tables[request.request_id]
+        keys = self._keys.setdefault(request.request_id, [])
+        bs = self.block_size
+        for i in range(len(keys), num_computed_tokens // bs):
+            parent = hash(keys[-1]) if keys else None
+            key = (parent, tuple(request.token_ids_slice(i * bs, (i + 1) * bs)))
+            keys.append(key)
+            self.pool.cache(table[i], key)
+
+    # -- allocation -----------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        cached_blocks: list[int] | None = None,
+        reserve_blocks: int = 0,
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens; return the new block ids, or None.
+
+        ``cached_blocks`` (from ``find_cached_prefix``, on admission) are taken before any new
+        block. ``reserve_blocks`` must stay free afterwards (the admission safety margin).
+        None means nothing changed.
+        """
+        rid = request.request_id
+        table = self._tables.get(rid, [])
+        cached = cached_blocks or []
+        num_cached_tokens = len(cached) * self.block_size
+        total_tokens = max(request.num_computed_tokens, num_cached_tokens) + num_new_tokens
+        need = self.blocks_for(total_tokens) - len(table) - len(cached)
+        # Cached blocks sitting in the free queue stop being free when taken.
+        revived = sum(1 for b in cached if self.pool.ref_counts[b] == 0)
+        if need + revived + reserve_blocks > self.pool.num_free_blocks:
+            return None
+        if cached:
+            self.pool.touch(cached)
+        new_blocks = self.pool.allocate(max(need, 0))
+        self._tables[rid] = table + cached + new_blocks
+        return new_blocks
+
+    def commit_computed(self, request: Request) -> None:
+        """Called after a step advanced num_computed_tokens: cache newly full blocks."""
+        if self.enable_prefix_caching and request.request_id in self._tables:
+            self._register_full_blocks(request, request.num_computed_tokens)
+
+    def free(self, request: Request) -> None:
+        table = self._tables.pop(request.request_id, None)
+        self._keys.pop(request.request_id, None)
+        if table:
+            # Tail first: the end of a sequence is the least likely to be shared.
+            self.pool.free(table[::-1])
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+        for keys in self._keys.values():
+            keys.clear()
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        refs = [0] * self.pool.num_blocks
+        for rid, table in self._tables.items():
+            assert len(set(table)) == len(table), f"{rid} holds a block twice"
+            for block in table:
+                refs[block] += 1
+        assert refs == self.pool.ref_counts, "ref counts differ from block tables"

@@ -1,0 +1,311 @@
+"""The continuous-batching scheduler: who runs in the next forward, with how many tokens.
+
+Pure Python, no torch, no clock: ``now`` is passed in, so the same code drives the real runner
+and the simulator. Each step distributes ``max_num_batched_tokens`` in the vLLM framing: every
+request has ``num_computed_tokens`` catching up with ``num_tokens``; a decode is a request one
+token behind, a prefill (possibly a chunk of it) is one further behind.
+
+Step order by policy (see ``policies.py``):
+- fifo (decode-first): running requests in admission order (decodes and unfinished chunked
+  prefills alike), then waiting requests in arrival order.
+- prefill_first: unfinished chunked prefills, then waiting requests, then decodes.
+
+Admission of a waiting request needs a free ``max_num_seqs`` slot, token budget, and KV blocks
+that leave ``safety_margin`` of the pool free (ignored when nothing runs, so a big prompt cannot
+block the queue forever). When a running request cannot get a block, the most recently
+admitted running request not yet scheduled in this step is preempted (recompute: its blocks are
+freed, it goes back to the front of the queue); if there is none, the request preempts itself.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from poise.config import SchedulerConfig
+from poise.core.outputs import (
+    ModelRunnerOutput,
+    RequestDelta,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepStats,
+)
+from poise.core.request import Request, RequestStatus
+from poise.kv.manager import KVCacheManager
+from poise.sched.policies import StepPlan, order_running
+from poise.sched.stopping import check_stop
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        # A request may grow to this many tokens: the model's limit, and the whole pool (so a
+        # request alone in the engine can always get its next block).
+        self.max_len = min(max_model_len, kv.capacity_tokens)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions_total = 0
+        self._step_id = 0
+        self._finished_ids: list[str] = []
+        self._pending_deltas: list[RequestDelta] = []
+        self._reserve_blocks = int(config.safety_margin * kv.num_blocks)
+        self._step_start = 0.0
+
+    # -- queries ----------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv.usage
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self._pending_deltas)
+
+    def rejection_reason(self, num_prompt_tokens: int) -> str | None:
+        """Why a prompt of this length can never be served here, or None."""
+        if num_prompt_tokens >= self.kv.capacity_tokens:
+            return (
+                f"prompt has {num_prompt_tokens} tokens, more than the whole KV cache holds "
+                f"({self.kv.num_blocks} blocks x {self.kv.block_size} = "
+                f"{self.kv.capacity_tokens} tokens, one needed for the first output token)"
+            )
+        if num_prompt_tokens >= self.max_len:
+            return (
+                f"prompt has {num_prompt_tokens} tokens; max_model_len is {self.max_len}, "
+                f"which leaves room for at most {self.max_len - 1} prompt tokens"
+            )
+        if not self.config.enable_chunked_prefill and (
+            num_prompt_tokens > self.config.max_num_batched_tokens
+        ):
+            return (
+                f"prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens "
+                f"{self.config.max_num_batched_tokens}, and chunked prefill is disabled"
+            )
+        return None
+
+    # -- request lifecycle ------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; one that can never fit finishes as rejected on the next update."""
+        reason = self.rejection_reason(request.num_prompt_tokens)
+        self.requests[request.request_id] = request
+        if reason is not None:
+            request.error_message = reason
+            self._finish(request, RequestStatus.FINISHED_REJECTED, request.arrival_time)
+            return
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus, now: float
+    ) -> list[RequestDelta]:
+        """Abort (or stop) requests now: their blocks are free when this returns."""
+        deltas = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            self._finish(request, status, now)
+            deltas.append(self._pending_deltas.pop())
+        return deltas
+
+    def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
+        request.status = status
+        request.times.finished = now
+        self.kv.free(request)
+        self._finished_ids.append(request.request_id)
+        del self.requests[request.request_id]
+        self._pending_deltas.append(
+            RequestDelta(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finished=True,
+                finish_reason=status.finish_reason,
+                stop_reason=request.stop_reason,
+                error_message=request.error_message,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=request.num_cached_tokens,
+                num_preemptions=request.num_preemptions,
+                times=request.times,
+            )
+        )
+
+    # -- scheduling -------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        self._step_id += 1
+        plan = StepPlan(budget=self.config.max_num_batched_tokens)
+        self._step_start = now
+        if self.config.scheduling_policy == "prefill_first":
+            partial, decodes = order_running(self.running)
+            self._schedule_running(plan, partial)
+            self._schedule_waiting(plan, now)
+            self._schedule_running(plan, decodes)
+        else:
+            self._schedule_running(plan, list(self.running))
+            self._schedule_waiting(plan, now)
+        return self._build_output(plan)
+
+    def _chunk_size(self, request: Request, plan: StepPlan) -> int:
+        """Tokens this request may take now under the budget and the long-prefill cap."""
+        remaining = request.num_tokens - request.num_computed_tokens
+        n = min(remaining, plan.budget)
+        threshold = self.config.long_prefill_token_threshold
+        alone = len(self.running) + len(self.waiting) <= 1
+        if threshold > 0 and remaining > 1 and not alone:
+            n = min(n, threshold)
+        return n
+
+    def _schedule_running(self, plan: StepPlan, candidates: list[Request]) -> None:
+        for request in candidates:
+            if plan.budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = self._chunk_size(request, plan)
+            if n <= 0:
+                continue
+            while self.kv.allocate_slots(request, n) is None:
+                victim = self._pick_victim(plan, request)
+                self._preempt(victim, plan)
+                if victim is request:
+                    break
+            else:
+                plan.add(request, n)
+
+    def _pick_victim(self, plan: StepPlan, current: Request) -> Request:
+        for candidate in reversed(self.running):
+            if candidate is not current and not plan.contains(candidate):
+                return candidate
+        return current
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+        self._finished_ids.append(request.request_id)  # the runner may drop its state
+        plan.preempted_ids.append(request.request_id)
+
+    def _schedule_waiting(self, plan: StepPlan, now: float) -> None:
+        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            num_cached_tokens = len(cached) * self.kv.block_size
+            remaining = request.num_tokens - num_cached_tokens
+            n = min(remaining, plan.budget)
+            threshold = self.config.long_prefill_token_threshold
+            if threshold > 0 and remaining > 1 and (self.running or len(self.waiting) > 1):
+                n = min(n, threshold)
+            # Without chunked prefill a prompt goes in whole; recomputes after preemption may
+            # still be chunked, or a preempted request longer than the budget could never return.
+            if (
+                n < remaining
+                and not self.config.enable_chunked_prefill
+                and not request.num_preemptions
+            ):
+                break
+            reserve = self._reserve_blocks if self.running else 0
+            if self.kv.allocate_slots(request, n, cached, reserve_blocks=reserve) is None:
+                break  # head-of-line: keep arrival order, wait for blocks
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached_tokens
+            request.num_cached_tokens = num_cached_tokens
+            request.status = RequestStatus.RUNNING
+            if request.times.first_scheduled is None:
+                request.times.first_scheduled = now
+            self.running.append(request)
+            plan.add(request, n)
+
+    def _build_output(self, plan: StepPlan) -> SchedulerOutput:
+        out = SchedulerOutput(step_id=self._step_id, schedule_time=self._step_start)
+        if plan.items:
+            # An empty step never reaches the executor: keep the ids for the next real one.
+            out.finished_request_ids, self._finished_ids = self._finished_ids, []
+        for request, n in plan.items:
+            start = request.num_computed_tokens
+            sample = start + n == request.num_tokens
+            out.scheduled.append(
+                ScheduledRequest(
+                    request_id=request.request_id,
+                    token_ids=request.token_ids_slice(start, start + n),
+                    start_position=start,
+                    block_ids=list(self.kv.get_block_ids(request.request_id)),
+                    sample=sample,
+                    sampling_params=request.sampling_params,
+                    output_index=request.num_output_tokens,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                )
+            )
+            if sample and n == 1 and request.num_output_tokens > 0:
+                out.num_decode_tokens += 1
+            else:
+                out.num_prefill_tokens += n
+        out.preempted_request_ids = plan.preempted_ids
+        return out
+
+    # -- applying results ---------------------------------------------------------------------
+
+    def update(
+        self, output: SchedulerOutput, result: ModelRunnerOutput, now: float
+    ) -> tuple[list[RequestDelta], StepStats]:
+        deltas = self._pending_deltas
+        self._pending_deltas = []
+        num_prefill_reqs = num_decode_reqs = 0
+        for sched in output.scheduled:
+            request = self.requests.get(sched.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += sched.num_tokens
+            self.kv.commit_computed(request)
+            if sched.num_tokens == 1 and request.num_output_tokens > 0:
+                num_decode_reqs += 1
+            else:
+                num_prefill_reqs += 1
+            if not sched.sample:
+                continue
+            token = result.sampled_token_ids[sched.request_id]
+            request.output_token_ids.append(token)
+            if request.times.first_token is None:
+                request.times.first_token = now
+            request.times.token_times.append(now)
+            status = check_stop(request, token, self.max_len)
+            if status is None:
+                deltas.append(RequestDelta(sched.request_id, [token]))
+                continue
+            self.running.remove(request)
+            self._finish(request, status, now)
+            finished = self._pending_deltas.pop()
+            finished.new_token_ids = [token]
+            deltas.append(finished)
+        stats = StepStats(
+            step_id=output.step_id,
+            start_time=output.schedule_time,
+            end_time=now,
+            num_prefill_tokens=output.num_prefill_tokens,
+            num_decode_tokens=output.num_decode_tokens,
+            num_prefill_requests=num_prefill_reqs,
+            num_decode_requests=num_decode_reqs,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_preemptions=len(output.preempted_request_ids),
+            num_finished=sum(1 for d in deltas if d.finished),
+        )
+        return deltas, stats

@@ -1,0 +1,44 @@
+"""A deterministic stand-in for the model, for scheduler tests.
+
+Like a KV cache, it writes each fed token into the slot its block table names, and reads a
+request's earlier context back through its block table (so prefix-cache hits and block tables
+are exercised for real). It "samples" a token that is a pure function of the whole context:
+outputs are identical across any correct schedule, and a wrong token, position or block at any
+point changes them.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from poise.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class FakeExecutor:
+    def __init__(self, vocab_size: int = 1000, block_size: int = 4) -> None:
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.slots: dict[int, int] = {}  # slot -> token id written there
+        self.steps: list[SchedulerOutput] = []
+
+    def next_token(self, context: list[int]) -> int:
+        return zlib.crc32(repr(context).encode()) % self.vocab_size
+
+    def _slot(self, block_ids: list[int], position: int) -> int:
+        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.steps.append(scheduler_output)
+        sampled = {}
+        for sched in scheduler_output.scheduled:
+            end = sched.start_position + sched.num_tokens
+            assert len(sched.block_ids) * self.block_size >= end, "block table too short"
+            context = [
+                self.slots[self._slot(sched.block_ids, p)] for p in range(sched.start_position)
+            ]
+            for offset, token in enumerate(sched.token_ids):
+                self.slots[self._slot(sched.block_ids, sched.start_position + offset)] = token
+            context += sched.token_ids
+            if sched.sample:
+                sampled[sched.request_id] = self.next_token(context)
+        return ModelRunnerOutput(sampled_token_ids=sampled)
