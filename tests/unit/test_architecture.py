@@ -16,7 +16,7 @@ ALLOWED: dict[str, set[str]] = {
     "core": {"core", "config", "errors", "utils"},
     "kv": {"kv", "core", "config", "errors", "utils"},
     "sched": {"sched", "kv", "core", "config", "errors", "utils"},
-    "engine": {"engine", "sched", "kv", "core", "config", "errors", "utils", "runner"},
+    "engine": {"engine", "sched", "kv", "core", "config", "errors", "utils", "runner", "text"},
     "sim": {"sim", "engine", "sched", "kv", "core", "config", "errors", "utils", "workload"},
     "bench": {"bench", "workload", "utils", "core"},
 }
