@@ -1,0 +1,202 @@
+"""Step-cost models: how long one engine step (one forward over a ``SchedulerOutput``) takes.
+
+A cost model sees a ``StepShape`` (the few numbers of a batch that time depends on) and returns
+seconds. It also sizes what the real runner would size: the KV pool in blocks and the longest
+sequence, so the simulated scheduler runs under the same limits as the real one.
+
+Models here:
+- ``FixedCostModel``: a constant per step plus optional per-token terms (tests, parity).
+- ``LinearCostModel``: ``t = sum(coef[f] * feature[f])`` over ``FEATURES``; what
+  ``poise profile`` fits from measurements on this machine (see ``poise.sim.fit``).
+- ``RooflineCostModel`` (``poise.sim.roofline``): named accelerators, any model shape.
+
+Invariants: ``step_time`` is a pure function of the shape (deterministic, >= 0); cost models are
+immutable after construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from poise.config import EngineConfig
+from poise.core.outputs import SchedulerOutput
+
+GIB = 1 << 30
+# The runner's KV byte budget on CPU when none is given (see CacheConfig.kv_cache_memory_bytes).
+DEFAULT_CPU_KV_BYTES = GIB
+
+# Linear step-time features, in the order of the fitted coefficients.
+FEATURES: tuple[str, ...] = (
+    "const",  # fixed per-step cost: Python, input building, kernel launches
+    "tokens",  # every scheduled token goes through all dense layers
+    "seqs",  # per scheduled request: block tables, metadata, per-sequence attention calls
+    "sampled",  # LM head + sampler per sampled position
+    "prefill_attn",  # (query, key) pairs of multi-token chunks: causal attention work
+    "decode_ctx",  # KV tokens read by single-token (decode) steps
+)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the time of one step depends on, computed from a ``SchedulerOutput``."""
+
+    num_tokens: int = 0
+    num_seqs: int = 0
+    num_sampled: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_seqs: int = 0
+    # Sum over multi-token chunks of n*start + n*(n+1)/2: query/key pairs under a causal mask.
+    prefill_attn_pairs: int = 0
+    # Sum over single-token requests of the context each one attends to (start + 1).
+    decode_ctx_tokens: int = 0
+    # Sum over all requests of start + n: KV tokens resident for the batch after the step.
+    kv_tokens: int = 0
+
+    @classmethod
+    def from_output(cls, out: SchedulerOutput) -> StepShape:
+        tokens = seqs = sampled = pf_tokens = dec_seqs = pairs = dec_ctx = kv = 0
+        for sr in out.scheduled:
+            n = len(sr.token_ids)
+            start = sr.start_position
+            tokens += n
+            seqs += 1
+            kv += start + n
+            if sr.sample:
+                sampled += 1
+            if n == 1:
+                dec_seqs += 1
+                dec_ctx += start + 1
+            else:
+                pf_tokens += n
+                pairs += n * start + n * (n + 1) // 2
+        return cls(tokens, seqs, sampled, pf_tokens, dec_seqs, pairs, dec_ctx, kv)
+
+    def features(self) -> tuple[float, ...]:
+        """Values in ``FEATURES`` order."""
+        return (
+            1.0,
+            float(self.num_tokens),
+            float(self.num_seqs),
+            float(self.num_sampled),
+            float(self.prefill_attn_pairs),
+            float(self.decode_ctx_tokens),
+        )
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "num_tokens": self.num_tokens,
+            "num_seqs": self.num_seqs,
+            "num_sampled": self.num_sampled,
+            "num_prefill_tokens": self.num_prefill_tokens,
+            "num_decode_seqs": self.num_decode_seqs,
+            "prefill_attn_pairs": self.prefill_attn_pairs,
+            "decode_ctx_tokens": self.decode_ctx_tokens,
+            "kv_tokens": self.kv_tokens,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StepShape:
+        return cls(**{k: int(d.get(k, 0)) for k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Base: step time plus what the runner would size. Subclasses override ``step_time``.
+
+    ``request_overhead_s`` is time a request spends before the engine sees it (HTTP parsing,
+    chat template, tokenization in the server); the simulator delays each arrival into the
+    engine by it while still measuring TTFT from the client's send time.
+    ``step_overhead_s`` is added to every step (engine-loop work around the forward that a
+    runner-only profile does not see: scheduling, streaming, detokenization).
+    """
+
+    name: str = "cost-model"
+    vocab_size: int = 32000
+    model_max_len: int = 8192
+    eos_token_ids: tuple[int, ...] = ()
+    kv_bytes_per_token: int = 0
+    request_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+    provenance: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def step_time(self, shape: StepShape) -> float:
+        raise NotImplementedError
+
+    def time_for(self, out: SchedulerOutput) -> float:
+        return self.step_time(StepShape.from_output(out)) + self.step_overhead_s
+
+    def kv_budget_bytes(self, config: EngineConfig) -> int:
+        """Bytes the KV pool may take (the runner's rule on CPU: an explicit budget or 1 GiB)."""
+        return config.cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+
+    def num_kv_blocks(self, config: EngineConfig) -> int:
+        if config.cache.num_kv_blocks is not None:
+            return config.cache.num_kv_blocks
+        if self.kv_bytes_per_token <= 0:
+            raise ValueError(
+                "num_kv_blocks: this cost model does not know the KV bytes per token; set it"
+            )
+        per_block = config.cache.block_size * self.kv_bytes_per_token
+        return max(0, self.kv_budget_bytes(config) // per_block)
+
+    def max_model_len(self, config: EngineConfig) -> int:
+        """The configured limit clamped to the model's context (never raised above it)."""
+        limit = config.model.max_model_len
+        return self.model_max_len if limit is None else min(limit, self.model_max_len)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": type(self).__name__,
+            "name": self.name,
+            "request_overhead_s": self.request_overhead_s,
+            "step_overhead_s": self.step_overhead_s,
+            "provenance": self.provenance,
+        }
+
+
+@dataclass(frozen=True)
+class FixedCostModel(CostModel):
+    """``step_s`` per step, plus ``per_token_s`` per scheduled token and ``per_seq_s`` per
+    scheduled request. With both per-item terms 0 every step costs the same."""
+
+    name: str = "fixed"
+    step_s: float = 0.01
+    per_token_s: float = 0.0
+    per_seq_s: float = 0.0
+    kv_bytes_per_token: int = 1024
+
+    def step_time(self, shape: StepShape) -> float:
+        return self.step_s + self.per_token_s * shape.num_tokens + self.per_seq_s * shape.num_seqs
+
+
+@dataclass(frozen=True)
+class LinearCostModel(CostModel):
+    """``t = sum(coefficients[f] * feature[f])`` over ``FEATURES`` (missing ones count 0)."""
+
+    name: str = "linear"
+    coefficients: dict[str, float] = field(default_factory=dict)
+    # The profiled machine's KV byte budget when the config gives none (CPU runner: 1 GiB).
+    default_kv_budget_bytes: int = DEFAULT_CPU_KV_BYTES
+
+    def __post_init__(self) -> None:
+        unknown = set(self.coefficients) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"coefficients: unknown features {sorted(unknown)}")
+        # A tuple in FEATURES order makes step_time a dot product.
+        object.__setattr__(
+            self, "_coef", tuple(float(self.coefficients.get(f, 0.0)) for f in FEATURES)
+        )
+
+    def step_time(self, shape: StepShape) -> float:
+        coef: tuple[float, ...] = self._coef  # type: ignore[attr-defined]
+        t = sum(c * x for c, x in zip(coef, shape.features(), strict=True))
+        return max(t, 0.0)
+
+    def kv_budget_bytes(self, config: EngineConfig) -> int:
+        return config.cache.kv_cache_memory_bytes or self.default_kv_budget_bytes
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        d["coefficients"] = dict(self.coefficients)
+        return d

@@ -1,0 +1,207 @@
+"""Fitting a linear step-cost model to measured step times, and the profile file.
+
+The fit is ordinary (optionally relative-error weighted) least squares over ``FEATURES`` by the
+normal equations, solved with Gaussian elimination and partial pivoting in plain Python. Columns
+are scaled to unit RMS first (features span 1 .. 1e7, which would wreck the conditioning), and
+a coefficient that comes out negative is pinned to 0 and the rest refitted (a small active-set
+non-negative least squares): a step can never get cheaper by adding work, and extrapolating a
+negative slope would predict negative times.
+
+Profile file (JSON): ``kind``, ``version``, the model facts the simulator needs (vocab size,
+context length, KV bytes per token, EOS ids, KV byte budget), ``coefficients``, fit quality and
+``provenance`` (host, CPU, threads, torch version, dtype, grid, date), and the raw ``samples``
+so it can be refitted without measuring again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from poise.sim.cost import DEFAULT_CPU_KV_BYTES, FEATURES, LinearCostModel, StepShape
+
+PROFILE_KIND = "poise-step-profile"
+PROFILE_VERSION = 1
+
+
+def solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Solve the square system ``a x = b`` (Gaussian elimination, partial pivoting)."""
+    n = len(a)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-12:
+            raise ValueError("fit: singular system (a feature never varies in the samples)")
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            if f:
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
+
+
+def least_squares(
+    rows: Sequence[Sequence[float]], y: Sequence[float], weights: Sequence[float] | None = None
+) -> list[float]:
+    """Minimise sum(w_i * (rows_i . x - y_i)^2) by the normal equations on RMS-scaled columns."""
+    k = len(rows[0])
+    w = list(weights) if weights is not None else [1.0] * len(rows)
+    scale = [math.sqrt(sum(r[j] ** 2 for r in rows) / len(rows)) or 1.0 for j in range(k)]
+    xs = [[r[j] / scale[j] for j in range(k)] for r in rows]
+    ata = [
+        [sum(wi * r[i] * r[j] for wi, r in zip(w, xs, strict=True)) for j in range(k)]
+        for i in range(k)
+    ]
+    aty = [sum(wi * r[i] * yi for wi, r, yi in zip(w, xs, y, strict=True)) for i in range(k)]
+    # A whisker of ridge keeps a feature that is constant-zero in the grid from making it singular.
+    for i in range(k):
+        ata[i][i] += 1e-12 * (ata[i][i] or 1.0)
+    return [c / s for c, s in zip(solve(ata, aty), scale, strict=True)]
+
+
+def nonneg_least_squares(
+    rows: Sequence[Sequence[float]], y: Sequence[float], weights: Sequence[float] | None = None
+) -> list[float]:
+    """Least squares with coefficients >= 0: drop the most negative one, refit, repeat."""
+    k = len(rows[0])
+    active = list(range(k))
+    while True:
+        sub = [[r[j] for j in active] for r in rows]
+        coef = least_squares(sub, y, weights)
+        worst = min(range(len(active)), key=lambda i: coef[i])
+        if coef[worst] >= 0 or len(active) == 1:
+            out = [0.0] * k
+            for j, c in zip(active, coef, strict=True):
+                out[j] = max(c, 0.0)
+            return out
+        del active[worst]
+
+
+@dataclass(frozen=True)
+class FitQuality:
+    n: int
+    rmse_s: float
+    mape: float  # mean |error| / measured
+    max_rel_error: float
+    r2: float
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "n": self.n,
+            "rmse_s": self.rmse_s,
+            "mape": self.mape,
+            "max_rel_error": self.max_rel_error,
+            "r2": self.r2,
+        }
+
+
+def fit_step_costs(
+    samples: Sequence[tuple[StepShape, float]],
+    *,
+    relative: bool = True,
+    features: Sequence[str] = FEATURES,
+) -> tuple[dict[str, float], FitQuality]:
+    """Fit coefficients for ``features`` to (shape, seconds) samples.
+
+    ``relative`` weights each sample by 1/t^2, i.e. minimises relative error, so short decode
+    steps count as much as long prefills.
+    """
+    if len(samples) < len(features):
+        raise ValueError(f"fit: need at least {len(features)} samples, got {len(samples)}")
+    idx = [FEATURES.index(f) for f in features]
+    rows = [[s.features()[i] for i in idx] for s, _ in samples]
+    y = [t for _, t in samples]
+    weights = [1.0 / max(t, 1e-9) ** 2 for t in y] if relative else None
+    coef = nonneg_least_squares(rows, y, weights)
+    coefficients = dict(zip(features, coef, strict=True))
+    pred = [sum(c * x for c, x in zip(coef, r, strict=True)) for r in rows]
+    return coefficients, quality(pred, y)
+
+
+def quality(pred: Sequence[float], y: Sequence[float]) -> FitQuality:
+    n = len(y)
+    err = [p - t for p, t in zip(pred, y, strict=True)]
+    mean = sum(y) / n
+    ss_tot = sum((t - mean) ** 2 for t in y) or 1e-30
+    rel = [abs(e) / t if t > 0 else 0.0 for e, t in zip(err, y, strict=True)]
+    return FitQuality(
+        n=n,
+        rmse_s=math.sqrt(sum(e * e for e in err) / n),
+        mape=sum(rel) / n,
+        max_rel_error=max(rel),
+        r2=1.0 - sum(e * e for e in err) / ss_tot,
+    )
+
+
+# ---- the profile file ---------------------------------------------------------------------------
+def profile_record(
+    *,
+    model: str,
+    coefficients: dict[str, float],
+    fit: FitQuality,
+    samples: Sequence[tuple[StepShape, float]],
+    vocab_size: int,
+    max_model_len: int,
+    kv_bytes_per_token: int,
+    eos_token_ids: Sequence[int] = (),
+    kv_budget_bytes: int = DEFAULT_CPU_KV_BYTES,
+    provenance: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "kind": PROFILE_KIND,
+        "version": PROFILE_VERSION,
+        "model": model,
+        "vocab_size": vocab_size,
+        "max_model_len": max_model_len,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "kv_budget_bytes": kv_budget_bytes,
+        "eos_token_ids": list(eos_token_ids),
+        "features": list(coefficients),
+        "coefficients": coefficients,
+        "fit": fit.to_dict(),
+        "request_overhead_s": 0.0,
+        "step_overhead_s": 0.0,
+        "provenance": provenance or {},
+        "samples": [{**s.to_dict(), "time_s": t} for s, t in samples],
+    }
+
+
+def save_profile(record: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, sort_keys=False) + "\n")
+    return path
+
+
+def load_profile(
+    path: str | Path,
+    *,
+    request_overhead_s: float | None = None,
+    step_overhead_s: float | None = None,
+) -> LinearCostModel:
+    """A ``LinearCostModel`` from a profile file; the overhead terms can be overridden."""
+    data = json.loads(Path(path).read_text())
+    if data.get("kind") != PROFILE_KIND:
+        raise ValueError(f"profile: {path} is not a {PROFILE_KIND} file")
+    req = data.get("request_overhead_s", 0.0) if request_overhead_s is None else request_overhead_s
+    step = data.get("step_overhead_s", 0.0) if step_overhead_s is None else step_overhead_s
+    return LinearCostModel(
+        name=f"profile:{data['model']}",
+        coefficients={k: float(v) for k, v in data["coefficients"].items()},
+        vocab_size=int(data["vocab_size"]),
+        model_max_len=int(data["max_model_len"]),
+        eos_token_ids=tuple(data.get("eos_token_ids", ())),
+        kv_bytes_per_token=int(data["kv_bytes_per_token"]),
+        default_kv_budget_bytes=int(data.get("kv_budget_bytes", DEFAULT_CPU_KV_BYTES)),
+        request_overhead_s=float(req),
+        step_overhead_s=float(step),
+        provenance={**data.get("provenance", {}), "profile_file": str(path), "fit": data["fit"]},
+    )

@@ -1,0 +1,127 @@
+"""The profile fit recovers known step-cost coefficients from synthetic measurements."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from poise.config import EngineConfig
+from poise.sim.cost import FEATURES, StepShape
+from poise.sim.fit import (
+    fit_step_costs,
+    least_squares,
+    load_profile,
+    profile_record,
+    save_profile,
+    solve,
+)
+
+TRUE = {
+    "const": 0.004,
+    "tokens": 2.5e-4,
+    "seqs": 3e-4,
+    "sampled": 6e-5,
+    "prefill_attn": 2e-8,
+    "decode_ctx": 4e-7,
+}
+
+
+def _grid() -> list[StepShape]:
+    """Prefill chunks, decode batches and mixed steps, as `poise profile` measures them."""
+    shapes = []
+    for prefill in (0, 16, 64, 256, 1024):
+        for batch in (0, 1, 4, 16, 32):
+            for ctx in (32, 256, 1024):
+                if prefill == 0 and batch == 0:
+                    continue
+                start = ctx if prefill and batch % 2 else 0
+                pairs = prefill * start + prefill * (prefill + 1) // 2 if prefill else 0
+                shapes.append(
+                    StepShape(
+                        num_tokens=prefill + batch,
+                        num_seqs=batch + (1 if prefill else 0),
+                        num_sampled=batch + (1 if prefill and start == 0 else 0),
+                        num_prefill_tokens=prefill,
+                        num_decode_seqs=batch,
+                        prefill_attn_pairs=pairs,
+                        decode_ctx_tokens=batch * (ctx + 1),
+                        kv_tokens=batch * (ctx + 1) + start + prefill,
+                    )
+                )
+    return shapes
+
+
+def _truth(s: StepShape) -> float:
+    return sum(TRUE[f] * x for f, x in zip(FEATURES, s.features(), strict=True))
+
+
+def test_solve_small_system() -> None:
+    x = solve([[2.0, 1.0], [1.0, 3.0]], [5.0, 10.0])
+    assert x == pytest.approx([1.0, 3.0])
+
+
+def test_least_squares_exact_line() -> None:
+    rows = [[1.0, float(i)] for i in range(10)]
+    y = [3.0 + 0.5 * i for i in range(10)]
+    assert least_squares(rows, y) == pytest.approx([3.0, 0.5])
+
+
+def test_fit_recovers_exact_coefficients() -> None:
+    samples = [(s, _truth(s)) for s in _grid()]
+    coef, q = fit_step_costs(samples)
+    for f in FEATURES:
+        assert coef[f] == pytest.approx(TRUE[f], rel=1e-6), f
+    assert q.max_rel_error < 1e-6
+    assert q.r2 > 0.999999
+
+
+def test_fit_recovers_coefficients_under_noise() -> None:
+    rng = random.Random(7)
+    samples = [(s, _truth(s) * (1 + rng.gauss(0, 0.02))) for s in _grid() for _ in range(3)]
+    coef, q = fit_step_costs(samples)
+    # The big terms are well determined; small ones within a looser band.
+    assert coef["const"] == pytest.approx(TRUE["const"], rel=0.05)
+    assert coef["tokens"] == pytest.approx(TRUE["tokens"], rel=0.05)
+    # seqs and sampled move together in most steps; their sum is what is determined.
+    both = coef["seqs"] + coef["sampled"]
+    assert both == pytest.approx(TRUE["seqs"] + TRUE["sampled"], rel=0.15)
+    assert coef["prefill_attn"] == pytest.approx(TRUE["prefill_attn"], rel=0.15)
+    assert q.mape < 0.03
+
+
+def test_fit_never_returns_negative_coefficients() -> None:
+    # Time does not depend on seqs at all, and noise would push its slope below zero.
+    rng = random.Random(1)
+    samples = []
+    for s in _grid():
+        t = 0.01 + 1e-4 * s.num_tokens - 1e-6 * s.num_seqs
+        samples.append((s, t * (1 + rng.gauss(0, 0.01))))
+    coef, _ = fit_step_costs(samples)
+    assert all(v >= 0 for v in coef.values())
+    assert coef["tokens"] == pytest.approx(1e-4, rel=0.05)
+
+
+def test_profile_file_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    samples = [(s, _truth(s)) for s in _grid()]
+    coef, q = fit_step_costs(samples)
+    rec = profile_record(
+        model="tiny",
+        coefficients=coef,
+        fit=q,
+        samples=samples,
+        vocab_size=1000,
+        max_model_len=2048,
+        kv_bytes_per_token=4096,
+        eos_token_ids=[2],
+        kv_budget_bytes=1 << 24,
+        provenance={"host": "test"},
+    )
+    model = load_profile(save_profile(rec, tmp_path / "p.json"), request_overhead_s=0.003)
+    for s in _grid():
+        assert model.step_time(s) == pytest.approx(_truth(s), rel=1e-6)
+    assert model.request_overhead_s == 0.003
+    config = EngineConfig.from_kwargs(block_size=16)
+    assert model.num_kv_blocks(config) == (1 << 24) // (16 * 4096)
+    assert model.max_model_len(EngineConfig.from_kwargs(max_model_len=4096)) == 2048
+    assert model.eos_token_ids == (2,)
