@@ -1,0 +1,222 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a flat token batch.
+
+One forward per engine step: ``forward(input_ids[T], positions[T], kv_caches, meta)`` mixes
+prefill chunks and decode tokens of many requests (layout in attention/metadata.py) and
+returns hidden states [T, H]; ``compute_logits`` projects only the rows that are sampled.
+
+Weights: q/k/v are fused into one ``qkv_proj`` and gate/up into ``gate_up_proj`` (one matmul
+each instead of three/two). Hugging Face names are kept at the loading boundary:
+``load_weights`` takes (HF name, tensor) pairs such as ``model.layers.0.self_attn.q_proj.weight``
+and copies each into its slice of the fused parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from poise.model.arch import ArchConfig
+from poise.model.attention import AttentionBackend, AttentionMetadata, get_backend
+from poise.model.rope import RotaryEmbedding, apply_rope
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # key, value: [num_blocks, block_size, Hkv, hd]
+
+
+class RMSNorm(nn.Module):
+    """transformers' RMSNorm arithmetic: normalise in float32, scale in the model dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, hd]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, hd]
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, hd]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, hd]
+        return self.o_proj(o.reshape(t, self.q_size))  # [T, H * hd] -> [T, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(arch)
+        self.mlp = MLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ArchConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+# HF per-projection names -> (fused parameter, shard index in the fused output dim).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ArchConfig, attention_backend: str = "torch") -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch)
+        # Tied: compute_logits reuses embed_tokens.weight (no second Parameter to keep tied).
+        self.lm_head = (
+            None
+            if arch.tie_word_embeddings
+            else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        )
+        self.backend = get_backend(attention_backend)
+        self.rotary: RotaryEmbedding | None = None
+
+    def init_rope(self, max_positions: int) -> None:
+        """Build the cos/sin tables (after weights are materialised on their device)."""
+        weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(
+            self.arch.rope, self.arch.head_dim, max_positions, weight.dtype, weight.device
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden [T, hidden_size] (after the final norm)."""
+        assert self.rotary is not None, "call init_rope() after loading"
+        block_size = kv_caches[0][0].shape[1]
+        self.backend.prepare(meta, block_size)
+        cos, sin = self.rotary.tables(positions)  # [T, 1, hd/2] each
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta, self.backend)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden_size] -> float32 logits [S, vocab]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into our (possibly fused) parameters; returns HF names used."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied checkpoint that also stores the head
+            if "rotary_emb" in name:
+                continue
+            target, shard = self._target(name)
+            if target not in params:
+                raise ValueError(f"model: unexpected weight {name!r}")
+            param = params[target]
+            with torch.no_grad():
+                if shard is None:
+                    param.copy_(tensor.view_as(param))
+                else:
+                    start, size = self._shard_range(target, shard)
+                    param.narrow(0, start, size).copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    @staticmethod
+    def _target(name: str) -> tuple[str, int | None]:
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in _FUSED:
+                fused, shard = _FUSED[part]
+                return ".".join([*parts[:i], fused, *parts[i + 1 :]]), shard
+        return name, None
+
+    def _shard_range(self, target: str, shard: int) -> tuple[int, int]:
+        a = self.arch
+        if ".qkv_proj." in target:
+            sizes = [a.q_size, a.kv_size, a.kv_size]
+        else:
+            sizes = [a.intermediate_size, a.intermediate_size]
+        return sum(sizes[:shard]), sizes[shard]
+
+    def expected_hf_names(self) -> set[str]:
+        """The HF weight names a complete checkpoint provides for this architecture."""
+        names: set[str] = set()
+        for name, _ in self.named_parameters():
+            hf_names = [
+                name.replace(f".{fused}.", f".{hf}.")
+                for hf, (fused, _shard) in _FUSED.items()
+                if f".{fused}." in name
+            ]
+            names.update(hf_names or [name])
+        return names

@@ -1,0 +1,60 @@
+"""Load a Hugging Face checkpoint directory: config.json + *.safetensors (sharded or not).
+
+Tensors are read with ``safetensors.safe_open`` (memory-mapped) one at a time and copied into
+the pre-allocated model, so peak memory is about one model plus one tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from poise.model.arch import arch_from_hf_config
+from poise.model.loader import LoadedModel, check_complete, empty_model, read_json
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors in {path}")
+    return files
+
+
+def iter_safetensors(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name).to(dtype)
+
+
+def _eos_from_generation_config(path: Path) -> frozenset[int]:
+    gen = path / "generation_config.json"
+    if not gen.exists():
+        return frozenset()
+    value = read_json(gen).get("eos_token_id")
+    if value is None:
+        return frozenset()
+    return frozenset([value] if isinstance(value, int) else value)
+
+
+def has_tokenizer(path: Path) -> bool:
+    return any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def load_hf_dir(
+    path: Path, dtype: torch.dtype, device: torch.device, attention_backend: str = "torch"
+) -> LoadedModel:
+    arch = arch_from_hf_config(read_json(path / "config.json"))
+    model = empty_model(arch, dtype, device, attention_backend)
+    loaded = model.load_weights(iter_safetensors(safetensors_files(path), dtype))
+    check_complete(model, loaded, str(path))
+    return LoadedModel(
+        model=model,
+        arch=arch,
+        name=path.name,
+        tokenizer_source=str(path) if has_tokenizer(path) else None,
+        extra_eos_token_ids=_eos_from_generation_config(path),
+    )

@@ -1,0 +1,68 @@
+"""Rotary position embeddings (HF "rotate_half" convention), incl. linear and llama3 scaling.
+
+The cos/sin tables are computed once in float32 exactly as transformers computes them
+(``position * inv_freq``), then cast to the model dtype, so fp32 results match bit for bit.
+They are indexed by the flat ``positions`` tensor of each step, so prefill chunks and decode
+tokens of many requests are rotated in one call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from poise.model.arch import RopeConfig
+
+
+def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies after scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type != "llama3":
+        return inv_freq
+    # llama3: long wavelengths are slowed down by `factor`, short ones kept, and the band in
+    # between interpolated smoothly.
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """Holds cos/sin tables [max_positions, head_dim // 2] in the model dtype."""
+
+    def __init__(
+        self,
+        rope: RopeConfig,
+        head_dim: int,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        inv_freq = inv_frequencies(rope, head_dim)
+        pos = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]  # [P, hd/2]
+        self.cos = freqs.cos().to(dtype=dtype, device=device)
+        self.sin = freqs.sin().to(dtype=dtype, device=device)
+        self.max_positions = max_positions
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for a flat step: [T, 1, hd/2] each (broadcast over heads)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, hd] by cos/sin [T, 1, hd/2]; same arithmetic as HF rotate_half."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
