@@ -1,0 +1,84 @@
+"""Executors for virtual time: ``SimExecutor`` and a decision recorder for any executor.
+
+``SimExecutor`` implements the ``Executor`` protocol without a model: for each
+``SchedulerOutput`` it asks the cost model how long the step takes, advances the
+``VirtualClock`` by that much, and returns one fixed non-EOS token for every request that
+samples. Requests therefore end by ``max_tokens`` (ignore_eos semantics); the simulator gives a
+request a sampled output length by setting its ``max_tokens``.
+
+``RecordingExecutor`` wraps any executor (the real ``ModelRunner`` or a ``SimExecutor``) and
+logs each step's decisions, which is how the parity test compares the two.
+
+Invariants: the clock only moves forward, by exactly ``cost_model.time_for(output)`` per step;
+the token returned is never an EOS id, so EOS never ends a simulated request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from poise.core.outputs import ModelRunnerOutput, SchedulerOutput
+from poise.engine.clock import VirtualClock
+from poise.engine.executor import Executor
+from poise.sim.cost import CostModel
+
+
+def pick_token_id(eos_token_ids: tuple[int, ...] | frozenset[int], vocab_size: int) -> int:
+    """The smallest id that is not an EOS id (what every simulated step 'samples')."""
+    for tid in range(max(vocab_size, 1)):
+        if tid not in eos_token_ids:
+            return tid
+    raise ValueError("vocab_size: every token is an EOS token")
+
+
+class SimExecutor:
+    def __init__(
+        self, cost_model: CostModel, clock: VirtualClock, token_id: int | None = None
+    ) -> None:
+        self.cost_model = cost_model
+        self.clock = clock
+        self.token_id = (
+            pick_token_id(cost_model.eos_token_ids, cost_model.vocab_size)
+            if token_id is None
+            else token_id
+        )
+        self.num_steps = 0
+        self.busy_s = 0.0
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        dt = self.cost_model.time_for(scheduler_output)
+        self.clock.advance(dt)
+        self.num_steps += 1
+        self.busy_s += dt
+        tid = self.token_id
+        return ModelRunnerOutput(
+            sampled_token_ids={sr.request_id: tid for sr in scheduler_output.scheduled if sr.sample}
+        )
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """One step as the scheduler decided it: (request id, start position, tokens) per scheduled
+    request in order, and the ids preempted to make room."""
+
+    scheduled: tuple[tuple[str, int, int], ...]
+    preempted: tuple[str, ...]
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> StepDecision:
+        return cls(
+            tuple((sr.request_id, sr.start_position, len(sr.token_ids)) for sr in out.scheduled),
+            tuple(out.preempted_request_ids),
+        )
+
+
+@dataclass
+class RecordingExecutor:
+    """Delegates to ``inner`` and records every step's ``StepDecision``."""
+
+    inner: Executor
+    decisions: list[StepDecision] = field(default_factory=list)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.decisions.append(StepDecision.of(scheduler_output))
+        return self.inner.execute(scheduler_output)

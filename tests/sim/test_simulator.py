@@ -1,0 +1,119 @@
+"""The simulator: the real engine in virtual time, deterministic, closed and open loop."""
+
+from __future__ import annotations
+
+import pytest
+
+from poise.config import EngineConfig
+from poise.engine.clock import VirtualClock
+from poise.engine.core import EngineCore
+from poise.sim.cost import FixedCostModel
+from poise.sim.executor import RecordingExecutor, SimExecutor, pick_token_id
+from poise.sim.simulator import SimCell, SimRequest, drive, simulate_cell
+from tests.unit.fake_executor import FakeExecutor
+
+
+def _mix(n: int, short: int = 20, long: int = 300, max_tokens: int = 12) -> list[SimRequest]:
+    return [
+        SimRequest(
+            i,
+            long if i % 4 == 3 else short,
+            max_tokens + (i % 5),
+            arrival=0.05 * i,
+            class_name="long" if i % 4 == 3 else "short",
+            prompt_key="L" if i % 4 == 3 else "S",
+        )
+        for i in range(n)
+    ]
+
+
+def _config(**kw: object) -> EngineConfig:
+    base: dict[str, object] = dict(max_num_seqs=8, max_num_batched_tokens=128, block_size=16)
+    base.update(kw)
+    return EngineConfig.from_kwargs(**base)
+
+
+COST = FixedCostModel(step_s=0.01, per_token_s=1e-4, vocab_size=1000, model_max_len=2048)
+
+
+def test_single_request_times_follow_the_cost_model() -> None:
+    cost = FixedCostModel(step_s=0.01, vocab_size=100, request_overhead_s=0.003)
+    cell = SimCell([SimRequest(0, 10, 5)], concurrency=1)
+    res = simulate_cell(_config(), cost, cell)
+    (r,) = res.requests
+    assert r.ok and r.finish_reason == "length"
+    # Sent at 0, reaches the engine at 3 ms, one prefill step, then four decode steps.
+    assert r.token_times == pytest.approx([0.013, 0.023, 0.033, 0.043, 0.053])
+    assert r.ttft == pytest.approx(0.013)
+    assert res.num_steps == 5 and res.busy_s == pytest.approx(0.05)
+
+
+def test_deterministic_for_a_seed() -> None:
+    cell = SimCell(_mix(60), concurrency=6)
+    a = simulate_cell(_config(), COST, cell, seed=3, record_decisions=True)
+    b = simulate_cell(_config(), COST, cell, seed=3, record_decisions=True)
+    assert a.decisions == b.decisions
+    assert [r.token_times for r in a.requests] == [r.token_times for r in b.requests]
+    assert a.timeline == b.timeline
+
+
+def test_closed_loop_keeps_concurrency_streams() -> None:
+    res = simulate_cell(_config(max_num_seqs=64), COST, SimCell(_mix(40), concurrency=5))
+    assert len(res.requests) == 40 and all(r.ok for r in res.requests)
+    assert max(s.num_running + s.num_waiting for s in res.timeline) <= 5
+    # Each request after the first wave is sent exactly when an earlier one finished.
+    finishes = {r.finished for r in res.requests}
+    assert all(r.sent in finishes for r in res.requests[5:])
+    # Output lengths come from max_tokens (ignore_eos semantics).
+    assert all(len(r.token_times) == r.max_tokens for r in res.requests)
+
+
+def test_open_loop_follows_arrivals() -> None:
+    res = simulate_cell(_config(), COST, SimCell(_mix(30), open_loop=True))
+    for r in res.requests:
+        assert r.sent == pytest.approx(0.05 * r.index)
+        assert r.first_scheduled is not None and r.first_scheduled >= r.sent
+    # A cap delays sends past their intended time when all slots are busy.
+    capped = simulate_cell(_config(), COST, SimCell(_mix(30), concurrency=2, open_loop=True))
+    assert any(r.sent > r.intended for r in capped.requests)
+    assert all(r.sent >= r.intended for r in capped.requests)
+
+
+def test_preemption_under_a_tiny_kv_pool_and_rejection() -> None:
+    reqs = _mix(24, short=30, long=90, max_tokens=40)
+    reqs.append(SimRequest(99, 5000, 4))  # longer than the pool: rejected, never dropped
+    res = simulate_cell(_config(num_kv_blocks=24), COST, SimCell(reqs, concurrency=8))
+    assert res.num_preemptions > 0
+    ok = [r for r in res.requests if r.index != 99]
+    assert all(r.ok for r in ok)
+    (bad,) = [r for r in res.requests if r.index == 99]
+    assert not bad.ok and bad.error
+
+
+def test_duration_bounds_sending() -> None:
+    res = simulate_cell(_config(), COST, SimCell(_mix(500), concurrency=4, duration_s=1.0))
+    assert 4 < len(res.requests) < 500
+    assert all(r.sent < 1.0 for r in res.requests)
+
+
+def test_token_id_is_never_eos() -> None:
+    assert pick_token_id((0, 1), 10) == 2
+    res = SimExecutor(FixedCostModel(eos_token_ids=(0,), vocab_size=5), VirtualClock())
+    assert res.token_id == 1
+
+
+def test_same_decisions_as_a_context_reading_executor() -> None:
+    """Parity without torch: the scheduler decides the same steps whatever the executor is,
+    here a fake that reads every block table (see tests/sim/test_parity.py for the model)."""
+    cfg = _config(num_kv_blocks=40, block_size=4, max_num_batched_tokens=64)
+    cell = SimCell(_mix(20, short=12, long=70, max_tokens=10), concurrency=6)
+    sim = simulate_cell(cfg, COST, cell, record_decisions=True)
+    clock = VirtualClock()
+    fake = RecordingExecutor(FakeExecutor(vocab_size=1000, block_size=4))
+    engine = EngineCore(
+        cfg, fake, num_kv_blocks=40, max_model_len=2048, vocab_size=1000, clock=clock
+    )
+    results, _, _ = drive(engine, clock, cell)
+    assert sim.decisions == fake.decisions
+    assert any(d.preempted for d in sim.decisions)
+    assert [len(r.token_times) for r in results] == [len(r.token_times) for r in sim.requests]
