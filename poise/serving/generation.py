@@ -1,0 +1,133 @@
+"""From an OpenAI request to a stream of text pieces: tokenize, admit, detokenize, stop.
+
+``Generator`` is shared by the chat and completions handlers. It tokenizes off the event loop
+(one worker thread, so the tokenizer is never used from two threads at once), admits the
+request into the AsyncEngine, and turns RequestDeltas into ``Piece``s: new text, the number of
+tokens generated so far and, on the last piece, the finish reason. A matched stop string ends
+the request in the engine (``AsyncEngine.finish``), and a handler that stops iterating early
+(client gone) aborts it.
+
+Errors: InvalidRequestError (400), OverloadedError (429), EngineDeadError (503) at admission;
+``GenerationFailed`` (500) when the engine fails the request after it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from poise.core.sampling_params import SamplingParams
+from poise.errors import InvalidRequestError, PoiseError
+from poise.serving.async_engine import AsyncEngine
+from poise.serving.protocol import ChatCompletionRequest, CompletionRequest
+from poise.text import IncrementalDetokenizer, apply_chat_template, encode_prompt
+
+
+class GenerationFailed(PoiseError):
+    """The engine failed this request after admission (HTTP 500)."""
+
+
+@dataclass
+class Piece:
+    text: str
+    num_tokens: int  # output tokens generated so far (usage.completion_tokens at the end)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Prepared:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+class Generator:
+    def __init__(
+        self, engine: AsyncEngine, tokenizer: Any, *, max_model_len: int, vocab_size: int | None
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poise-tokenizer")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # ---- preparing ----------------------------------------------------------------------
+
+    async def prepare_chat(self, req: ChatCompletionRequest, arrival: float) -> Prepared:
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        ids = await self._run(apply_chat_template, self.tokenizer, messages)
+        return self._prepared("chatcmpl", ids, req, arrival)
+
+    async def prepare_completion(self, req: CompletionRequest, arrival: float) -> Prepared:
+        prompt = req.single_prompt()
+        if isinstance(prompt, str):
+            ids = await self._run(encode_prompt, self.tokenizer, prompt)
+        else:
+            ids = prompt
+        return self._prepared("cmpl", ids, req, arrival)
+
+    def _prepared(
+        self,
+        prefix: str,
+        ids: list[int],
+        req: ChatCompletionRequest | CompletionRequest,
+        arrival: float,
+    ) -> Prepared:
+        # EngineCore.validate only reads immutable limits, so calling it from the event loop
+        # is safe; it raises the 400s that name the limit (max_model_len, KV pool, vocab).
+        self.engine.core.validate(ids, SamplingParams(max_tokens=1))
+        params = req.to_sampling_params(default_max_tokens=max(1, self.max_model_len - len(ids)))
+        params.validate(self.vocab_size)
+        return Prepared(f"{prefix}-{uuid.uuid4().hex}", ids, params, arrival)
+
+    # ---- generating ---------------------------------------------------------------------
+
+    async def generate(self, prep: Prepared) -> AsyncIterator[Piece]:
+        """Admit and stream. Raises at admission before the first yield."""
+        stream = await self.engine.add_request(
+            prep.request_id, prep.prompt_token_ids, prep.params, prep.arrival_time
+        )
+        return self._pieces(prep, stream)
+
+    async def _pieces(self, prep: Prepared, stream: Any) -> AsyncIterator[Piece]:
+        detok = IncrementalDetokenizer(self.tokenizer, prep.prompt_token_ids, prep.params)
+        n_tokens = 0
+        done = False
+        try:
+            async for delta in stream:
+                if delta.finish_reason == "error":
+                    done = True
+                    raise GenerationFailed(delta.error_message or "the engine failed")
+                if delta.finish_reason == "rejected":
+                    done = True
+                    raise InvalidRequestError(delta.error_message or "request rejected")
+                n_tokens += len(delta.new_token_ids)
+                out = detok.update(delta.new_token_ids, delta.finished)
+                if out.stopped and not delta.finished:
+                    # A stop string matched: the engine may already be computing more tokens
+                    # for this request; end it there and report "stop" to the client now.
+                    self.engine.finish(prep.request_id)
+                    done = True
+                    yield Piece(out.text, n_tokens, "stop")
+                    return
+                if delta.finished:
+                    done = True
+                    reason = "stop" if out.stopped else delta.finish_reason
+                    yield Piece(out.text, n_tokens, reason)
+                    return
+                if out.text:
+                    yield Piece(out.text, n_tokens)
+        finally:
+            if not done:
+                self.engine.abort(prep.request_id)

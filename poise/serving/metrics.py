@@ -1,0 +1,153 @@
+"""Prometheus metrics for one server, fed from StepStats and RequestDeltas.
+
+Invariants:
+- One ``CollectorRegistry`` per ``ServingMetrics`` (per app); nothing is registered globally.
+- Names carry the prefix ``poise:`` and follow vLLM's where the meaning is the same.
+- Request latencies come only from ``poise.core.timing.derive`` on the finishing delta's
+  RequestTimes (TTFT from arrival). Latency histograms observe requests that finished with
+  ``stop`` or ``length`` (served); aborted, rejected and failed requests are counted by
+  ``request_success_total{finished_reason}`` / ``requests_rejected_total{reason}`` only.
+- Methods are called from the engine thread (steps, deltas) and the event loop (rejections);
+  prometheus_client's metric objects are thread-safe.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from poise.core.outputs import RequestDelta, StepStats
+from poise.core.timing import derive
+
+P = "poise:"
+
+# Seconds: from a millisecond up to ten minutes (slow CPUs, long prompts, deep queues).
+LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 600.0,
+)  # fmt: skip
+# Per-token gaps: sub-millisecond on a GPU to seconds on a busy CPU.
+TOKEN_GAP_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+    0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0,
+)  # fmt: skip
+STEP_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+SERVED = ("stop", "length")
+
+
+class ServingMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, labels = self.registry, {"model_name": model_name}
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            h = Histogram(P + name, doc, ["model_name"], buckets=buckets, registry=r)
+            return h.labels(**labels)  # type: ignore[no-any-return]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(P + name, doc, ["model_name"], registry=r).labels(**labels)  # type: ignore[no-any-return]
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(P + name, doc, ["model_name"], registry=r).labels(**labels)  # type: ignore[no-any-return]
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
+        self.queue_time = hist(
+            "request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS
+        )
+        self.prefill_time = hist(
+            "request_prefill_time_seconds", "First scheduled to first token.", LATENCY_BUCKETS
+        )
+        self.decode_time = hist(
+            "request_decode_time_seconds", "First token to last token.", LATENCY_BUCKETS
+        )
+        self.itl = hist(
+            "inter_token_latency_seconds", "Gap between consecutive tokens.", TOKEN_GAP_BUCKETS
+        )
+        self.tpot = hist(
+            "request_time_per_output_token_seconds",
+            "Decode time / (output tokens - 1), per request.",
+            TOKEN_GAP_BUCKETS,
+        )
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests in the waiting queue.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).")
+        self.preemptions = counter("num_preemptions_total", "Preemptions (recompute).")
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens prefilled.")
+        self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
+        self._success = Counter(
+            P + "request_success_total",
+            "Finished requests by finish reason (stop, length, abort, error, rejected).",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self._rejected = Counter(
+            P + "requests_rejected_total",
+            "Requests refused before running, by reason.",
+            ["model_name", "reason"],
+            registry=r,
+        )
+        self.step_prefill_tokens = hist(
+            "step_prefill_tokens", "Prompt tokens per engine step.", STEP_TOKEN_BUCKETS
+        )
+        self.step_decode_tokens = hist(
+            "step_decode_tokens", "Decode tokens per engine step.", STEP_TOKEN_BUCKETS
+        )
+        self.iteration_tokens = hist(
+            "iteration_tokens_total", "All tokens per engine step.", STEP_TOKEN_BUCKETS
+        )
+        self.step_duration = hist(
+            "step_duration_seconds", "Engine step wall time.", TOKEN_GAP_BUCKETS
+        )
+        self.engine_errors = counter("engine_errors_total", "Exceptions raised by engine steps.")
+        self._model_name = model_name
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    def observe_step(self, stats: StepStats) -> None:
+        self.step_prefill_tokens.observe(stats.num_prefill_tokens)
+        self.step_decode_tokens.observe(stats.num_decode_tokens)
+        self.iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_tokens)
+        self.step_duration.observe(stats.step_duration)
+
+    def set_state(self, running: int, waiting: int, kv_usage: float) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)
+
+    def observe_delta(self, delta: RequestDelta, prompt_len_if_first: int | None) -> None:
+        """One request's step output. ``prompt_len_if_first``: its prompt length when this
+        delta carries its first token (the prompt was prefilled)."""
+        if delta.new_token_ids:
+            self.generation_tokens.inc(len(delta.new_token_ids))
+        if prompt_len_if_first:
+            self.prompt_tokens.inc(prompt_len_if_first)
+        if not delta.finished:
+            return
+        reason = delta.finish_reason or "unknown"
+        self._success.labels(model_name=self._model_name, finished_reason=reason).inc()
+        if reason in SERVED and delta.times is not None:
+            self._observe_latencies(delta)
+
+    def _observe_latencies(self, delta: RequestDelta) -> None:
+        assert delta.times is not None
+        m = derive(delta.times)
+        for hist, value in (
+            (self.ttft, m.ttft),
+            (self.queue_time, m.queue_time),
+            (self.prefill_time, m.prefill_time),
+            (self.decode_time, m.decode_time),
+            (self.tpot, m.tpot),
+            (self.e2e, m.e2e),
+        ):
+            if value is not None:
+                hist.observe(value)
+        for gap in m.itl:
+            self.itl.observe(gap)
+
+    # -- event loop ------------------------------------------------------------------------
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(model_name=self._model_name, reason=reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,112 @@
+"""Wiring: EngineConfig -> EngineCore + tokenizer -> AsyncEngine -> FastAPI app -> uvicorn.
+
+``build_state`` takes an already-built EngineCore (tests pass one with a fake executor);
+``build_state_from_config`` builds the real one. ``serve`` runs uvicorn in the calling thread
+and returns 0 after a graceful shutdown.
+
+Shutdown (SIGTERM or SIGINT): uvicorn stops accepting connections, lets in-flight responses
+finish for up to ``shutdown_grace_s`` seconds, then the app's lifespan aborts whatever is left
+and joins the engine thread. uvicorn re-raises the captured signal after it returns; our own
+handler turns that into a no-op so the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from poise.config import EngineConfig
+from poise.serving.app import ServingState, create_app
+from poise.serving.async_engine import AsyncEngine
+from poise.serving.generation import Generator
+from poise.serving.metrics import ServingMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: list[str] = field(default_factory=list)
+    log_interval_s: float = 10.0
+    shutdown_grace_s: float = 30.0
+    uvicorn_log_level: str = "warning"
+
+
+def build_state(
+    core: Any,
+    tokenizer: Any,
+    *,
+    model_name: str,
+    served_model_names: list[str] | None = None,
+    vocab_size: int | None = None,
+    max_num_queued_requests: int | None = None,
+    log_interval_s: float = 10.0,
+) -> ServingState:
+    names = served_model_names or [model_name]
+    metrics = ServingMetrics(names[0])
+    engine = AsyncEngine(
+        core, metrics, max_num_queued_requests=max_num_queued_requests,
+        log_interval_s=log_interval_s,
+    )  # fmt: skip
+    max_len = int(core.max_model_len)
+    generator = Generator(engine, tokenizer, max_model_len=max_len, vocab_size=vocab_size)
+    return ServingState(engine, generator, names, max_len)
+
+
+def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> ServingState:
+    from poise.engine.builder import build_engine  # lazy: imports torch
+
+    core, info = build_engine(config)
+    name = info.model_name
+    logger.info(
+        "model %s: vocab %d, max_model_len %d, %d KV blocks of %d tokens, %s on %s",
+        name, info.vocab_size, core.max_model_len, info.num_kv_blocks, info.block_size,
+        info.dtype, info.device,
+    )  # fmt: skip
+    return build_state(
+        core,
+        info.tokenizer,
+        model_name=name,
+        served_model_names=settings.served_model_names or None,
+        vocab_size=info.vocab_size,
+        max_num_queued_requests=config.scheduler.max_num_queued_requests,
+        log_interval_s=settings.log_interval_s,
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def serve(state: ServingState, settings: ServerSettings) -> int:
+    import uvicorn
+
+    app = create_app(state)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.uvicorn_log_level,
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
+        access_log=False,
+    )
+    server = uvicorn.Server(config)
+
+    def _after_shutdown(signum: int, _frame: Any) -> None:
+        logger.info("signal %d handled: shut down gracefully", signum)
+
+    # uvicorn replaces these while it runs and re-raises the signal afterwards; with these
+    # in place the re-raise is harmless and serve() returns normally.
+    signal.signal(signal.SIGTERM, _after_shutdown)
+    signal.signal(signal.SIGINT, _after_shutdown)
+    logger.info("serving %s on http://%s:%d", state.served_model_names, settings.host,
+                settings.port)  # fmt: skip
+    server.run()
+    return 0

@@ -1,0 +1,156 @@
+"""Pieces -> OpenAI bodies: SSE chunks for streams, one JSON object otherwise.
+
+Stream shape (chat): a first chunk with ``delta.role``, one chunk per text piece, a last chunk
+with ``finish_reason``, then (``stream_options.include_usage``) a chunk with empty ``choices``
+and the usage, then ``data: [DONE]``. An error after the stream started becomes one
+``data: {"error": ...}`` event (the openai client raises it as APIError), then ``[DONE]``.
+
+Invariant: leaving a stream early (client disconnect cancels the response task) closes the
+pieces iterator, whose ``finally`` aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from poise.errors import InvalidRequestError
+from poise.serving.generation import GenerationFailed, Piece
+from poise.serving.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    UsageInfo,
+    now_s,
+)
+
+
+def _event(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def _chunk(rid: str, model: str, created: int, chat: bool, text: str | None,
+           finish: str | None, role: str | None = None) -> str:  # fmt: skip
+    if chat:
+        choice = ChatChunkChoice(delta=DeltaMessage(role=role, content=text), finish_reason=finish)
+        return ChatCompletionChunk(
+            id=rid, created=created, model=model, choices=[choice]
+        ).model_dump_json()
+    c = CompletionChoice(text=text or "", finish_reason=finish)
+    return CompletionResponse(id=rid, created=created, model=model, choices=[c]).model_dump_json()
+
+
+def _usage_chunk(rid: str, model: str, created: int, chat: bool, usage: UsageInfo) -> str:
+    if chat:
+        return ChatCompletionChunk(
+            id=rid, created=created, model=model, choices=[], usage=usage
+        ).model_dump_json()
+    return CompletionResponse(
+        id=rid, created=created, model=model, choices=[], usage=usage
+    ).model_dump_json()
+
+
+def _error_event(exc: Exception) -> str:
+    status = 400 if isinstance(exc, InvalidRequestError) else 500
+    kind = "invalid_request_error" if status == 400 else "internal_error"
+    body = ErrorResponse(error=ErrorInfo(message=str(exc), type=kind, code=status))
+    return _event(body.model_dump_json())
+
+
+async def sse(
+    pieces: AsyncIterator[Piece],
+    rid: str,
+    model: str,
+    num_prompt_tokens: int,
+    *,
+    chat: bool,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    created = now_s()
+    n_tokens = 0
+    try:
+        if chat:
+            yield _event(_chunk(rid, model, created, chat, "", None, role="assistant"))
+        async for piece in pieces:
+            n_tokens = piece.num_tokens
+            if piece.finish_reason is None:
+                yield _event(_chunk(rid, model, created, chat, piece.text, None))
+            else:
+                yield _event(_chunk(rid, model, created, chat, piece.text, piece.finish_reason))
+        if include_usage:
+            usage = UsageInfo.of(num_prompt_tokens, n_tokens)
+            yield _event(_usage_chunk(rid, model, created, chat, usage))
+    except (GenerationFailed, InvalidRequestError) as exc:
+        yield _error_event(exc)
+    finally:
+        # Cancelled (client gone) or done: close the pieces iterator now, so its finally
+        # aborts the request in the engine without waiting for garbage collection.
+        with contextlib.suppress(Exception):
+            await pieces.aclose()  # type: ignore[attr-defined]
+    yield "data: [DONE]\n\n"
+
+
+@dataclass
+class Result:
+    text: str
+    num_tokens: int
+    finish_reason: str | None
+
+
+async def _collect(pieces: AsyncIterator[Piece]) -> Result:
+    parts: list[str] = []
+    last = Piece("", 0)
+    async for piece in pieces:
+        parts.append(piece.text)
+        last = piece
+    return Result("".join(parts), last.num_tokens, last.finish_reason)
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect_until_disconnect(pieces: AsyncIterator[Piece], raw: Request) -> Result | None:
+    """Run a non-streaming request to the end; None (and aborted) if the client leaves first."""
+    work = asyncio.ensure_future(_collect(pieces))
+    gone = asyncio.ensure_future(_wait_disconnect(raw))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(BaseException):
+                await work
+            with contextlib.suppress(Exception):
+                await pieces.aclose()  # type: ignore[attr-defined]
+    if work.cancelled():
+        return None
+    return work.result()
+
+
+def full_response(result: Result, rid: str, model: str, n_prompt: int, *, chat: bool) -> Any:
+    usage = UsageInfo.of(n_prompt, result.num_tokens)
+    if chat:
+        msg = ChatResponseMessage(content=result.text)
+        choice = ChatChoice(message=msg, finish_reason=result.finish_reason)
+        return ChatCompletionResponse(
+            id=rid, model=model, choices=[choice], usage=usage
+        ).model_dump()
+    c = CompletionChoice(text=result.text, finish_reason=result.finish_reason)
+    return CompletionResponse(id=rid, model=model, choices=[c], usage=usage).model_dump()

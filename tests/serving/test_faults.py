@@ -1,0 +1,124 @@
+"""Failure paths with a fake executor (no model): engine exceptions, dead engine, overload.
+
+The executor is the scheduler tests' deterministic fake, wrapped to raise or to be slow, behind
+the real EngineCore, AsyncEngine and app, with the real SmolLM2 tokenizer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from poise.config import EngineConfig
+from poise.core.outputs import ModelRunnerOutput, SchedulerOutput
+from poise.engine.core import EngineCore
+from poise.serving.server import build_state
+from poise.text import eos_token_ids
+from tests.serving.conftest import InProcessServer, metric_value
+from tests.unit.fake_executor import FakeExecutor
+
+POISON = 4242  # a prompt token that makes the step running it raise
+
+
+class FaultyExecutor(FakeExecutor):
+    def __init__(self, vocab: int, block_size: int) -> None:
+        super().__init__(vocab, block_size)
+        self.always_fail = False
+        self.delay_s = 0.0
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.always_fail or any(POISON in s.token_ids for s in scheduler_output.scheduled):
+            raise RuntimeError("injected fault")
+        return super().execute(scheduler_output)
+
+
+def _server(tokenizer: Any, **engine_kwargs: Any) -> tuple[InProcessServer, FaultyExecutor]:
+    vocab = len(tokenizer)
+    cfg = EngineConfig.from_kwargs(block_size=16, **engine_kwargs)
+    executor = FaultyExecutor(vocab, 16)
+    core = EngineCore(cfg, executor, num_kv_blocks=128, max_model_len=1024, vocab_size=vocab,
+                      eos_token_ids=eos_token_ids(tokenizer))  # fmt: skip
+    state = build_state(core, tokenizer, model_name="fake", vocab_size=vocab,
+                        max_num_queued_requests=cfg.scheduler.max_num_queued_requests)  # fmt: skip
+    return InProcessServer(state), executor
+
+
+def _client(server: InProcessServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def test_step_exception_fails_its_requests_and_the_engine_goes_on(smol_tokenizer: Any) -> None:
+    server, _ = _server(smol_tokenizer)
+    with server:
+        client = _client(server)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model="fake", prompt=[5, POISON, 6], max_tokens=4)
+        assert "injected fault" in info.value.message and "step" in info.value.message
+        with pytest.raises(openai.APIError, match="injected fault"):
+            for _ in client.completions.create(
+                model="fake", prompt=[7, POISON], max_tokens=4, stream=True
+            ):
+                pass
+        health = httpx.get(server.base_url + "/health").json()
+        assert health["status"] == "ok" and "injected fault" in health["last_error"]
+        ok = client.completions.create(model="fake", prompt=[5, 6], max_tokens=3)
+        assert ok.usage is not None and ok.usage.completion_tokens == 3
+        text = httpx.get(server.base_url + "/metrics").text
+        assert metric_value(text, "poise:engine_errors_total") == 2
+        assert metric_value(text, "poise:request_success_total", finished_reason="error") == 2
+        assert metric_value(text, "poise:kv_cache_usage_perc") == 0
+
+
+def test_dead_engine_reports_on_health(smol_tokenizer: Any) -> None:
+    server, executor = _server(smol_tokenizer)
+    with server:
+        executor.always_fail = True
+        client = _client(server)
+        for _ in range(3):  # max_consecutive_failures
+            with pytest.raises(openai.APIStatusError):
+                client.completions.create(model="fake", prompt=[5, 6], max_tokens=2)
+        health = httpx.get(server.base_url + "/health")
+        assert health.status_code == 503
+        assert "injected fault" in health.json()["error"]["message"]
+        assert httpx.get(server.base_url + "/ready").status_code == 503
+        with pytest.raises(openai.APIStatusError) as info:
+            client.completions.create(model="fake", prompt=[5, 6], max_tokens=2)
+        assert info.value.status_code == 503
+
+
+def test_flood_against_a_tiny_queue_gets_429_with_retry_after(smol_tokenizer: Any) -> None:
+    server, executor = _server(smol_tokenizer, max_num_seqs=2, max_num_queued_requests=2)
+    executor.delay_s = 0.01
+    with server:
+        url = server.base_url + "/v1/completions"
+        start = threading.Barrier(24)
+
+        def one(i: int) -> httpx.Response:
+            start.wait()
+            body = {"prompt": [5, 6, i + 10], "max_tokens": 20, "ignore_eos": True}
+            return httpx.post(url, json=body, timeout=60)
+
+        with concurrent.futures.ThreadPoolExecutor(24) as pool:
+            responses = list(pool.map(one, range(24)))
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 429}, codes
+        assert codes.count(429) > 0 and codes.count(200) >= 4, codes
+        for r in responses:
+            if r.status_code == 429:
+                assert int(r.headers["Retry-After"]) >= 1
+                assert r.json()["error"]["type"] == "rate_limit_error"
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 20
+        # The openai client parses the 429 too (it raises RateLimitError).
+        text = httpx.get(server.base_url + "/metrics").text
+        assert metric_value(
+            text, "poise:requests_rejected_total", reason="queue_full"
+        ) == codes.count(429)
