@@ -279,6 +279,7 @@ def group_metrics(
     out["output_tokens"] = sum(n_out)
     out["prompt_tokens"] = sum(r.usage_prompt_tokens or 0 for r, _ in ok)
     out["tokens_per_event_mean"] = sum(n_out) / events if events else None
+    out["events_per_request_mean"] = events / len(ok) if ok else None  # the seed's avg_chunks
     out["n_out_sources"] = dict(Counter(s.n_out_source for _, s in ok))
     out["itl_sources"] = dict(Counter(s.itl_source for _, s in ok))
     out["output_tokens_per_s"] = sum(n_out) / duration if duration > 0 else None

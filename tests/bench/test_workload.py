@@ -114,3 +114,12 @@ def test_workload_imports_stdlib_only() -> None:
     code = "import sys, poise.workload; print(sorted(m for m in ('torch','aiohttp','httpx','numpy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_metric_and_record_modules_need_no_http_client_or_torch() -> None:
+    code = (
+        "import sys, poise.bench.metrics, poise.bench.record, poise.bench.config; "
+        "print(sorted(m for m in ('torch','aiohttp','httpx') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stderr

@@ -1,0 +1,213 @@
+"""The server's view: Prometheus ``/metrics`` scrapes mapped to common names, and their
+summaries over a measurement window.
+
+Adapters map each engine's series to: ``kv_usage`` (fraction 0..1), ``running``, ``waiting``,
+``preemptions`` (a counter), ``ttft`` (a histogram, seconds). Engines: poise (``poise:``, the
+vLLM names), vLLM, SGLang, TGI, llama.cpp. A series an engine does not expose stays absent
+and its summary is None: we never invent zeros (TGI and llama.cpp have no preemption counter).
+Samples are summed over label sets (vLLM labels by model and engine index).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass(frozen=True)
+class Adapter:
+    engine: str
+    kv_usage: tuple[str, ...] = ()
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    preemptions: tuple[str, ...] = ()
+    ttft: tuple[str, ...] = ()  # histogram base names (without _bucket)
+    # TGI: KV usage as a ratio of two gauges (current max tokens / max total tokens).
+    kv_ratio: tuple[str, str] | None = None
+
+
+def _vllm_like(prefix: str, engine: str) -> Adapter:
+    return Adapter(
+        engine,
+        kv_usage=(f"{prefix}kv_cache_usage_perc", f"{prefix}gpu_cache_usage_perc"),
+        running=(f"{prefix}num_requests_running",),
+        waiting=(f"{prefix}num_requests_waiting",),
+        preemptions=(f"{prefix}num_preemptions_total", f"{prefix}num_preemptions"),
+        ttft=(f"{prefix}time_to_first_token_seconds",),
+    )
+
+
+ADAPTERS: dict[str, Adapter] = {
+    "poise": _vllm_like("poise:", "poise"),
+    "vllm": _vllm_like("vllm:", "vllm"),
+    "sglang": Adapter(
+        "sglang",
+        kv_usage=("sglang:token_usage",),
+        running=("sglang:num_running_reqs",),
+        waiting=("sglang:num_queue_reqs",),
+        preemptions=("sglang:num_retracted_requests_total", "sglang:num_retracted_requests"),
+        ttft=("sglang:time_to_first_token_seconds",),
+    ),
+    "tgi": Adapter(
+        "tgi",
+        running=("tgi_batch_current_size",),
+        waiting=("tgi_queue_size",),
+        kv_ratio=("tgi_batch_current_max_tokens", "tgi_batch_max_total_tokens"),
+    ),
+    "llamacpp": Adapter(
+        "llamacpp",
+        kv_usage=("llamacpp:kv_cache_usage_ratio",),
+        running=("llamacpp:requests_processing",),
+        waiting=("llamacpp:requests_deferred",),
+    ),
+}
+
+
+def parse_samples(text: str) -> tuple[dict[str, float], dict[str, list[tuple[float, float]]]]:
+    """Prometheus text -> (sample name -> value summed over labels, histogram base name ->
+    cumulative buckets [(le, count)] summed over labels, sorted by le)."""
+    values: dict[str, float] = {}
+    buckets: dict[str, dict[float, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.endswith("_bucket") and "le" in s.labels:
+                base = s.name[: -len("_bucket")]
+                le = float(s.labels["le"])
+                per = buckets.setdefault(base, {})
+                per[le] = per.get(le, 0.0) + s.value
+            else:
+                values[s.name] = values.get(s.name, 0.0) + s.value
+    return values, {k: sorted(v.items()) for k, v in buckets.items()}
+
+
+def detect_engine(names: Sequence[str]) -> str | None:
+    for prefix, engine in (
+        ("poise:", "poise"),
+        ("vllm:", "vllm"),
+        ("sglang:", "sglang"),
+        ("llamacpp:", "llamacpp"),
+        ("tgi_", "tgi"),
+    ):
+        if any(n.startswith(prefix) for n in names):
+            return engine
+    return None
+
+
+@dataclass
+class Scrape:
+    """One scrape mapped to common names (absent ones are None)."""
+
+    t: float
+    kv_usage: float | None = None
+    running: float | None = None
+    waiting: float | None = None
+    preemptions: float | None = None
+    ttft_buckets: list[tuple[float, float]] = field(default_factory=list)
+
+
+def _first(values: dict[str, float], names: Sequence[str]) -> float | None:
+    for n in names:
+        if n in values:
+            return values[n]
+    return None
+
+
+def map_scrape(t: float, text: str, adapter: Adapter) -> Scrape:
+    values, hists = parse_samples(text)
+    kv = _first(values, adapter.kv_usage)
+    if kv is None and adapter.kv_ratio is not None:
+        num, den = (values.get(n) for n in adapter.kv_ratio)
+        kv = num / den if num is not None and den else None
+    ttft = next((hists[n] for n in adapter.ttft if n in hists), [])
+    return Scrape(
+        t,
+        kv,
+        _first(values, adapter.running),
+        _first(values, adapter.waiting),
+        _first(values, adapter.preemptions),
+        ttft,
+    )
+
+
+def histogram_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float | None:
+    """Prometheus-style quantile (q in 0..1) of cumulative buckets, linear inside a bucket."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    total = buckets[-1][1]
+    rank = q * total
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in buckets:
+        if c >= rank:
+            if math.isinf(le):
+                return prev_le  # the open bucket: best we can say is its lower edge
+            width = c - prev_c
+            return prev_le + (le - prev_le) * ((rank - prev_c) / width if width > 0 else 1.0)
+        prev_le, prev_c = le, c
+    return prev_le
+
+
+def _bucket_delta(
+    a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]
+) -> list[tuple[float, float]]:
+    before = dict(a)
+    return [(le, c - before.get(le, 0.0)) for le, c in b]
+
+
+def _stats(xs: list[float]) -> dict[str, float | None]:
+    return {
+        "mean": sum(xs) / len(xs) if xs else None,
+        "max": max(xs) if xs else None,
+    }
+
+
+def summarize_window(scrapes: Sequence[Scrape], w0: float, w1: float) -> dict[str, Any]:
+    """Server metrics over [w0, w1]: gauges from the scrapes inside it; counters and
+    histograms as the difference between the last scrape at or before w0 and the first at or
+    after w1 (the nearest ones when the window edges have none)."""
+    inside = [s for s in scrapes if w0 <= s.t <= w1] or list(scrapes)
+    out: dict[str, Any] = {"num_scrapes": len(inside)}
+    kv = [s.kv_usage for s in inside if s.kv_usage is not None]
+    out["kv_usage"] = {"peak": max(kv) if kv else None, "mean": sum(kv) / len(kv) if kv else None}
+    out["running"] = _stats([s.running for s in inside if s.running is not None])
+    out["waiting"] = _stats([s.waiting for s in inside if s.waiting is not None])
+    if not scrapes:
+        out["preemptions"] = None
+        out["server_ttft_ms"] = None
+        return out
+    before = [s for s in scrapes if s.t <= w0]
+    after = [s for s in scrapes if s.t >= w1]
+    first = before[-1] if before else scrapes[0]
+    last = after[0] if after else scrapes[-1]
+    if first.preemptions is not None and last.preemptions is not None:
+        out["preemptions"] = int(round(last.preemptions - first.preemptions))
+    else:
+        out["preemptions"] = None
+    delta = _bucket_delta(first.ttft_buckets, last.ttft_buckets)
+    if delta and delta[-1][1] > 0:
+        out["server_ttft_ms"] = {
+            "n": int(delta[-1][1]),
+            **{
+                f"p{q}": (
+                    v * 1000 if (v := histogram_quantile(delta, q / 100)) is not None else None
+                )
+                for q in (50, 90, 95, 99)
+            },
+        }
+    else:
+        out["server_ttft_ms"] = None
+    return out
+
+
+def timeseries(scrapes: Sequence[Scrape], t0: float) -> dict[str, list[Any]]:
+    """Scrapes as columns, times relative to ``t0`` (for the record and the timeline plot)."""
+    return {
+        "t": [round(s.t - t0, 4) for s in scrapes],
+        "kv_usage": [s.kv_usage for s in scrapes],
+        "running": [s.running for s in scrapes],
+        "waiting": [s.waiting for s in scrapes],
+        "preemptions": [s.preemptions for s in scrapes],
+    }

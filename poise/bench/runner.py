@@ -1,0 +1,259 @@
+"""Driving load: ``run_cell`` (one load point) and ``run_matrix`` (every cell of a config,
+in order) against any OpenAI-compatible server.
+
+Closed loop: ``concurrency`` workers, each sending its next request as soon as its previous
+one ends (intended send time = when the slot freed). Open loop: requests leave at their
+scheduled arrival times; a concurrency cap, if set, makes late sends visible as sched_lag.
+The first ``warmup`` requests of a cell run under the same load but are excluded from the
+results. The server is scraped throughout each cell; the event loop's own lag is measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import math
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import aiohttp
+
+from poise import workload as wl
+from poise.bench.client import (
+    Endpoint,
+    LoopLagMonitor,
+    Scraper,
+    discover_model,
+    make_session,
+    now,
+    probe,
+    send_one,
+)
+from poise.bench.config import BenchConfig, CellSpec, cell_counts, cell_requests
+from poise.bench.metrics import SLO, RequestRecord
+from poise.bench.record import CellResult, ExperimentRecord, build_cell
+
+log = logging.getLogger(__name__)
+TOOL_VERSION = "poise-bench 0.1"
+Progress = Callable[[int, int], None]  # (done, total) of the current cell
+
+
+def _utc() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+class _CellRun:
+    """State of one running cell."""
+
+    def __init__(
+        self,
+        cfg: BenchConfig,
+        spec: CellSpec,
+        session: aiohttp.ClientSession,
+        ep: Endpoint,
+        salt: str | None,
+        progress: Progress | None,
+    ) -> None:
+        self.cfg, self.spec, self.session, self.ep = cfg, spec, session, ep
+        self.salt, self.progress = salt, progress
+        self.warmup, measured = cell_counts(cfg, spec)
+        self.requests = cell_requests(cfg, spec)
+        self.total = self.warmup + measured
+        self.records: list[RequestRecord] = []
+        self.done = 0
+        self.t0 = 0.0
+        self.deadline = math.inf
+
+    def _prompt(self, req: wl.WorkloadRequest) -> str:
+        salt = self.salt
+        if salt and self.cfg.salt_scope == "request":
+            salt = f"{salt}-{req.index}"
+        return wl.salted(req.prompt, salt)
+
+    async def _send(self, req: wl.WorkloadRequest, intended: float) -> RequestRecord:
+        rec = RequestRecord(
+            req.index,
+            req.class_name,
+            start=intended,
+            intended=intended,
+            max_tokens=req.max_tokens,
+            warmup=req.index < self.warmup,
+        )
+        self.records.append(rec)
+        await send_one(self.session, self.ep, self._prompt(req), rec, self.cfg.timeout_s)
+        self.done += 1
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+        return rec
+
+    async def closed_loop(self) -> None:
+        it: Iterator[wl.WorkloadRequest] = iter(self.requests)
+
+        async def worker() -> None:
+            intended = now()
+            for req in it:  # shared iterator: each request is taken by exactly one worker
+                if now() >= self.deadline and req.index >= self.warmup:
+                    break
+                rec = await self._send(req, intended)
+                intended = rec.end if rec.end is not None else now()
+
+        await asyncio.gather(*(worker() for _ in range(self.spec.concurrency or 1)))
+
+    async def open_loop(self) -> None:
+        sem = asyncio.Semaphore(self.spec.concurrency) if self.spec.concurrency else None
+        tasks = []
+
+        async def guarded(req: wl.WorkloadRequest, intended: float) -> None:
+            assert sem is not None
+            async with sem:
+                await self._send(req, intended)
+
+        for req in self.requests:
+            intended = self.t0 + req.arrival
+            if intended >= self.deadline and req.index >= self.warmup:
+                break
+            delay = intended - now()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            coro = guarded(req, intended) if sem else self._send(req, intended)
+            tasks.append(asyncio.create_task(coro))
+        await asyncio.gather(*tasks)
+
+
+async def run_cell(
+    cfg: BenchConfig,
+    spec: CellSpec,
+    session: aiohttp.ClientSession,
+    ep: Endpoint,
+    *,
+    salt: str | None = None,
+    progress: Progress | None = None,
+) -> CellResult:
+    """Run one load point and summarise it (records re-based to the cell start)."""
+    run = _CellRun(cfg, spec, session, ep, salt, progress)
+    scraper = (
+        Scraper(cfg.metrics_endpoint(), cfg.scrape_interval, cfg.engine) if cfg.scrape else None
+    )
+    monitor = LoopLagMonitor()
+    started_at = _utc()
+    if scraper is not None:
+        await scraper.start()
+    monitor.start()
+    run.t0 = now()
+    if cfg.duration is not None:
+        run.deadline = run.t0 + cfg.duration
+    try:
+        await (run.closed_loop() if spec.closed_loop else run.open_loop())
+    finally:
+        lags = await monitor.stop()
+        if scraper is not None:
+            await scraper.stop()
+    load = {
+        "label": spec.label,
+        "mode": "closed" if spec.closed_loop else "open",
+        "concurrency": spec.concurrency,
+        "request_rate": None if spec.closed_loop else spec.request_rate,
+        "burstiness": None if spec.closed_loop else cfg.burstiness,
+        "long_prompt_ratio": spec.long_ratio,
+        "salt": salt,
+    }
+    return build_cell(
+        load,
+        run.records,
+        slo=SLO(cfg.slo_ttft_ms, cfg.slo_tpot_ms),
+        include_failures=cfg.include_failures,
+        scrapes=scraper.scrapes if scraper else (),
+        loop_lags=lags,
+        max_lag_ms=cfg.max_lag_ms,
+        t0=run.t0,
+        started_at=started_at,
+    )
+
+
+def experiment_block(cfg: BenchConfig, model: str, engine: str | None) -> dict[str, Any]:
+    """The template's experiment fields (metrics are added per cell by the record)."""
+    workload: dict[str, Any] = {
+        "concurrency": list(cfg.concurrency),
+        "long_prompt_ratio": list(cfg.long_ratio) if cfg.mixes_by_ratio else None,
+        "max_tokens": cfg.max_tokens,
+        "request_rate": [None if math.isinf(r) else r for r in cfg.request_rate],
+        "burstiness": cfg.burstiness,
+        "num_requests": cfg.num_requests,
+        "duration_s": cfg.duration,
+        "warmup": cfg.warmup,
+        "classes": cfg.to_dict()["classes"] or ["short (seed)", "long (seed)"],
+        "jsonl": cfg.jsonl,
+        "ignore_eos": cfg.ignore_eos,
+        "temperature": cfg.temperature,
+        "seed": cfg.seed,
+        "salt_scope": cfg.salt_scope,
+        "timeout_s": cfg.timeout_s,
+        "slo_ttft_ms": cfg.slo_ttft_ms,
+        "slo_tpot_ms": cfg.slo_tpot_ms,
+    }
+    return {
+        "model": model,
+        "gpu": cfg.gpu or "unknown",
+        "engine": engine or "unknown",
+        "version": cfg.version or "unknown",
+        "workload": workload,
+        "server_args": dict(cfg.server_args),
+    }
+
+
+async def run_matrix(
+    cfg: BenchConfig,
+    *,
+    on_cell_start: Callable[[CellSpec, int], None] | None = None,
+    progress: Progress | None = None,
+    on_cell_done: Callable[[CellResult], None] | None = None,
+) -> ExperimentRecord:
+    """Probe the server, then run every cell of ``cfg`` in order."""
+    started = _utc()
+    t_start = time.time()
+    async with make_session() as session:
+        ep = Endpoint(cfg.base_url, cfg.model or "", cfg.api_key, temperature=cfg.temperature)
+        ep.ignore_eos = cfg.ignore_eos
+        if not ep.model:
+            ep.model = await discover_model(session, cfg.base_url, ep.headers()) or "default"
+        caps = await probe(session, ep, cfg.timeout_s)
+        if not caps["ok"]:
+            log.warning("capability probe failed: %s", caps["error"])
+        engine = cfg.engine
+        if engine is None and cfg.scrape:
+            scraper = Scraper(cfg.metrics_endpoint())
+            await scraper.start()
+            await scraper.stop()
+            engine = scraper.engine if scraper.scrapes else None
+        run_salt = cfg.run_salt()
+        cells = []
+        for i, spec in enumerate(cfg.cells()):
+            if on_cell_start is not None:
+                on_cell_start(spec, sum(cell_counts(cfg, spec)))
+            salt = f"{run_salt}-{i}" if run_salt and cfg.salt_scope != "run" else run_salt
+            cell = await run_cell(cfg, spec, session, ep, salt=salt, progress=progress)
+            cells.append(cell)
+            if on_cell_done is not None:
+                on_cell_done(cell)
+    caps["ignore_eos_requested"] = cfg.ignore_eos
+    return ExperimentRecord(
+        experiment=experiment_block(cfg, ep.model, engine),
+        cells=cells,
+        capabilities=caps,
+        provenance={
+            "command": cfg.command,
+            "tool_version": TOOL_VERSION,
+            "started_at": started,
+            "finished_at": _utc(),
+            "wall_s": round(time.time() - t_start, 3),
+            "base_url": cfg.base_url,
+            "python": sys.version.split()[0],
+            "host": platform.node(),
+            "metrics_url": cfg.metrics_endpoint() if cfg.scrape else None,
+            "config": cfg.to_dict(),
+        },
+    )
