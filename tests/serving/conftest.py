@@ -63,29 +63,53 @@ def smol_tokenizer(smol_tokenizer_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(smol_tokenizer_dir), local_files_only=True)
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smol_tokenizer: Any) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
 
-    path = tmp_path_factory.mktemp("tiny-llama-smol")
-    smol_tokenizer.save_pretrained(path)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(smol_tokenizer),
-        max_position_embeddings=2048,
-        bos_token_id=smol_tokenizer.bos_token_id,
-        eos_token_id=smol_tokenizer.eos_token_id,
-        tie_word_embeddings=True,
+
+def write_tiny_llama(path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """config.json + model.safetensors for a tiny random Llama whose vocab is the tokenizer's,
+    plus the tokenizer files. Written directly (no transformers model object: it is faster)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    tok_cfg = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = len(tok_cfg["model"]["vocab"]) + sum(
+        1 for t in tok_cfg.get("added_tokens", []) if t["id"] >= len(tok_cfg["model"]["vocab"])
     )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
-    model.save_pretrained(path, safe_serialization=True)
+    h, i, layers = TINY["hidden_size"], TINY["intermediate_size"], TINY["num_hidden_layers"]
+    kv = TINY["num_key_value_heads"] * h // TINY["num_attention_heads"]
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **TINY,
+              "vocab_size": vocab, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": True,
+              "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
+    for n in range(layers):
+        pre = f"model.layers.{n}."
+        shapes |= {pre + "self_attn.q_proj.weight": (h, h), pre + "self_attn.k_proj.weight": (kv, h),
+                   pre + "self_attn.v_proj.weight": (kv, h), pre + "self_attn.o_proj.weight": (h, h),
+                   pre + "mlp.gate_proj.weight": (i, h), pre + "mlp.up_proj.weight": (i, h),
+                   pre + "mlp.down_proj.weight": (h, i), pre + "input_layernorm.weight": (h,),
+                   pre + "post_attention_layernorm.weight": (h,)}  # fmt: skip
+    # Spread wider than HF's init, so greedy text varies instead of repeating one token.
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {
+        name: (1.0 + 0.1 * torch.randn(shape, generator=gen)) if name.endswith("norm.weight")
+        else 0.08 * torch.randn(shape, generator=gen)
+        for name, shape in shapes.items()
+    }  # fmt: skip
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smol_tokenizer_dir: Path) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-smol"), smol_tokenizer_dir)
 
 
 class InProcessServer:

@@ -1,0 +1,328 @@
+"""Acceptance tests against one live `poise serve` subprocess (tiny random Llama, real SmolLM2
+tokenizer), through the official openai client: schemas, usage, stop strings, seeds,
+ignore_eos, errors, 64 concurrent streams, disconnects, metrics.
+
+One server for the module; tests that read metric deltas run their traffic sequentially.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from poise.text import apply_chat_template
+from tests.serving.conftest import ServerProcess, metric_value
+
+MAX_MODEL_LEN = 512
+MSG = [{"role": "user", "content": "Explain continuous batching in three sentences."}]
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("live") / "server.log"
+    args = [
+        str(tiny_model_dir), "--served-model-name", "tiny", "--dtype", "float32",
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64",
+        "--max-num-batched-tokens", "1024", "--kv-cache-memory-bytes", "32MiB",
+        "--log-interval", "1",
+    ]  # fmt: skip
+    proc = ServerProcess(args, log).wait_ready()
+    yield proc
+    assert proc.stop() == 0, log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def _metrics(server: ServerProcess) -> str:
+    return httpx.get(server.base_url + "/metrics").text
+
+
+def test_info_endpoints(server: ServerProcess, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    for path in ("/health", "/ready", "/version"):
+        assert httpx.get(server.base_url + path).status_code == 200
+    assert "poise:num_requests_running" in _metrics(server)
+
+
+def test_chat_stream_and_non_stream_agree_and_usage_is_real(
+    client: openai.OpenAI, smol_tokenizer: Any
+) -> None:
+    n_prompt = len(apply_chat_template(smol_tokenizer, MSG))
+    full = client.chat.completions.create(
+        model="tiny", messages=MSG, max_completion_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert full.object == "chat.completion" and full.choices[0].finish_reason == "length"
+    assert full.usage is not None
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (n_prompt, 12)
+    content = full.choices[0].message.content or ""
+    assert content and content == smol_tokenizer.decode(
+        smol_tokenizer.encode(content, add_special_tokens=False)
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=MSG,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.total_tokens == n_prompt + 12
+
+
+def test_completions_text_and_token_ids(client: openai.OpenAI, smol_tokenizer: Any) -> None:
+    prompt = "The scheduler decides"
+    ids = smol_tokenizer.encode(prompt)
+    by_text = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
+    assert by_text.usage is not None and by_text.usage.prompt_tokens == len(ids)
+    assert by_text.choices[0].text == by_ids.choices[0].text
+    streamed = client.completions.create(
+        model="tiny", prompt=ids, max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == by_text.choices[0].text
+
+
+def test_stop_strings(client: openai.OpenAI) -> None:
+    base = client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=24, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    text = base.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), text
+    cut = text[: text.index(stop)]
+    for stream in (False, True):
+        kwargs: dict[str, Any] = dict(model="tiny", prompt="Once upon a time", max_tokens=24,
+                                      temperature=0, stop=[stop], stream=stream)  # fmt: skip
+        if stream:
+            parts = list(client.completions.create(**kwargs))
+            got = "".join(p.choices[0].text for p in parts if p.choices)
+            reason = [p.choices[0].finish_reason for p in parts if p.choices][-1]
+        else:
+            out = client.completions.create(**kwargs)
+            got, reason = out.choices[0].text, out.choices[0].finish_reason
+        assert (got, reason) == (cut, "stop")
+
+
+def test_seed_reproducibility(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        out = client.chat.completions.create(
+            model="tiny", messages=MSG, max_tokens=16, temperature=1.0, top_p=0.95, seed=seed,
+            extra_body={"top_k": 50, "ignore_eos": True},
+        )  # fmt: skip
+        return out.choices[0].message.content or ""
+
+    first = sample(7)
+    assert sample(7) == first
+    assert any(sample(s) != first for s in (8, 9))
+
+
+def test_ignore_eos_gives_exactly_max_tokens(client: openai.OpenAI) -> None:
+    stream = client.completions.create(
+        model="tiny", prompt="x", max_tokens=40, temperature=0.8, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "min_p": 0.01},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 40
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": 0}, "top_p"),
+        ({"model": "gpt-4"}, "model"),
+        ({"n": 2}, "n"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi " * 600}]}, "messages"),
+    ],
+)
+def test_invalid_requests_are_400_naming_the_field(
+    client: openai.OpenAI, body: dict[str, Any], param: str
+) -> None:
+    kwargs: dict[str, Any] = {"model": "tiny", "messages": MSG, "max_tokens": 4}
+    kwargs.update(body)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**kwargs)
+    err = info.value.body
+    assert isinstance(err, dict) and set(err) >= {"message", "type", "param", "code"}
+    if param == "messages" and body["messages"]:
+        assert str(MAX_MODEL_LEN) in err["message"] and "prompt has" in err["message"]
+    else:
+        assert err["param"] == param
+
+
+def test_malformed_json_is_400(server: ServerProcess) -> None:
+    r = httpx.post(server.base_url + "/v1/chat/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_64_concurrent_streams_all_complete_correctly(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    prompts = [f"Request class {i}: summarize the log." for i in range(4)]
+    expected = {
+        p: client.completions.create(
+            model="tiny", prompt=p, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+        for p in prompts
+    }
+    aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+    async def one(i: int) -> tuple[str, str, int]:
+        prompt = prompts[i % 4]
+        stream = await aclient.completions.create(
+            model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        text, n = "", 0
+        async for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+            if chunk.usage is not None:
+                n = chunk.usage.completion_tokens
+        return prompt, text, n
+
+    async def all_of_them() -> list[tuple[str, str, int]]:
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(all_of_them())
+    assert len(results) == 64
+    for prompt, text, n in results:
+        assert n == 16 and text == expected[prompt]
+
+
+def _wait_for(cond: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_disconnecting_20_streams_frees_the_kv_cache(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    aborts_before = metric_value(_metrics(server), "poise:request_success_total",
+                                 finished_reason="abort")  # fmt: skip
+
+    async def start_and_leave(http: httpx.AsyncClient, i: int) -> None:
+        body = {"prompt": f"long story {i}", "max_tokens": 400, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        async with http.stream("POST", server.base_url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 3:
+                    return  # leaving the block closes the connection mid-generation
+
+    async def run() -> None:
+        limits = httpx.Limits(max_connections=32)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as http:
+            await asyncio.gather(*(start_and_leave(http, i) for i in range(20)))
+
+    asyncio.run(run())
+
+    def drained() -> bool:
+        text = _metrics(server)
+        return (
+            metric_value(text, "poise:kv_cache_usage_perc") == 0
+            and metric_value(text, "poise:num_requests_running") == 0
+            and metric_value(text, "poise:request_success_total", finished_reason="abort")
+            >= aborts_before + 20
+        )
+
+    _wait_for(drained)
+    out = client.completions.create(model="tiny", prompt="still there?", max_tokens=3)
+    assert out.usage is not None and out.usage.completion_tokens == 3
+
+
+def test_metrics_move_and_histograms_count_served_requests(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    names = ("poise:e2e_request_latency_seconds_count", "poise:time_to_first_token_seconds_count",
+             "poise:request_queue_time_seconds_count", "poise:generation_tokens_total",
+             "poise:prompt_tokens_total")  # fmt: skip
+    before = {n: metric_value(_metrics(server), n) for n in names}
+    prompt_tokens = completion_tokens = 0
+    for i in range(5):
+        out = client.completions.create(model="tiny", prompt=f"metrics {i}", max_tokens=5 + i,
+                                        extra_body={"ignore_eos": True})  # fmt: skip
+        assert out.usage is not None
+        prompt_tokens += out.usage.prompt_tokens
+        completion_tokens += out.usage.completion_tokens
+    _wait_for(lambda: metric_value(_metrics(server), names[0]) >= before[names[0]] + 5)
+    after = {n: metric_value(_metrics(server), n) for n in names}
+    assert after[names[0]] - before[names[0]] == 5
+    assert after[names[1]] - before[names[1]] == 5
+    assert after[names[2]] - before[names[2]] == 5
+    assert after["poise:generation_tokens_total"] - before["poise:generation_tokens_total"] == (
+        completion_tokens
+    )
+    assert after["poise:prompt_tokens_total"] - before["poise:prompt_tokens_total"] == prompt_tokens
+    text = _metrics(server)
+    assert metric_value(text, "poise:step_duration_seconds_count") > 0
+    assert metric_value(text, "poise:step_decode_tokens_sum") > 0
+    assert metric_value(text, "poise:request_success_total", finished_reason="length") >= 5
+
+
+def test_sigterm_stops_accepting_finishes_in_flight_and_exits_0(server: ServerProcess) -> None:
+    """Last in the module: it shuts the shared server down."""
+    lines: list[str] = []
+
+    def stream() -> None:
+        body = {"prompt": "drain me", "max_tokens": 200, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        url = server.base_url + "/v1/completions"
+        with httpx.stream("POST", url, json=body, timeout=120) as r:
+            lines.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    _wait_for(lambda: metric_value(_metrics(server), "poise:num_requests_running") >= 1)
+    server.proc.send_signal(signal.SIGTERM)
+
+    def refused() -> bool:
+        try:
+            httpx.get(server.base_url + "/health", timeout=1)
+        except httpx.TransportError:
+            return True
+        return False
+
+    _wait_for(refused)
+    thread.join(timeout=120)
+    assert lines[-1] == "data: [DONE]"
+    usage = json.loads(lines[-2][len("data: ") :])["usage"]
+    assert usage["completion_tokens"] == 200
+    assert server.proc.wait(timeout=60) == 0
