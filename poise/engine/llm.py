@@ -76,11 +76,14 @@ class LLM:
         engine = self.engine
         ids = [f"offline-{next(self._ids)}" for _ in token_lists]
         outputs: dict[str, RequestOutput] = {}
-        detoks = {}
+        detoks: dict[str, IncrementalDetokenizer] = {}
         for rid, tokens, sp in zip(ids, token_lists, params, strict=True):
             engine.add_request(rid, tokens, sp)
             outputs[rid] = RequestOutput(rid, tokens, [], "", None, None)
-            detoks[rid] = IncrementalDetokenizer(self.tokenizer, tokens, sp)
+            if self.tokenizer is not None:  # a bare checkpoint without tokenizer: ids only
+                detoks[rid] = IncrementalDetokenizer(self.tokenizer, tokens, sp)
+            elif sp.stop:
+                raise ValueError("stop: stop strings need a tokenizer; this model has none")
         pending = set(ids)
         while pending:
             deltas, _ = engine.step()
@@ -89,9 +92,13 @@ class LLM:
                 if out is None:
                     continue
                 out.output_token_ids.extend(delta.new_token_ids)
-                text = detoks[delta.request_id].update(delta.new_token_ids, delta.finished)
-                out.text += text.text
-                if text.stopped and not delta.finished:
+                detok = detoks.get(delta.request_id)
+                stopped = False
+                if detok is not None:
+                    text = detok.update(delta.new_token_ids, delta.finished)
+                    out.text += text.text
+                    stopped = text.stopped
+                if stopped and not delta.finished:
                     finished = engine.finish(delta.request_id)
                     if finished is not None:
                         delta = finished
