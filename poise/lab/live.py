@@ -1,0 +1,97 @@
+"""Probes that measure: ``LiveProbe`` starts a server with the candidate's knobs, runs one
+bench cell and stops the server (always); ``SimProbe`` runs the cell in the simulator.
+
+Invariants: every live probe is a fresh server process (nothing cached from the previous
+candidate) and its result is stored under ``<out>/probes/`` like a sweep cell, so a re-run of
+the same tuning resumes without re-measuring candidates it already measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+from pathlib import Path
+from typing import Any
+
+from poise.lab.bench_adapter import LabCell, LabWorkload, run_cells
+from poise.lab.metrics import CellMetrics
+from poise.lab.probe import Candidate
+from poise.lab.server import ManagedServer, ServerSpec
+from poise.lab.store import CellStore
+
+logger = logging.getLogger(__name__)
+
+
+class LiveProbe:
+    """``base`` holds the fixed server arguments (poise) or the command template (another
+    engine, with ``{max_num_batched_tokens}``, ``{max_num_seqs}``... placeholders)."""
+
+    def __init__(self, base: ServerSpec, workload: LabWorkload, cell: LabCell, out_dir: str | Path,
+                 runner: Any = run_cells) -> None:  # fmt: skip
+        self.base = base
+        self.workload = workload
+        self.cell = cell
+        self.out = Path(out_dir)
+        self.store = CellStore(self.out / "probes")
+        self.salt = secrets.token_hex(4)
+        self.runner = runner
+        self.pids: list[int] = []
+
+    def spec_for(self, cand: Candidate) -> ServerSpec:
+        args = {**self.base.args, **cand.to_args()}
+        return dataclasses.replace(self.base, name=cand.key, args=args)
+
+    def fingerprint(self, spec: ServerSpec) -> dict[str, Any]:
+        return {"model": spec.model, "args": spec.args, "command": spec.command,
+                "workload": self.workload.fingerprint(), "cell": self.cell.label}  # fmt: skip
+
+    def measure(self, candidate: Candidate) -> CellMetrics:
+        spec = self.spec_for(candidate)
+        fp = self.fingerprint(spec)
+        stored = self.store.load(spec.name, self.cell.label, fp)
+        if stored is not None:
+            logger.info("%s: stored result reused", candidate.label)
+            return CellMetrics.from_bench(stored["result"])
+        got: list[Any] = []
+
+        def done(cell: LabCell, result: Any) -> None:
+            records = [r.to_dict() for r in getattr(result, "records", [])]
+            self.store.save(spec.name, cell.label, fp, result.to_dict(), records)
+            got.append(result)
+
+        server = ManagedServer(spec, self.out / "logs" / f"{spec.name}.log")
+        try:
+            with server:
+                extra = {"server_args": dict(spec.args), "engine": spec.engine}
+                self.runner(
+                    server.base_url, self.workload, [self.cell], done, salt=self.salt, **extra
+                )
+        finally:
+            if server.pid is not None:
+                self.pids.append(server.pid)
+        if not got:
+            raise RuntimeError(f"{candidate.label}: the bench returned no cell")
+        return CellMetrics.from_bench(got[0].to_dict())
+
+
+class SimProbe:
+    """The candidate through the simulator (``poise simulate``'s bench bridge): the real
+    scheduler in virtual time, step costs from a profile or a roofline model."""
+
+    def __init__(self, base_args: dict[str, Any], workload: LabWorkload, cell: LabCell,
+                 cost_model: Any, lengths: Any) -> None:  # fmt: skip
+        self.base_args = base_args
+        self.workload = workload
+        self.cell = cell
+        self.cost_model = cost_model
+        self.lengths = lengths
+
+    def measure(self, candidate: Candidate) -> CellMetrics:
+        from poise.cli.simulate import simulate_bench_cell
+        from poise.config import EngineConfig
+
+        config = EngineConfig.from_kwargs(**{**self.base_args, **candidate.to_args()})
+        cfg, spec = self.workload.bench_config("http://simulated/v1", self.cell)
+        result, _ = simulate_bench_cell(cfg, spec, config, self.cost_model, self.lengths, "sim")
+        return dataclasses.replace(CellMetrics.from_bench(result.to_dict()), note="simulated")

@@ -1,0 +1,138 @@
+"""The seed lab's questions, answered with a sweep's own numbers where the sweep measured them:
+
+- how the long-prompt ratio moves short requests' TTFT (per config and concurrency);
+- what prefill-first and FIFO each sacrifice (configs that differ only in the policy);
+- what holds the queue when ``waiting`` stays high (KV headroom vs request cap / budget).
+
+A question the sweep cannot answer says so and names the configs or cells that would.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from poise.lab.metrics import CellMetrics, fmt_ms, fmt_pct, rel_change
+
+if TYPE_CHECKING:
+    from poise.lab.sweep import SweepResult
+
+Grid = dict[str, dict[str, CellMetrics]]
+
+
+def answer_questions(result: SweepResult, grid: Grid) -> list[str]:
+    out = ["## The lab's questions, with this run's numbers", ""]
+    out += long_ratio_answer(result, grid)
+    out += policy_answer(result, grid)
+    out += waiting_answer(result, grid)
+    return out
+
+
+def long_ratio_answer(result: SweepResult, grid: Grid) -> list[str]:
+    out = ["### How do long prompts move short requests' TTFT?", ""]
+    ratios = sorted(result.workload.long_ratio)
+    if len(ratios) < 2 or ratios[0] != 0.0:
+        return out + ["Not measured: sweep long ratios including 0 and one above it.", ""]
+    growth: list[tuple[float, str]] = []
+    for spec in result.specs:
+        cells = grid.get(spec.name, {})
+        for c in result.workload.concurrency:
+            pts = []
+            for r in ratios:
+                m = cells.get(f"c{c}-long{r:g}")
+                v = m.class_ttft_p95_ms.get("short") if m else None
+                pts.append((r, v))
+            if pts[0][1] is None or all(v is None for _, v in pts[1:]):
+                continue
+            trail = " -> ".join(f"{fmt_ms(v)} (long {r:g})" for r, v in pts)
+            last = [v for _, v in pts if v is not None][-1]
+            k = last / pts[0][1] if pts[0][1] else None
+            ratio_txt = "" if k is None else f": x{k:.1f}"
+            out.append(f"- {spec.name}, concurrency {c}: short TTFT p95 {trail}{ratio_txt}")
+            if k is not None:
+                growth.append((k, f"{spec.name} at concurrency {c}"))
+    if not growth:
+        return out + ["No short-request TTFT was measured in both ratios.", ""]
+    best, worst = min(growth), max(growth)
+    out += [
+        "",
+        f"Long prompts multiply short requests' TTFT p95 by x{best[0]:.1f} ({best[1]}) to "
+        f"x{worst[0]:.1f} ({worst[1]}): short prompts queue behind long prefills that share "
+        "the token budget. Smaller budgets and chunked prefill bound that wait; separate pools "
+        "remove it.",
+        "",
+    ]
+    return out
+
+
+def policy_pairs(result: SweepResult) -> list[tuple[str, str]]:
+    """(fifo config, prefill_first config) pairs that differ only in the policy."""
+    from poise.config import normalize_policy
+
+    def key(args: dict[str, object]) -> tuple[tuple[str, str], ...]:
+        return tuple(sorted((k, str(v)) for k, v in args.items() if k != "scheduling_policy"))
+
+    poise_specs = [s for s in result.specs if s.command is None]
+    pairs = []
+    for a in poise_specs:
+        for b in poise_specs:
+            pa = normalize_policy(str(a.args.get("scheduling_policy", "fifo")))
+            pb = normalize_policy(str(b.args.get("scheduling_policy", "fifo")))
+            if (
+                pa == "fifo"
+                and pb == "prefill_first"
+                and key(a.args) == key(b.args)
+                and a.model == b.model
+            ):
+                pairs.append((a.name, b.name))
+    return pairs
+
+
+def policy_answer(result: SweepResult, grid: Grid) -> list[str]:
+    out = ["### What do prefill-first and FIFO each sacrifice here?", ""]
+    pairs = policy_pairs(result)
+    if not pairs:
+        return out + ["Not measured: no two configs differ only in scheduling_policy "
+                      "(`poise sweep --preset policy` has such a pair).", ""]  # fmt: skip
+    for fifo, pf in pairs:
+        for cell in result.workload.cells():
+            a, b = grid.get(fifo, {}).get(cell.label), grid.get(pf, {}).get(cell.label)
+            if a is None or b is None:
+                continue
+            out.append(
+                f"- {cell.label}: prefill-first ({pf}) vs FIFO ({fifo}): TTFT p95 "
+                f"{_pct(rel_change(b.ttft_p95_ms, a.ttft_p95_ms))} ({fmt_ms(a.ttft_p95_ms)} -> "
+                f"{fmt_ms(b.ttft_p95_ms)}), TPOT p50 {_pct(rel_change(b.tpot_p50_ms, a.tpot_p50_ms))}"
+                f" ({fmt_ms(a.tpot_p50_ms)} -> {fmt_ms(b.tpot_p50_ms)}), throughput "
+                f"{_pct(rel_change(b.output_tokens_per_s, a.output_tokens_per_s))}"
+            )
+    out += ["", "Prefill-first buys first tokens (TTFT) with decode smoothness (TPOT, stalls of "
+            "running streams); FIFO / decode-first does the reverse. Where the TTFT change is "
+            "small, the queue was not prefill-bound at this load.", ""]  # fmt: skip
+    return out
+
+
+def waiting_answer(result: SweepResult, grid: Grid) -> list[str]:
+    out = ["### When `waiting` stays high, what is the limit?", ""]
+    rows = []
+    for spec in result.specs:
+        for label, m in grid.get(spec.name, {}).items():
+            if m.waiting_mean is None or m.waiting_mean < 1.0:
+                continue
+            if m.preemptions or (m.kv_usage_peak is not None and m.kv_usage_peak >= 0.9):
+                why = (
+                    f"KV cache (peak {fmt_pct(m.kv_usage_peak)}, {m.preemptions or 0} preemptions)"
+                )
+            else:
+                why = (f"request cap or token budget (KV peak {fmt_pct(m.kv_usage_peak)}: "
+                       "headroom left)")  # fmt: skip
+            rows.append(
+                f"- {spec.name} {label}: waiting {m.waiting_mean:.1f} on average; limit: {why}"
+            )
+    if not rows:
+        return out + ["No cell kept requests waiting (mean waiting < 1), or the server exposes "
+                      "no waiting gauge.", ""]  # fmt: skip
+    return out + rows + [""]
+
+
+def _pct(x: float | None) -> str:
+    return "?" if x is None else f"{x * 100:+.0f} %"
