@@ -106,6 +106,7 @@ class Endpoint:
     include_usage: bool = True
     temperature: float = 0.0
     extra_body: dict[str, Any] = field(default_factory=dict)
+    capabilities: dict[str, Any] = field(default_factory=dict)  # what the probe learnt
 
     @property
     def chat_url(self) -> str:
@@ -226,6 +227,18 @@ async def discover_model(
                 data = (await resp.json()).get("data") or []
                 return str(data[0]["id"]) if data else None
     except (aiohttp.ClientError, OSError, ValueError, KeyError):
+        return None
+    return None
+
+
+async def discover_version(session: aiohttp.ClientSession, root_url: str) -> str | None:
+    """The server's ``/version`` (vLLM, poise), when it has one."""
+    try:
+        async with session.get(root_url.rstrip("/") + "/version") as resp:
+            if resp.status == 200:
+                version = (await resp.json(content_type=None)).get("version")
+                return str(version) if version is not None else None
+    except (aiohttp.ClientError, OSError, ValueError, AttributeError):
         return None
     return None
 

@@ -104,12 +104,13 @@ class BenchConfig:
             return secrets.token_hex(4)
         return self.salt or None
 
-    def metrics_endpoint(self) -> str:
-        if self.metrics_url:
-            return self.metrics_url
+    @property
+    def server_root(self) -> str:
         root = self.base_url.rstrip("/")
-        root = root[: -len("/v1")] if root.endswith("/v1") else root
-        return root + "/metrics"
+        return root[: -len("/v1")] if root.endswith("/v1") else root
+
+    def metrics_endpoint(self) -> str:
+        return self.metrics_url or self.server_root + "/metrics"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

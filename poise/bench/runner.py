@@ -28,6 +28,7 @@ from poise.bench.client import (
     LoopLagMonitor,
     Scraper,
     discover_model,
+    discover_version,
     make_session,
     now,
     probe,
@@ -127,13 +128,18 @@ class _CellRun:
 async def run_cell(
     cfg: BenchConfig,
     spec: CellSpec,
-    session: aiohttp.ClientSession,
-    ep: Endpoint,
+    session: aiohttp.ClientSession | None = None,
+    ep: Endpoint | None = None,
     *,
     salt: str | None = None,
     progress: Progress | None = None,
 ) -> CellResult:
-    """Run one load point and summarise it (records re-based to the cell start)."""
+    """Run one load point and summarise it (records re-based to the cell start). Without a
+    session/endpoint (a one-off call from a sweep or tuner), opens and probes its own."""
+    if session is None or ep is None:
+        async with make_session() as own:
+            ep = await open_endpoint(cfg, own)
+            return await run_cell(cfg, spec, own, ep, salt=salt, progress=progress)
     run = _CellRun(cfg, spec, session, ep, salt, progress)
     scraper = (
         Scraper(cfg.metrics_endpoint(), cfg.scrape_interval, cfg.engine) if cfg.scrape else None
@@ -174,7 +180,9 @@ async def run_cell(
     )
 
 
-def experiment_block(cfg: BenchConfig, model: str, engine: str | None) -> dict[str, Any]:
+def experiment_block(
+    cfg: BenchConfig, model: str, engine: str | None, version: str | None = None
+) -> dict[str, Any]:
     """The template's experiment fields (metrics are added per cell by the record)."""
     workload: dict[str, Any] = {
         "concurrency": list(cfg.concurrency),
@@ -199,10 +207,22 @@ def experiment_block(cfg: BenchConfig, model: str, engine: str | None) -> dict[s
         "model": model,
         "gpu": cfg.gpu or "unknown",
         "engine": engine or "unknown",
-        "version": cfg.version or "unknown",
+        "version": version or cfg.version or "unknown",
         "workload": workload,
         "server_args": dict(cfg.server_args),
     }
+
+
+async def open_endpoint(cfg: BenchConfig, session: aiohttp.ClientSession) -> Endpoint:
+    """The endpoint for ``cfg``: model discovered when not given, options probed."""
+    ep = Endpoint(cfg.base_url, cfg.model or "", cfg.api_key, temperature=cfg.temperature)
+    ep.ignore_eos = cfg.ignore_eos
+    if not ep.model:
+        ep.model = await discover_model(session, cfg.base_url, ep.headers()) or "default"
+    ep.capabilities = await probe(session, ep, cfg.timeout_s)
+    if not ep.capabilities["ok"]:
+        log.warning("capability probe failed: %s", ep.capabilities["error"])
+    return ep
 
 
 async def run_matrix(
@@ -216,19 +236,15 @@ async def run_matrix(
     started = _utc()
     t_start = time.time()
     async with make_session() as session:
-        ep = Endpoint(cfg.base_url, cfg.model or "", cfg.api_key, temperature=cfg.temperature)
-        ep.ignore_eos = cfg.ignore_eos
-        if not ep.model:
-            ep.model = await discover_model(session, cfg.base_url, ep.headers()) or "default"
-        caps = await probe(session, ep, cfg.timeout_s)
-        if not caps["ok"]:
-            log.warning("capability probe failed: %s", caps["error"])
+        ep = await open_endpoint(cfg, session)
+        caps = dict(ep.capabilities)
         engine = cfg.engine
         if engine is None and cfg.scrape:
             scraper = Scraper(cfg.metrics_endpoint())
             await scraper.start()
             await scraper.stop()
             engine = scraper.engine if scraper.scrapes else None
+        version = cfg.version or await discover_version(session, cfg.server_root)
         run_salt = cfg.run_salt()
         cells = []
         for i, spec in enumerate(cfg.cells()):
@@ -241,7 +257,7 @@ async def run_matrix(
                 on_cell_done(cell)
     caps["ignore_eos_requested"] = cfg.ignore_eos
     return ExperimentRecord(
-        experiment=experiment_block(cfg, ep.model, engine),
+        experiment=experiment_block(cfg, ep.model, engine, version),
         cells=cells,
         capabilities=caps,
         provenance={

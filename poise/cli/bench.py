@@ -150,12 +150,14 @@ def config_from_args(args: argparse.Namespace) -> Any:
         key, _, value = item.partition("=")
         server_args[key] = yaml.safe_load(value) if value else None
     rates = args.request_rate or (math.inf,)
+    closed = any(math.isinf(r) for r in rates)
+    concurrency = args.concurrency if args.concurrency is not None else ((8,) if closed else ())
     salt = None if args.salt in ("none", "") else args.salt
     return BenchConfig(
         base_url=args.base_url,
         model=args.model,
         api_key=args.api_key,
-        concurrency=args.concurrency,
+        concurrency=concurrency,
         request_rate=rates,
         burstiness=args.burstiness,
         long_ratio=args.long_ratio,

@@ -168,3 +168,14 @@ def test_named_classes_and_duration(mock: Any) -> None:
     chat = cell.metrics["classes"]["chat"]
     assert chat["output_tokens"] == 8 * chat["num_ok"]
     assert cell.metrics["window_s"] < 2.0
+
+
+def test_run_cell_alone_for_sweeps(mock: Any) -> None:
+    from poise.bench.config import CellSpec
+    from poise.bench.runner import run_cell
+
+    srv = mock(ttft=0.01, tpot=0.001)
+    cfg = BenchConfig(base_url=srv.base_url, max_tokens=5, num_requests=3, warmup=0, scrape=False)
+    cell = asyncio.run(run_cell(cfg, CellSpec(concurrency=3, long_ratio=1.0)))
+    assert cell.metrics["overall"]["num_ok"] == 3 and set(cell.metrics["classes"]) == {"long"}
+    assert cell.server == {}  # not scraped: no invented server numbers
