@@ -23,6 +23,8 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # GGUF (llama.cpp) stores llama3-style scaling as per-frequency divisors instead.
+    freq_factors: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """[head_dim // 2] float32 inverse frequencies after scaling."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.freq_factors is not None:
+        return inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type != "llama3":

@@ -39,3 +39,12 @@ def tiny_qwen2_dir(tiny_checkpoints: dict[str, Path]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tiny_checkpoints: dict[str, Path]) -> Path:
     return tiny_checkpoints["qwen3"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread() -> None:
+    # The machine's 2 cores are shared by several test runs: a second intra-op thread mostly
+    # spins, and on tiny tensors makes torch several times slower.
+    import torch
+
+    torch.set_num_threads(1)

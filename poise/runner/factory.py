@@ -1,0 +1,108 @@
+"""``create_model_runner(config)``: load weights and tokenizer, size and allocate the KV pool,
+and describe the result (``ModelInfo``) for the engine.
+
+Resolved values (dtype, max_model_len, number of KV blocks) are returned in ModelInfo, never
+written back to the config.
+
+dtype "auto": bfloat16 on CUDA (float16 where bf16 is unsupported); float32 on CPU, so CPU
+results match transformers' fp32 reference exactly (pass dtype=bfloat16 explicitly for speed).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from poise.config import EngineConfig
+from poise.model.loader import LoadedModel, load_model
+from poise.runner.kv_pool import allocate_kv_caches, num_kv_blocks
+from poise.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    eos_token_ids: frozenset[int]
+    dtype: str
+    device: str
+    tokenizer: Any  # a transformers tokenizer (chat_template set when known), or None
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def resolve_max_model_len(requested: int | None, context_length: int) -> int:
+    if requested is None:
+        return context_length
+    if requested > context_length:
+        logger.warning(
+            "max_model_len %d exceeds the model's context length %d; using %d",
+            requested,
+            context_length,
+            context_length,
+        )
+    return min(requested, context_length)
+
+
+def load_tokenizer(source: str | None) -> Any:
+    """A transformers tokenizer from a directory or a .gguf file; None when there is none."""
+    if source is None:
+        return None
+    path = Path(source)
+    if path.suffix == ".gguf":
+        from poise.model.gguf_tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _eos_ids(loaded: LoadedModel, tokenizer: Any) -> frozenset[int]:
+    ids = set(loaded.arch.eos_token_ids) | set(loaded.extra_eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def create_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelInfo]:
+    mc, cc = config.model, config.cache
+    device = torch.device(mc.device)
+    dtype = resolve_dtype(mc.dtype, device)
+    loaded = load_model(mc.model, dtype, device, seed=mc.seed)
+    arch = loaded.arch
+    max_model_len = resolve_max_model_len(mc.max_model_len, arch.context_length)
+    loaded.model.init_rope(max_model_len)
+    blocks = num_kv_blocks(cc, config.scheduler, arch, dtype, device)
+    caches = allocate_kv_caches(arch, blocks, cc.block_size, dtype, device)
+    tokenizer = load_tokenizer(mc.tokenizer or loaded.tokenizer_source)
+    runner = ModelRunner(loaded.model, caches, cc.block_size, device, seed=mc.seed)
+    info = ModelInfo(
+        model_name=loaded.name,
+        vocab_size=arch.vocab_size,
+        max_model_len=max_model_len,
+        num_kv_blocks=blocks,
+        block_size=cc.block_size,
+        eos_token_ids=_eos_ids(loaded, tokenizer),
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+        tokenizer=tokenizer,
+    )
+    return runner, info

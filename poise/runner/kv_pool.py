@@ -1,0 +1,83 @@
+"""KV pool sizing and allocation.
+
+Sizing (returned explicitly, never written back to the config):
+- ``CacheConfig.num_kv_blocks`` when set;
+- on CPU: ``kv_cache_memory_bytes`` (default 1 GiB) / bytes per block;
+- on CUDA: ``gpu_memory_utilization`` x total memory, minus what is already in use (weights,
+  CUDA context, other processes) and an activation reserve for the largest step.
+
+Layout: one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; layer i
+gets the contiguous views (key, value) = pool[i, 0], pool[i, 1], each
+[num_blocks, block_size, Hkv, hd], so a token's K/V for all heads is one contiguous row at
+``slot = block * block_size + offset``. Zero-initialised: padded block-table entries read
+finite values that the attention masks multiply by 0.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from poise.config import CacheConfig, SchedulerConfig
+from poise.model.arch import ArchConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+_SLACK_BYTES = 256 << 20
+
+
+def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+
+
+def activation_reserve(arch: ArchConfig, sched: SchedulerConfig, dtype: torch.dtype) -> int:
+    """Rough peak of one forward's temporaries: a few [T, width] buffers plus fp32 logits."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    tokens = sched.max_num_batched_tokens
+    width = 4 * arch.hidden_size + 4 * arch.intermediate_size + arch.q_size + 2 * arch.kv_size
+    logits = 3 * sched.max_num_seqs * arch.vocab_size * 4
+    return tokens * width * elem + logits + _SLACK_BYTES
+
+
+def num_kv_blocks(
+    cache: CacheConfig,
+    sched: SchedulerConfig,
+    arch: ArchConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    per_block = bytes_per_block(arch, cache.block_size, dtype)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(cache.gpu_memory_utilization * total) - (total - free)
+        budget -= activation_reserve(arch, sched, dtype)
+        if cache.kv_cache_memory_bytes is not None:
+            budget = min(budget, cache.kv_cache_memory_bytes)
+    else:
+        budget = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+    blocks = budget // per_block
+    if blocks < 1:
+        raise ValueError(
+            f"gpu_memory_utilization: no memory left for the KV cache ({budget} bytes for "
+            f"blocks of {per_block} bytes); raise it or set num_kv_blocks"
+        )
+    logger.info(
+        "KV pool: %d blocks x %d tokens (%.1f MiB)",
+        blocks,
+        cache.block_size,
+        blocks * per_block / 2**20,
+    )
+    return int(blocks)
+
+
+def allocate_kv_caches(
+    arch: ArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    pool = torch.zeros(shape, dtype=dtype, device=device)
+    return [(pool[i, 0], pool[i, 1]) for i in range(arch.num_layers)]

@@ -1,0 +1,56 @@
+"""ModelRunner: the torch executor. ``execute(SchedulerOutput) -> ModelRunnerOutput``.
+
+Per step: build flat inputs (runner/inputs.py), one model forward over all scheduled tokens,
+logits only at the sampled positions (the last token of each request with ``sample=True``),
+then ``sampler.sample``. The runner keeps no per-request state: everything it needs is in the
+``ScheduledRequest`` (tokens, start position, block table), so finished/preempted ids need no
+cleanup here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from poise.core.outputs import ModelRunnerOutput, SchedulerOutput
+from poise.model.llama import KVCache, LlamaForCausalLM
+from poise.runner.inputs import build_step_inputs
+from poise.runner.sampler import sample
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[KVCache],
+        block_size: int,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        # Unseeded sampling draws from here, so a run with a given engine seed is reproducible.
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return int(self.kv_caches[0][0].shape[0])
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if not scheduler_output.scheduled:
+            return ModelRunnerOutput()
+        inputs = build_step_inputs(scheduler_output.scheduled, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        sampled = inputs.sampled_requests
+        if not sampled:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V] float32
+        tokens = sample(
+            logits,
+            [r.sampling_params for r in sampled],
+            [r.output_index for r in sampled],
+            generator=self.generator,
+        )
+        return ModelRunnerOutput({r.request_id: t for r, t in zip(sampled, tokens, strict=True)})
