@@ -1,0 +1,173 @@
+"""`poise profile [MODEL] [engine flags]`: measure the real runner's step time on this machine
+over a grid of batch shapes, fit the simulator's linear step-cost model, save it as JSON.
+
+Wiring only: measuring is in poise/runner/profiling.py (torch, imported lazily), fitting and
+the file format in poise/sim/fit.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import logging
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from poise.cli.options import add_engine_args, engine_config_from_args
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "profile",
+        help="Measure this machine's step times and fit the simulator's cost model.",
+        description="Drives the real model runner with hand-built batches over a grid of "
+        "(prefill tokens, decode batch size, context length), fits step time = c0 + c1*tokens "
+        "+ c2*seqs + c3*sampled + c4*prefill attention pairs + c5*decode context tokens by "
+        "least squares, and writes the coefficients with their provenance (JSON). "
+        "`poise simulate --profile FILE` uses it.",
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        help="Profile path (default: profiles/<model>-<device>.json).",
+    )
+    parser.add_argument(
+        "--grid", choices=("quick", "standard"), default="standard", help="Grid size."
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="Timed runs per grid point.")
+    parser.add_argument("--warmup", type=int, default=1, help="Untimed runs per grid point.")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's choice)."
+    )
+    parser.add_argument(
+        "--no-engine-overhead",
+        action="store_true",
+        help="Skip measuring the engine's per-step overhead outside the runner.",
+    )
+    add_engine_args(parser, positional_model=True)
+    parser.set_defaults(func=run)
+
+
+def _provenance(args: argparse.Namespace, info: Any, grid: str, threads: int) -> dict[str, Any]:
+    import torch
+
+    return {
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(["poise", *sys.argv[1:]]),
+        "host": platform.node(),
+        "machine": platform.machine(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": info.device,
+        "dtype": info.dtype,
+        "model": info.model_name,
+        "block_size": info.block_size,
+        "num_kv_blocks": info.num_kv_blocks,
+        "grid": grid,
+        "repeats": args.repeats,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from poise.runner.factory import create_model_runner
+    from poise.runner.profiling import build_grid, measure_engine_overhead, measure_grid
+    from poise.sim.cost import StepShape
+    from poise.sim.fit import fit_step_costs, profile_record, save_profile
+
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as exc:
+        print(f"poise profile: error: {exc}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.monotonic()
+    runner, info = create_model_runner(config)
+    print(
+        f"profiling {info.model_name} on {info.device} ({info.dtype}, "
+        f"{torch.get_num_threads()} threads), {info.num_kv_blocks} KV blocks",
+        file=sys.stderr,
+    )
+    points = build_grid(
+        args.grid,
+        max_tokens=config.scheduler.max_num_batched_tokens,
+        max_seqs=config.scheduler.max_num_seqs,
+        capacity_tokens=info.num_kv_blocks * info.block_size,
+        max_len=info.max_model_len,
+    )
+
+    def progress(i: int, n: int, p: Any, t: float) -> None:
+        print(
+            f"  [{i:>3}/{n}] prefill {p.prefill:>5} @ {p.prefill_start:>5}  decode {p.batch:>3}"
+            f" x ctx {p.context:>5}: {t * 1000:9.2f} ms",
+            file=sys.stderr,
+        )
+
+    measured = measure_grid(
+        runner.execute,
+        points,
+        block_size=info.block_size,
+        num_blocks=info.num_kv_blocks,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        progress=progress,
+    )
+    samples = [(StepShape.from_output(out), t) for out, t in measured]
+    coefficients, quality = fit_step_costs(samples)
+    overhead = 0.0 if args.no_engine_overhead else measure_engine_overhead(config, runner, info)
+    kv_per_token = _kv_bytes_per_token(runner, info)
+    record = profile_record(
+        model=info.model_name,
+        coefficients=coefficients,
+        fit=quality,
+        samples=samples,
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        kv_bytes_per_token=kv_per_token,
+        eos_token_ids=sorted(info.eos_token_ids),
+        kv_budget_bytes=info.num_kv_blocks * info.block_size * kv_per_token,
+        provenance=_provenance(args, info, args.grid, torch.get_num_threads()),
+    )
+    record["step_overhead_s"] = overhead
+    record["provenance"]["wall_s"] = round(time.monotonic() - t0, 1)
+    name = Path(str(info.model_name)).stem.replace(" ", "_")
+    out = Path(args.output or f"profiles/{name}-{info.device.replace(':', '')}.json")
+    save_profile(record, out)
+    _print_summary(coefficients, quality.to_dict(), overhead)
+    print(f"profile: {out}")
+    return 0
+
+
+def _kv_bytes_per_token(runner: Any, info: Any) -> int:
+    """K+V bytes of one token over all layers, read off the allocated pool."""
+    total = sum(
+        k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in runner.kv_caches
+    )
+    return int(total // (info.num_kv_blocks * info.block_size))
+
+
+def _print_summary(coef: dict[str, float], fit: dict[str, float], overhead: float) -> None:
+    units = {"const": "ms/step", "tokens": "ms/token", "seqs": "ms/request",
+             "sampled": "ms/sampled", "prefill_attn": "ms/1k pairs", "decode_ctx": "ms/1k ctx"}  # fmt: skip
+    for name, value in coef.items():
+        scale = 1e6 if name in ("prefill_attn", "decode_ctx") else 1e3
+        print(f"  {name:<13} {value * scale:10.4f} {units[name]}")
+    print(f"  engine overhead {overhead * 1e3:.3f} ms/step (outside the runner)")
+    print(
+        f"  fit: n={fit['n']}  MAPE {fit['mape'] * 100:.1f}%  max error "
+        f"{fit['max_rel_error'] * 100:.1f}%  R^2 {fit['r2']:.4f}"
+    )
+    logger.debug("fit %s", fit)

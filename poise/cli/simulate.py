@@ -1,0 +1,333 @@
+"""`poise simulate`: the `poise bench` matrix run against the simulator instead of a server.
+
+Takes the engine flags of `poise serve` and the workload flags of `poise bench`, runs every cell
+through ``poise.sim.simulate_cell`` (the real scheduler on a virtual clock, with a profiled or
+roofline cost model) and writes the same YAML experiment record (``kind: simulated``) and plots.
+
+Programmatic use (sweep/tune): ``simulate_bench_cell`` turns one bench ``CellSpec`` into a
+bench ``CellResult``; ``simulate_matrix`` does a whole ``BenchConfig``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from poise.cli.options import add_engine_args, engine_config_from_args
+
+SIM_SALT = "sim00000"  # fixed, so simulated runs are reproducible; same length as bench's
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "simulate",
+        help="Run the bench matrix against the simulator (the real scheduler, virtual time).",
+        description="Same engine flags as `poise serve`, same workload flags as `poise bench`; "
+        "step times come from a profile (`poise profile`) or a roofline model of a named "
+        "accelerator. Writes a YAML experiment record marked simulated.",
+    )
+    g = parser.add_argument_group("cost model")
+    g.add_argument("--profile", help="Step-cost profile from `poise profile` (this machine).")
+    g.add_argument("--accelerator", help="Roofline model of a GPU: a10, l40s, a100, h100, h200.")
+    g.add_argument(
+        "--model-shape",
+        help="Roofline: a shipped shape (Qwen2.5-7B-Instruct, Llama-3.1-8B-Instruct, "
+        "SmolLM2-135M-Instruct) or a config.json / model dir (default: --model's, else SmolLM2).",
+    )
+    g.add_argument("--compute-efficiency", type=float, default=None, help="Roofline MFU (0.5).")
+    g.add_argument("--bandwidth-efficiency", type=float, default=None, help="Roofline (0.8).")
+    g.add_argument(
+        "--request-overhead-ms", type=float, default=None,
+        help="Per-request time before the engine sees it (HTTP, template, tokenize).",
+    )  # fmt: skip
+    g.add_argument(
+        "--step-overhead-ms", type=float, default=None,
+        help="Per-step engine-loop time outside the forward (default: the profile's).",
+    )  # fmt: skip
+    _add_workload_args(parser)
+    add_engine_args(parser)
+    parser.set_defaults(func=run)
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The `poise bench` load/workload/record flags that make sense without a server."""
+    from poise.cli.bench import _floats, _ints
+
+    g = p.add_argument_group("load (as poise bench)")
+    g.add_argument("--concurrency", type=_ints, default=(8,), help="Closed-loop streams, list; with --request-rate: a cap.")  # fmt: skip
+    g.add_argument("--request-rate", type=_floats, default=None, help="Open-loop rates (req/s), list; inf = closed loop.")  # fmt: skip
+    g.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of arrival gaps (1 = Poisson).")  # fmt: skip
+    g.add_argument("--num-requests", type=int, default=None, help="Measured requests per cell (default 4 x concurrency, >= 16).")  # fmt: skip
+    g.add_argument("--duration", type=float, default=None, help="Virtual seconds per cell instead of a count.")  # fmt: skip
+    g.add_argument("--warmup", type=int, default=None, help="Warmup requests per cell (default: concurrency).")  # fmt: skip
+    g = p.add_argument_group("workload (as poise bench)")
+    g.add_argument("--long-ratio", type=_floats, default=(0.0,), help="Fractions of seed LONG prompts, list.")  # fmt: skip
+    g.add_argument("--max-tokens", type=int, default=160, help="max_tokens per request (output length, ignore_eos).")  # fmt: skip
+    g.add_argument("--class", dest="classes", action="append", default=[], metavar="NAME:W:PLEN:OLEN", help="A request class (repeatable), as poise bench.")  # fmt: skip
+    g.add_argument("--jsonl", help="Prompts file, as poise bench.")
+    # --seed is the engine flag (ModelConfig.seed); here it also seeds the request sample.
+    g.add_argument("--salt", default="auto", help="auto (a fixed simulated salt per cell) | none | TEXT.")  # fmt: skip
+    g.add_argument("--salt-scope", choices=("run", "cell", "request"), default="cell")
+    g.add_argument("--slo-ttft-ms", type=float, default=None)
+    g.add_argument("--slo-tpot-ms", type=float, default=None)
+    g = p.add_argument_group("record")
+    g.add_argument("--label", help="A name for this run (legends).")
+    g.add_argument("-o", "--output", help="YAML path (default: sim-results/<time>.yaml).")
+    g.add_argument("--plot", action="store_true", help="Also write plots + HTML beside it.")
+
+
+# ---- cost model -----------------------------------------------------------------------------
+def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
+    from poise.sim.fit import load_profile
+    from poise.sim.roofline import RooflineCostModel
+
+    req = None if args.request_overhead_ms is None else args.request_overhead_ms / 1000
+    step = None if args.step_overhead_ms is None else args.step_overhead_ms / 1000
+    if args.profile:
+        return load_profile(args.profile, request_overhead_s=req, step_overhead_s=step)
+    if not args.accelerator:
+        raise ValueError("cost model: give --profile FILE (see `poise profile`) or --accelerator")
+    shape = args.model_shape or _shape_of(config.model.model)
+    kw: dict[str, Any] = {"request_overhead_s": req or 0.0, "step_overhead_s": step or 0.0}
+    if args.compute_efficiency is not None:
+        kw["compute_efficiency"] = args.compute_efficiency
+    if args.bandwidth_efficiency is not None:
+        kw["bandwidth_efficiency"] = args.bandwidth_efficiency
+    dtype = config.model.dtype if config.model.dtype != "auto" else "bfloat16"
+    return RooflineCostModel.build(shape, args.accelerator, dtype=dtype, **kw)
+
+
+def _shape_of(model: str | None) -> str:
+    if model:
+        path = Path(model.removeprefix("dummy:"))
+        if path.is_dir() and (path / "config.json").exists():
+            return str(path)
+        if path.suffix == ".json" and path.exists():
+            return str(path)
+    return "SmolLM2-135M-Instruct"
+
+
+def prompt_lengths(tokenizer: str | None) -> Any:
+    from poise.sim.tokens import PromptLengths
+
+    if not tokenizer:
+        return PromptLengths()
+    from poise.runner.factory import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+
+    def count(text: str) -> int:
+        msgs = [{"role": "user", "content": text}]
+        rendered = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return len(tok(rendered, add_special_tokens=False)["input_ids"])
+
+    return PromptLengths(count=count)
+
+
+# ---- the bench bridge -----------------------------------------------------------------------
+def _records(result: Any) -> list[Any]:
+    from poise.bench.metrics import RequestRecord
+
+    out = []
+    for r in result.requests:
+        n = len(r.token_times)
+        rec = RequestRecord.from_token_times(
+            r.index, r.class_name, r.sent, r.token_times,
+            intended=r.intended, max_tokens=r.max_tokens, usage_prompt_tokens=r.num_prompt_tokens,
+            ok=r.ok, error=r.error, warmup=r.warmup, finish_reason=r.finish_reason,
+        )  # fmt: skip
+        if n == 0:
+            rec.end = r.finished
+        out.append(rec)
+    return out
+
+
+def _scrapes(result: Any, interval: float) -> list[Any]:
+    """The timeline sampled like a Prometheus scraper every ``interval`` virtual seconds."""
+    from poise.bench.prom import Scrape
+
+    out, preempted, i, t = [], 0.0, 0, 0.0
+    steps = result.timeline
+    end = steps[-1].end if steps else 0.0
+    last = None
+    while t <= end + interval:
+        while i < len(steps) and steps[i].end <= t:
+            last = steps[i]
+            preempted += last.num_preemptions
+            i += 1
+        if last is not None:
+            out.append(
+                Scrape(t, last.kv_cache_usage, last.num_running, last.num_waiting, preempted)
+            )
+        else:
+            out.append(Scrape(t, 0.0, 0.0, 0.0, 0.0))
+        t += interval
+    return out
+
+
+def _sim_summary(result: Any) -> dict[str, Any]:
+    """Exact step-weighted server numbers (the scrapes above only sample them)."""
+    steps = result.timeline
+    busy = sum(s.end - s.start for s in steps) or 1.0
+
+    def wmean(key: str) -> float:
+        return sum(getattr(s, key) * (s.end - s.start) for s in steps) / busy
+
+    return {
+        "steps": result.num_steps,
+        "virtual_s": round(result.duration_s, 4),
+        "busy_s": round(result.busy_s, 4),
+        "wall_s": round(result.wall_s, 3),
+        "requests_per_wall_s": round(result.requests_per_wall_s, 1),
+        "num_kv_blocks": result.num_kv_blocks,
+        "max_model_len": result.max_model_len,
+        "preemptions": result.num_preemptions,
+        "kv_usage_mean": round(wmean("kv_cache_usage"), 4) if steps else None,
+        "kv_usage_peak": max((s.kv_cache_usage for s in steps), default=None),
+        "running_mean": round(wmean("num_running"), 2) if steps else None,
+        "waiting_mean": round(wmean("num_waiting"), 2) if steps else None,
+    }
+
+
+def simulate_bench_cell(
+    cfg: Any, spec: Any, engine_config: Any, cost_model: Any, lengths: Any, salt: str | None
+) -> tuple[Any, Any]:
+    """One bench cell through the simulator: (bench CellResult, SimResult)."""
+    from poise.bench.config import cell_counts, cell_requests
+    from poise.bench.metrics import SLO
+    from poise.bench.record import build_cell
+    from poise.sim.simulator import SimCell, simulate_cell
+    from poise.sim.tokens import to_sim_requests
+
+    warmup, _ = cell_counts(cfg, spec)
+    reqs = cell_requests(cfg, spec)
+    if salt and cfg.salt_scope == "request":
+        sims = [to_sim_requests([r], lengths, salt=f"{salt}-{r.index}", num_warmup=warmup,
+                                ignore_eos=cfg.ignore_eos)[0] for r in reqs]  # fmt: skip
+    else:
+        sims = to_sim_requests(reqs, lengths, salt=salt, num_warmup=warmup, ignore_eos=True)
+    cell = SimCell(
+        sims,
+        concurrency=spec.concurrency,
+        open_loop=not spec.closed_loop,
+        duration_s=cfg.duration,
+    )
+    result = simulate_cell(engine_config, cost_model, cell, seed=cfg.seed)
+    load = {
+        "label": spec.label,
+        "mode": "closed" if spec.closed_loop else "open",
+        "concurrency": spec.concurrency,
+        "request_rate": None if spec.closed_loop else spec.request_rate,
+        "burstiness": None if spec.closed_loop else cfg.burstiness,
+        "long_prompt_ratio": spec.long_ratio,
+        "salt": salt,
+    }
+    out = build_cell(
+        load,
+        _records(result),
+        slo=SLO(cfg.slo_ttft_ms, cfg.slo_tpot_ms),
+        scrapes=_scrapes(result, cfg.scrape_interval),
+        started_at=None,
+    )
+    out.server["sim"] = _sim_summary(result)
+    return out, result
+
+
+def simulate_matrix(cfg: Any, engine_config: Any, cost_model: Any, lengths: Any) -> Any:
+    """Every cell of a BenchConfig through the simulator: an ExperimentRecord (simulated)."""
+    from poise.bench.record import ExperimentRecord
+    from poise.bench.runner import experiment_block
+
+    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    t0 = time.perf_counter()
+    run_salt = SIM_SALT if cfg.salt == "auto" else (cfg.salt or None)
+    cells, total = [], 0
+    for i, spec in enumerate(cfg.cells()):
+        salt = f"{run_salt}-{i}" if run_salt and cfg.salt_scope != "run" else run_salt
+        cell, result = simulate_bench_cell(cfg, spec, engine_config, cost_model, lengths, salt)
+        cells.append(cell)
+        total += len(result.requests)
+    wall = time.perf_counter() - t0
+    exp = experiment_block(cfg, cost_model.name, "poise (simulated)")
+    exp["server_args"] = engine_config.to_flat_dict()
+    exp["gpu"] = cost_model.describe().get("accelerator") or cost_model.provenance.get("device")
+    return ExperimentRecord(
+        experiment=exp,
+        cells=cells,
+        kind="simulated",
+        capabilities={"ok": True, "simulated": True},
+        provenance={
+            "command": cfg.command,
+            "tool_version": "poise-simulate 0.1",
+            "started_at": started,
+            "wall_s": round(wall, 3),
+            "simulated_requests": total,
+            "simulated_requests_per_wall_s": round(total / wall, 1) if wall > 0 else None,
+            "cost_model": cost_model.describe(),
+            "config": cfg.to_dict(),
+        },
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from poise.bench.config import BenchConfig, parse_class
+    from poise.bench.report import print_record
+
+    try:
+        engine_config = engine_config_from_args(args)
+        cost_model = cost_model_from_args(args, engine_config)
+        salt = None if args.salt in ("none", "") else args.salt
+        cfg = BenchConfig(
+            base_url="simulated://",
+            model=cost_model.name,
+            concurrency=args.concurrency,
+            request_rate=args.request_rate or (math.inf,),
+            burstiness=args.burstiness,
+            long_ratio=args.long_ratio,
+            max_tokens=args.max_tokens,
+            classes=tuple(parse_class(c, args.max_tokens) for c in args.classes),
+            jsonl=args.jsonl,
+            num_requests=args.num_requests,
+            duration=args.duration,
+            warmup=args.warmup,
+            seed=engine_config.model.seed,
+            salt=salt,
+            salt_scope=args.salt_scope,
+            slo_ttft_ms=args.slo_ttft_ms,
+            slo_tpot_ms=args.slo_tpot_ms,
+            scrape=False,
+            command=shlex.join(["poise", *sys.argv[1:]]),
+        )
+    except ValueError as exc:
+        print(f"poise simulate: error: {exc}", file=sys.stderr)
+        return 2
+    record = simulate_matrix(
+        cfg, engine_config, cost_model, prompt_lengths(engine_config.model.tokenizer)
+    )
+    if args.label:
+        record.provenance["label"] = args.label
+    out = Path(args.output or f"sim-results/{dt.datetime.now():%Y%m%d-%H%M%S}.yaml")
+    record.save(out)
+    print_record(record, Console())
+    prov = record.provenance
+    print(
+        f"simulated {prov['simulated_requests']} requests in {prov['wall_s']:.2f} s wall "
+        f"({prov['simulated_requests_per_wall_s']} requests/s); cost model {cost_model.name}"
+    )
+    print(f"record: {out}")
+    if args.plot:
+        from poise.bench.plot import write_report
+
+        name = args.label or out.stem
+        files = write_report([(name, record)], out.with_suffix("").parent / (out.stem + "-plots"))
+        for key, path in files.items():
+            print(f"{key}: {path}")
+    return 0

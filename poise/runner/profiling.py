@@ -1,0 +1,197 @@
+"""Measure the real ModelRunner's step time over a grid of batch shapes (``poise profile``).
+
+The runner is driven with hand-built ``SchedulerOutput`` objects, so no scheduler is involved:
+each grid point is a prefill chunk of ``prefill`` tokens starting at ``prefill_start`` plus
+``batch`` decode requests at context ``context``. The runner keeps no per-request state, so a
+decode at position 2000 needs no earlier prefill: it reads whatever the pool holds there, which
+costs the same time as real context. Each point runs ``warmup`` times unmeasured, then
+``repeats`` times; the median is kept.
+
+``measure_engine_overhead`` runs a short real EngineCore workload and reports how much each step
+costs beyond the runner's ``execute`` (scheduling, bookkeeping): the profile's step overhead.
+
+Invariants: block ids handed to the runner are always inside the pool; shapes never exceed the
+engine limits given (token budget, request cap, pool size, max_model_len).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from poise.config import EngineConfig
+from poise.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from poise.core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    prefill: int  # tokens of the prefill chunk (0 = none)
+    prefill_start: int  # its start position (0 = a whole prompt, which samples)
+    batch: int  # decode requests
+    context: int  # each decode request's context length (its position + 1)
+
+
+GRIDS: dict[str, dict[str, tuple[int, ...]]] = {
+    # prefill chunk sizes, decode batch sizes, context lengths, mixed (prefill, batch) pairs
+    "quick": {
+        "prefill": (16, 128, 512),
+        "batch": (1, 8, 32),
+        "context": (64, 1024),
+    },
+    "standard": {
+        "prefill": (16, 64, 256, 1024, 2048),
+        "batch": (1, 4, 16, 32, 64),
+        "context": (64, 512, 2048),
+    },
+}
+
+
+def build_grid(
+    name: str,
+    *,
+    max_tokens: int,
+    max_seqs: int,
+    capacity_tokens: int,
+    max_len: int,
+) -> list[GridPoint]:
+    """Grid points that fit the token budget, request cap, KV pool and max_model_len."""
+    g = GRIDS[name]
+    points: list[GridPoint] = []
+    ctx_mid = g["context"][len(g["context"]) // 2]
+    for n in g["prefill"]:
+        points.append(GridPoint(n, 0, 0, 0))  # whole prompt: samples
+        points.append(GridPoint(n, ctx_mid, 0, 0))  # a later chunk of a longer prompt
+    for b in g["batch"]:
+        for c in g["context"]:
+            points.append(GridPoint(0, 0, b, c))
+    for n in g["prefill"][1::2]:
+        for b in g["batch"][1::2]:
+            points.append(GridPoint(n, 0, b, ctx_mid))
+
+    def fits(p: GridPoint) -> bool:
+        tokens = p.prefill + p.batch
+        kv = p.prefill_start + p.prefill + p.batch * p.context
+        longest = max(p.prefill_start + p.prefill, p.context)
+        seqs = p.batch + (1 if p.prefill else 0)
+        return (
+            tokens <= max_tokens
+            and seqs <= max_seqs
+            and kv <= capacity_tokens
+            and longest < max_len
+        )
+
+    return [p for p in points if fits(p)]
+
+
+def make_output(
+    p: GridPoint, block_size: int, num_blocks: int, step_id: int = 0
+) -> SchedulerOutput:
+    """A SchedulerOutput for one grid point, with disjoint block tables (wrapping the pool)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+    next_block = 0
+
+    def table(n_tokens: int) -> list[int]:
+        nonlocal next_block
+        n = -(-n_tokens // block_size)
+        ids = [(next_block + i) % num_blocks for i in range(n)]
+        next_block += n
+        return ids
+
+    scheduled = []
+    for i in range(p.batch):
+        pos = p.context - 1
+        scheduled.append(
+            ScheduledRequest(f"d{i}", [7], pos, table(p.context), True, params, 1, pos)
+        )
+    if p.prefill:
+        end = p.prefill_start + p.prefill
+        sample = p.prefill_start == 0
+        tokens = [11 + (j % 97) for j in range(p.prefill)]
+        scheduled.append(
+            ScheduledRequest("p", tokens, p.prefill_start, table(end), sample, params, 0, end)
+        )
+    out = SchedulerOutput(step_id=step_id, scheduled=scheduled)
+    out.num_decode_tokens = p.batch
+    out.num_prefill_tokens = p.prefill
+    return out
+
+
+def time_call(fn: Callable[[], object], warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_grid(
+    execute: Callable[[SchedulerOutput], ModelRunnerOutput],
+    points: Sequence[GridPoint],
+    *,
+    block_size: int,
+    num_blocks: int,
+    warmup: int = 1,
+    repeats: int = 3,
+    progress: Callable[[int, int, GridPoint, float], None] | None = None,
+) -> list[tuple[SchedulerOutput, float]]:
+    """(the output run, median seconds) per point; the caller turns outputs into features."""
+    samples = []
+    for i, p in enumerate(points):
+        out = make_output(p, block_size, num_blocks, step_id=i)
+        t = time_call(lambda out=out: execute(out), warmup, repeats)  # type: ignore[misc]
+        samples.append((out, t))
+        if progress is not None:
+            progress(i + 1, len(points), p, t)
+    return samples
+
+
+class _TimedExecutor:
+    """Wraps the runner to time its ``execute`` inside engine steps."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.times: list[float] = []
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        result = self.inner.execute(scheduler_output)  # type: ignore[attr-defined]
+        self.times.append(time.perf_counter() - t0)
+        return result
+
+
+def measure_engine_overhead(
+    config: EngineConfig, runner: object, info: object, num_requests: int = 8, max_tokens: int = 12
+) -> float:
+    """Median seconds per engine step spent outside ``runner.execute`` (scheduler, updates)."""
+    from poise.engine.core import EngineCore
+
+    timed = _TimedExecutor(runner)
+    engine = EngineCore(
+        config,
+        timed,
+        num_kv_blocks=info.num_kv_blocks,  # type: ignore[attr-defined]
+        max_model_len=info.max_model_len,  # type: ignore[attr-defined]
+        vocab_size=info.vocab_size,  # type: ignore[attr-defined]
+        eos_token_ids=info.eos_token_ids,  # type: ignore[attr-defined]
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(num_requests):
+        engine.add_request(f"o{i}", [11 + (i + j) % 50 for j in range(24)], params)
+    overheads = []
+    while engine.has_unfinished_requests():
+        n_before = len(timed.times)
+        t0 = time.perf_counter()
+        engine.step()
+        total = time.perf_counter() - t0
+        if len(timed.times) > n_before:
+            overheads.append(max(0.0, total - timed.times[-1]))
+    return statistics.median(overheads) if overheads else 0.0
