@@ -75,8 +75,13 @@ class StreamTimer:
         if data == b"[DONE]":
             self.done = True
             return
-        info = parse_chunk(json.loads(data))
+        obj = json.loads(data)
         rec = self.rec
+        if isinstance(obj, dict) and obj.get("error"):
+            # An error event mid-stream (vLLM, poise): the request failed after headers.
+            rec.ok, rec.error = False, "stream_error"
+            return
+        info = parse_chunk(obj)
         if info.usage_prompt is not None:
             rec.usage_prompt_tokens = info.usage_prompt
         if info.finish_reason:
@@ -157,7 +162,7 @@ async def _stream(
         timer = StreamTimer(rec)
         async for line in resp.content:
             timer.feed(line, now())
-        if not rec.events:
+        if rec.ok and not rec.events:
             rec.ok, rec.error = False, "no_tokens"
 
 

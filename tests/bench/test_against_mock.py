@@ -179,3 +179,22 @@ def test_run_cell_alone_for_sweeps(mock: Any) -> None:
     cell = asyncio.run(run_cell(cfg, CellSpec(concurrency=3, long_ratio=1.0)))
     assert cell.metrics["overall"]["num_ok"] == 3 and set(cell.metrics["classes"]) == {"long"}
     assert cell.server == {}  # not scraped: no invented server numbers
+
+
+def test_stream_timer_edge_events() -> None:
+    from poise.bench.client import StreamTimer
+    from poise.bench.metrics import RequestRecord
+
+    rec = RequestRecord(0, "short", 0.0)
+    timer = StreamTimer(rec)
+    role = {"choices": [{"delta": {"role": "assistant", "content": ""}}]}
+    reasoning = {"choices": [{"delta": {"reasoning_content": "hmm"}}]}
+    usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+    for t, obj in enumerate([role, reasoning, usage], 1):
+        timer.feed(b"data: " + json.dumps(obj).encode(), float(t))
+    timer.feed(b": keep-alive comment", 4.0)
+    timer.feed(b"data: [DONE]", 5.0)
+    assert rec.events == [2.0] and rec.usage_completion_tokens == 2 and timer.done
+    assert rec.usage_prompt_tokens == 3 and rec.ok
+    timer.feed(b'data: {"error": {"message": "boom"}}', 6.0)
+    assert not rec.ok and rec.error == "stream_error"
