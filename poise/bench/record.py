@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from poise.bench.interference import prefill_interference
 from poise.bench.metrics import SLO, RequestRecord, cell_metrics, client_health
 from poise.bench.prom import Scrape, summarize_window, timeseries
 
@@ -143,6 +144,7 @@ def build_cell(
     as the records). Times are re-based to ``t0``."""
     recs = [shift(r, t0) for r in records]
     metrics = cell_metrics(recs, slo, include_failures)
+    metrics["interference"] = prefill_interference(recs)
     shifted = [replace(s, t=s.t - t0) for s in scrapes]
     w0, w1 = metrics.get("window") or (0.0, 0.0)
     server = summarize_window(shifted, w0, w1) if shifted else {}

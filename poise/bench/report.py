@@ -103,6 +103,15 @@ def print_record(record: ExperimentRecord, console: Console | None = None) -> No
                 f"[yellow]{cell.label}: {short['num_short']}/{short['of']} requests "
                 "returned fewer tokens than max_tokens[/yellow]"
             )
+        hol = cell.metrics.get("interference")
+        if hol and hol["ttft_ms_overlapping_long_prefill"]["n"]:
+            hit, clear = hol["ttft_ms_overlapping_long_prefill"], hol["ttft_ms_clear"]
+            console.print(
+                f"{cell.label}: other requests' TTFT p50 {_ms(hit['p50'])} ms behind a long "
+                f"prefill (n={hit['n']}) vs {_ms(clear['p50'])} ms clear (n={clear['n']}); "
+                f"P(stall) {_num(hol['p_stall_during_long_prefill'], '{:.0%}')} during long "
+                f"prefills vs {_num(hol['p_stall_otherwise'], '{:.0%}')} otherwise"
+            )
         errors = cell.metrics["overall"]["errors"]
         if errors:
             console.print(f"[yellow]{cell.label}: errors {errors}[/yellow]")
