@@ -161,4 +161,10 @@ def load_gguf(
     finally:
         torch.set_num_threads(threads)
     check_complete(model, loaded, str(path))
-    return LoadedModel(model=model, arch=arch, name=model_name(path), tokenizer_source=str(path))
+    has_vocab = "tokenizer.ggml.tokens" in gf.metadata
+    return LoadedModel(
+        model=model,
+        arch=arch,
+        name=model_name(path),
+        tokenizer_source=str(path) if has_vocab else None,
+    )
