@@ -60,33 +60,47 @@ def build_grid(
     capacity_tokens: int,
     max_len: int,
 ) -> list[GridPoint]:
-    """Grid points that fit the token budget, request cap, KV pool and max_model_len."""
+    """Grid points within the token budget, request cap, KV pool and max_model_len.
+
+    Points that do not fit are shrunk (fewer tokens, shorter context) rather than dropped, so
+    small models and small pools still get a grid that spans every feature; duplicates go.
+    """
     g = GRIDS[name]
-    points: list[GridPoint] = []
+    raw: list[GridPoint] = []
     ctx_mid = g["context"][len(g["context"]) // 2]
+    ctx_max = g["context"][-1]
     for n in g["prefill"]:
-        points.append(GridPoint(n, 0, 0, 0))  # whole prompt: samples
-        points.append(GridPoint(n, ctx_mid, 0, 0))  # a later chunk of a longer prompt
+        raw.append(GridPoint(n, 0, 0, 0))  # whole prompt: samples
+        # A later chunk of a longer prompt (big chunks far in: the second chunk of a long one).
+        raw.append(GridPoint(n, ctx_max if n >= 256 else ctx_mid, 0, 0))
     for b in g["batch"]:
         for c in g["context"]:
-            points.append(GridPoint(0, 0, b, c))
+            raw.append(GridPoint(0, 0, b, c))
     for n in g["prefill"][1::2]:
         for b in g["batch"][1::2]:
-            points.append(GridPoint(n, 0, b, ctx_mid))
+            raw.append(GridPoint(n, 0, b, ctx_mid))
+    out: list[GridPoint] = []
+    for p in raw:
+        q = _shrink(p, max_tokens, max_seqs, capacity_tokens, max_len)
+        if q is not None and q not in out:
+            out.append(q)
+    return out
 
-    def fits(p: GridPoint) -> bool:
-        tokens = p.prefill + p.batch
-        kv = p.prefill_start + p.prefill + p.batch * p.context
-        longest = max(p.prefill_start + p.prefill, p.context)
-        seqs = p.batch + (1 if p.prefill else 0)
-        return (
-            tokens <= max_tokens
-            and seqs <= max_seqs
-            and kv <= capacity_tokens
-            and longest < max_len
-        )
 
-    return [p for p in points if fits(p)]
+def _shrink(
+    p: GridPoint, max_tokens: int, max_seqs: int, capacity: int, max_len: int
+) -> GridPoint | None:
+    batch = min(p.batch, max_seqs - (1 if p.prefill else 0), max(0, max_tokens - p.prefill))
+    prefill = min(p.prefill, max_tokens - batch, max_len - 1)
+    if batch <= 0 and prefill <= 0:
+        return None
+    # Context of each decode and the chunk's start: within max_len and a fair share of the pool.
+    share = capacity // max(1, batch + (1 if prefill else 0))
+    context = min(p.context, max_len - 1, share) if batch else 0
+    start = min(p.prefill_start, max_len - 1 - prefill, max(0, share - prefill)) if prefill else 0
+    if batch and context < 1:
+        return None
+    return GridPoint(max(prefill, 0), max(start, 0), max(batch, 0), context)
 
 
 def make_output(

@@ -4,3 +4,49 @@ Stdlib only. Cost models (``cost``, ``roofline``, ``fit``) say how long a step t
 ``SimExecutor`` advances a ``VirtualClock`` by that time instead of running a model;
 ``simulate_cell`` drives closed- or open-loop workloads through it. See docs/simulator.md.
 """
+
+from __future__ import annotations
+
+from poise.sim.accelerators import ACCELERATORS, Accelerator, get_accelerator
+from poise.sim.cost import CostModel, FixedCostModel, LinearCostModel, StepShape
+from poise.sim.executor import RecordingExecutor, SimExecutor, StepDecision
+from poise.sim.fit import fit_step_costs, load_profile
+from poise.sim.roofline import RooflineCostModel
+from poise.sim.shapes import ModelShape, load_shape
+from poise.sim.simulator import (
+    SimCell,
+    SimRequest,
+    SimRequestResult,
+    SimResult,
+    SimStep,
+    drive,
+    simulate_cell,
+)
+from poise.sim.tokens import PromptLengths, to_sim_requests
+
+__all__ = [
+    "ACCELERATORS",
+    "Accelerator",
+    "CostModel",
+    "FixedCostModel",
+    "LinearCostModel",
+    "ModelShape",
+    "PromptLengths",
+    "RecordingExecutor",
+    "RooflineCostModel",
+    "SimCell",
+    "SimExecutor",
+    "SimRequest",
+    "SimRequestResult",
+    "SimResult",
+    "SimStep",
+    "StepDecision",
+    "StepShape",
+    "drive",
+    "fit_step_costs",
+    "get_accelerator",
+    "load_profile",
+    "load_shape",
+    "simulate_cell",
+    "to_sim_requests",
+]

@@ -111,8 +111,7 @@ class RooflineCostModel(CostModel):
         return tokens * per_token + logits
 
     def kv_budget_bytes(self, config: EngineConfig) -> int:
-        if config.cache.kv_cache_memory_bytes is not None:
-            return config.cache.kv_cache_memory_bytes
+        """As the runner on CUDA: the memory budget, capped by kv_cache_memory_bytes if set."""
         m, acc = self.shape, self.accelerator
         assert m is not None and acc is not None
         usable = acc.memory_bytes * config.cache.gpu_memory_utilization
@@ -127,7 +126,8 @@ class RooflineCostModel(CostModel):
                 f"gpu_memory_utilization: {config.cache.gpu_memory_utilization} of "
                 f"{acc.description} leaves no room for a KV cache after the weights of {m.name}"
             )
-        return int(left)
+        cap = config.cache.kv_cache_memory_bytes
+        return int(left) if cap is None else min(int(left), cap)
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
