@@ -320,7 +320,10 @@ class Tuner:
         """One-knob moves from c, cheapest-to-latency first."""
         out = []
         other = "prefill_first" if c.scheduling_policy == "fifo" else "fifo"
-        out.append((f"policy {c.scheduling_policy} -> {other}", c.with_(scheduling_policy=other)))
+        if self.s.try_policies:
+            out.append(
+                (f"policy {c.scheduling_policy} -> {other}", c.with_(scheduling_policy=other))
+            )
         for name, ladder, attr in (
             ("budget", self.s.budgets, "max_num_batched_tokens"),
             ("max_num_seqs", self.s.seqs, "max_num_seqs"),

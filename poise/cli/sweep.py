@@ -1,0 +1,80 @@
+"""`poise sweep CONFIG... | --preset lab`: server configs x bench cells, resumable, one report;
+wiring only (the work is in poise.lab)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from poise.lab.cli_args import add_workload_args, default_out, workload_from_args
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "sweep",
+        help="Run the bench matrix against several server configs; resumable; one report.",
+        description="For each CONFIG (YAML: poise server args, or a command template that starts "
+        "another engine plus its base URL) start the server, wait until ready, run every cell, "
+        "stop it. Cells already stored in --out are not measured again. Writes report.md, one "
+        "bench record per config and the plots comparing configs. `--preset lab` runs the seed "
+        "lab's configs A, B, C (scaled down on CPU: see docs/tuning.md).",
+    )
+    parser.add_argument("configs", nargs="*", metavar="CONFIG", help="Config YAML files.")
+    parser.add_argument("--preset", choices=("lab", "policy"), default=None,
+                        help="Built-in configs: lab (A, B, C) or policy (C fifo vs prefill-first).")  # fmt: skip
+    parser.add_argument("--model", default=None, help="Model for poise configs without one "
+                        "(default: the embedded SmolLM2-135M-Instruct).")  # fmt: skip
+    parser.add_argument("--device", default="cpu", help="Device for presets: cpu or cuda.")
+    parser.add_argument("--scale", type=int, default=None,
+                        help="Preset size divisor (CPU default 8, GPU 1).")  # fmt: skip
+    parser.add_argument("--kv-base", default=None, metavar="BYTES",
+                        help="CPU presets: KV bytes at memory fraction 1.0 (default 512MiB).")  # fmt: skip
+    parser.add_argument("--out", default=None, help="Output folder (default sweep-<time>); "
+                        "re-use it to resume.")  # fmt: skip
+    parser.add_argument("--slo-ttft-p95-ms", type=float, default=None,
+                        help="Mark the SLO on plots and pick configs within it.")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=None,
+                        help="OMP_NUM_THREADS for started servers.")  # fmt: skip
+    parser.add_argument("--no-plots", action="store_true", help="Tables and records only.")
+    add_workload_args(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from poise.cli.options import parse_bytes
+    from poise.lab import presets
+    from poise.lab.bench_adapter import LabWorkload
+    from poise.lab.sweep import load_specs, run_sweep, spec_from_dict
+
+    if not args.configs and not args.preset:
+        print("poise sweep: give CONFIG files or --preset", file=sys.stderr)
+        return 2
+    env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+    try:
+        specs = []
+        base = LabWorkload()
+        if args.preset:
+            kv = parse_bytes(args.kv_base) if args.kv_base else presets.DEFAULT_KV_BASE_BYTES
+            plan = presets.plan(args.preset, device=args.device, scale=args.scale,
+                                kv_base_bytes=kv, model=args.model)  # fmt: skip
+            specs += [spec_from_dict(d, d["name"], args.model, env) for d in plan.configs]
+            base = plan.workload
+            for note in plan.notes:
+                print(note)
+        for path in args.configs:
+            specs += load_specs(path, args.model, env)
+        workload = workload_from_args(args, base)
+    except (ValueError, OSError) as exc:
+        print(f"poise sweep: error: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or str(default_out("sweep"))
+    result = run_sweep(specs, workload, out, slo_ttft_ms=args.slo_ttft_p95_ms,
+                       plots=not args.no_plots)  # fmt: skip
+    for o in result.outcomes:
+        state = f"FAILED: {o.error}" if o.error else "ok"
+        print(f"{o.name}: measured {len(o.measured)}, reused {len(o.reused)}: {state}")
+    print(f"report: {result.report_path}")
+    return 1 if any(o.error for o in result.outcomes) else 0

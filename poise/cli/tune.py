@@ -1,0 +1,148 @@
+"""`poise tune --slo-ttft-p95-ms X`: the seed's tuning procedure against poise, another engine
+(command template) or the simulator; wiring only (the work is in poise.lab.tune)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from poise.cli.options import add_engine_args, engine_kwargs_from_args
+from poise.lab.cli_args import add_workload_args, default_out, ints, workload_from_args
+
+TUNED = ("max_num_batched_tokens", "max_num_seqs", "scheduling_policy")
+CPU_BUDGETS = (256, 512, 1024, 2048)
+CPU_SEQS = (1, 2, 4, 8)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "tune",
+        help="Find a throughput-first and a latency-first config for a TTFT SLO.",
+        description="Fixes the request sample and client concurrency, takes a conservative "
+        "token-budget baseline, raises the budget one step at a time while TTFT p95 meets the "
+        "SLO, backs off when the tail worsens, raises max_num_seqs only while the KV cache "
+        "keeps headroom, tries the other scheduling policy, and prints both answers with "
+        "the evidence and a ready command line. See docs/tuning.md.",
+    )
+    g = parser.add_argument_group("SLO and search")
+    g.add_argument("--slo-ttft-p95-ms", type=float, required=True, help="TTFT p95 SLO (ms).")
+    g.add_argument("--slo-tpot-p50-ms", type=float, default=None, help="TPOT p50 SLO (ms).")
+    g.add_argument("--budgets", type=ints, default=None,
+                   help=f"Token-budget ladder, ascending; the first is the baseline (CPU default {','.join(map(str, CPU_BUDGETS))}).")  # fmt: skip
+    g.add_argument("--seqs", type=ints, default=None,
+                   help=f"max_num_seqs ladder, ascending (CPU default {','.join(map(str, CPU_SEQS))}).")  # fmt: skip
+    g.add_argument(
+        "--min-gain", type=float, default=0.03, help="Throughput gain that counts (0.03)."
+    )
+    g.add_argument("--tail-tolerance", type=float, default=0.10,
+                   help="TTFT p95 growth that counts as a worse tail (0.10).")  # fmt: skip
+    g.add_argument("--kv-headroom", type=float, default=0.90,
+                   help="Peak KV usage at or above this means no headroom (0.90).")  # fmt: skip
+    g.add_argument("--max-probes", type=int, default=30, help="At most this many probes.")
+    g.add_argument("--no-policies", action="store_true", help="Do not try the other policy.")
+    g.add_argument("--no-trade", action="store_true", help="Do not trade budget for seqs.")
+    g.add_argument("--no-latency-search", action="store_true",
+                   help="Skip the latency-first descent.")  # fmt: skip
+    t = parser.add_argument_group("target", "poise by default; or another engine; or the simulator")
+    t.add_argument("--command-template", default=None,
+                   help="Start another engine: e.g. 'vllm serve M --port {port} "
+                   "--max-num-batched-tokens {max_num_batched_tokens} --max-num-seqs {max_num_seqs}'.")  # fmt: skip
+    t.add_argument("--base-url", default="http://127.0.0.1:{port}/v1", help="Base URL template.")
+    t.add_argument("--ready-path", action="append", default=None,
+                   help="Readiness path(s) (default /ready, /health, /v1/models).")  # fmt: skip
+    t.add_argument("--startup-timeout", type=float, default=300.0, help="Seconds to get ready.")
+    t.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for servers.")
+    t.add_argument("--simulate", action="store_true", help="Probe the simulator, not a server.")
+    t.add_argument("--profile", help="--simulate: step-cost profile from `poise profile`.")
+    t.add_argument("--accelerator", help="--simulate: roofline GPU (a10, l40s, a100, h100, h200).")
+    t.add_argument("--model-shape", help="--simulate: roofline model shape.")
+    parser.add_argument("--out", default=None, help="Output folder (default tune-<time>).")
+    add_workload_args(parser, single=True)
+    add_engine_args(parser)
+    parser.set_defaults(func=run)
+
+
+def _probe(args: argparse.Namespace, fixed: dict[str, Any], workload: Any, out: str) -> Any:
+    from poise.lab.live import LiveProbe, SimProbe
+    from poise.lab.server import DEFAULT_READY_PATHS, ServerSpec
+
+    cell = workload.cells()[0]
+    if args.simulate:
+        from poise.cli.simulate import cost_model_from_args, prompt_lengths
+        from poise.config import EngineConfig
+
+        ns = argparse.Namespace(profile=args.profile, accelerator=args.accelerator,
+                                model_shape=args.model_shape, request_overhead_ms=None,
+                                step_overhead_ms=None, compute_efficiency=None,
+                                bandwidth_efficiency=None)  # fmt: skip
+        config = EngineConfig.from_kwargs(**fixed)
+        cost = cost_model_from_args(ns, config)
+        return SimProbe(fixed, workload, cell, cost, prompt_lengths(config.model.tokenizer))
+    spec = ServerSpec(
+        name="tune",
+        model=fixed.get("model"),
+        args={k: v for k, v in fixed.items() if k != "model"},
+        command=args.command_template,
+        base_url=args.base_url,
+        ready_paths=tuple(args.ready_path or DEFAULT_READY_PATHS),
+        env={"OMP_NUM_THREADS": str(args.threads)} if args.threads else {},
+        startup_timeout_s=args.startup_timeout,
+    )
+    return LiveProbe(spec, workload, cell, out)
+
+
+def run(args: argparse.Namespace) -> int:
+    from poise.lab.bench_adapter import LabWorkload
+    from poise.lab.commands import fill_template, poise_serve_command
+    from poise.lab.tune import DEFAULT_BUDGETS, DEFAULT_SEQS, Tuner, TuneSettings
+    from poise.lab.tune_report import format_result
+
+    engine = engine_kwargs_from_args(args)
+    ignored = [k for k in TUNED if k in engine and k != "scheduling_policy"]
+    if ignored:
+        print(f"poise tune: {', '.join(ignored)} are tuned (see --budgets/--seqs); flag ignored")
+    policy = engine.pop("scheduling_policy", "fifo")
+    fixed = {k: v for k, v in engine.items() if k not in TUNED}
+    gpu = str(fixed.get("device", "cpu")).startswith("cuda") or bool(args.command_template)
+    base_wl = LabWorkload(concurrency=(32,) if gpu else (4,), long_ratio=(0.0,),
+                          max_tokens=160 if gpu else 32, num_requests=None if gpu else 12,
+                          warmup=None if gpu else 2, long_repeat=220 if gpu else 27)  # fmt: skip
+    out = args.out or str(default_out("tune"))
+    try:
+        workload = workload_from_args(args, base_wl, single=True)
+        settings = TuneSettings(
+            args.slo_ttft_p95_ms, args.slo_tpot_p50_ms,
+            budgets=args.budgets or (DEFAULT_BUDGETS if gpu else CPU_BUDGETS),
+            seqs=args.seqs or (DEFAULT_SEQS if gpu else CPU_SEQS),
+            policy=policy, try_policies=not args.no_policies, trade=not args.no_trade,
+            latency_search=not args.no_latency_search, min_gain=args.min_gain,
+            tail_tolerance=args.tail_tolerance, kv_headroom=args.kv_headroom,
+            max_probes=args.max_probes,
+        )  # fmt: skip
+        probe = _probe(args, fixed, workload, out)
+    except (ValueError, OSError) as exc:
+        print(f"poise tune: error: {exc}", file=sys.stderr)
+        return 2
+    result = Tuner(probe, settings, fixed).run()
+
+    def command(c: Any) -> str:
+        if args.command_template:
+            return fill_template(
+                args.command_template,
+                {"port": 8000, "model": fixed.get("model") or "", **c.to_args()},
+            )
+        return poise_serve_command(fixed.get("model"), c.to_args())
+
+    text = format_result(result, command)
+    print(text)
+    from pathlib import Path
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "tune.md").write_text(text + "\n", encoding="utf-8")
+    (Path(out) / "tune.json").write_text(
+        json.dumps(result.to_dict(), indent=2, default=str), encoding="utf-8"
+    )
+    print(f"\nrecord: {Path(out) / 'tune.json'}")
+    return 0 if result.met else 1
