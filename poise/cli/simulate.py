@@ -50,6 +50,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--step-overhead-ms", type=float, default=None,
         help="Per-step engine-loop time outside the forward (default: the profile's).",
     )  # fmt: skip
+    g.add_argument(
+        "--time-scale", type=float, default=1.0,
+        help="Multiply every modelled step time (the machine is busier now than when profiled).",
+    )  # fmt: skip
     _add_workload_args(parser)
     add_engine_args(parser)
     parser.set_defaults(func=run)
@@ -90,11 +94,17 @@ def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
     req = None if args.request_overhead_ms is None else args.request_overhead_ms / 1000
     step = None if args.step_overhead_ms is None else args.step_overhead_ms / 1000
     if args.profile:
-        return load_profile(args.profile, request_overhead_s=req, step_overhead_s=step)
+        return load_profile(
+            args.profile, request_overhead_s=req, step_overhead_s=step, time_scale=args.time_scale
+        )
     if not args.accelerator:
         raise ValueError("cost model: give --profile FILE (see `poise profile`) or --accelerator")
     shape = args.model_shape or _shape_of(config.model.model)
-    kw: dict[str, Any] = {"request_overhead_s": req or 0.0, "step_overhead_s": step or 0.0}
+    kw: dict[str, Any] = {
+        "request_overhead_s": req or 0.0,
+        "step_overhead_s": step or 0.0,
+        "time_scale": args.time_scale,
+    }
     if args.compute_efficiency is not None:
         kw["compute_efficiency"] = args.compute_efficiency
     if args.bandwidth_efficiency is not None:

@@ -109,6 +109,8 @@ class CostModel:
     engine by it while still measuring TTFT from the client's send time.
     ``step_overhead_s`` is added to every step (engine-loop work around the forward that a
     runner-only profile does not see: scheduling, streaming, detokenization).
+    ``time_scale`` multiplies every step's modelled time: a machine slower (busier) now than
+    when it was profiled, calibrated from one measured load point.
     """
 
     name: str = "cost-model"
@@ -118,13 +120,15 @@ class CostModel:
     kv_bytes_per_token: int = 0
     request_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    time_scale: float = 1.0
     provenance: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def step_time(self, shape: StepShape) -> float:
         raise NotImplementedError
 
     def time_for(self, out: SchedulerOutput) -> float:
-        return self.step_time(StepShape.from_output(out)) + self.step_overhead_s
+        t = self.step_time(StepShape.from_output(out))
+        return self.time_scale * t + self.step_overhead_s
 
     def kv_budget_bytes(self, config: EngineConfig) -> int:
         """Bytes the KV pool may take (the runner's rule on CPU: an explicit budget or 1 GiB)."""
@@ -151,6 +155,7 @@ class CostModel:
             "name": self.name,
             "request_overhead_s": self.request_overhead_s,
             "step_overhead_s": self.step_overhead_s,
+            "time_scale": self.time_scale,
             "provenance": self.provenance,
         }
 

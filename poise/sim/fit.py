@@ -186,6 +186,7 @@ def load_profile(
     *,
     request_overhead_s: float | None = None,
     step_overhead_s: float | None = None,
+    time_scale: float = 1.0,
 ) -> LinearCostModel:
     """A ``LinearCostModel`` from a profile file; the overhead terms can be overridden."""
     data = json.loads(Path(path).read_text())
@@ -203,5 +204,6 @@ def load_profile(
         default_kv_budget_bytes=int(data.get("kv_budget_bytes", DEFAULT_CPU_KV_BYTES)),
         request_overhead_s=float(req),
         step_overhead_s=float(step),
+        time_scale=time_scale,
         provenance={**data.get("provenance", {}), "profile_file": str(path), "fit": data["fit"]},
     )

@@ -1,0 +1,257 @@
+"""Simulated vs measured: does `poise simulate` predict `poise bench` against `poise serve`?
+
+For the seed workload (SHORT/LONG prompts, ``--long-ratio`` 0.25, ``--max-tokens`` 160,
+closed loop at ``--concurrency`` 8, 16, 32) on the embedded SmolLM2 on this CPU:
+
+1. a step-cost profile: ``--profile FILE``, or measured now with ``poise profile``;
+2. the real run: ``poise serve`` (a subprocess on 127.0.0.1, a free port) and ``poise bench``
+   against it, the same engine flags for both;
+3. optionally (``--calibrate``) a small concurrency-1 cell of SHORT prompts, measured and
+   simulated: the TPOT ratio gives a time scale (the server's steps run slower than the
+   profiled runner's: streaming, detokenization and the asyncio loop compete for the CPU, and
+   so does whatever else the machine runs now), and the rest of the TTFT gap the per-request
+   overhead (HTTP, template, tokenization). Calibration uses a different load point from the
+   compared cells;
+4. the simulation of the same matrix, without and with the calibrated overheads;
+5. a table of TTFT p50, TTFT p95 and output tokens/s, simulated vs measured, and the relative
+   error; pass when all are within ``--tolerance`` (15 %).
+
+Torch threads are pinned (``--threads``, default 1) for both the profile and the server: on a
+2-core machine shared with other work, oversubscribed OpenMP threads make step times erratic.
+
+    .venv/bin/python benchmarks/sim_vs_real.py [--profile FILE] [--calibrate]
+        [--concurrency 8,16,32] [--num-requests N] [--warmup W] [--max-tokens 160]
+        [--out-dir runs/sim_vs_real] [-- ENGINE FLAGS...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+POISE = [sys.executable, "-m", "poise"]
+METRICS = ("p50_ttft_ms", "p95_ttft_ms", "output_tokens_per_s")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def env(threads: int) -> dict[str, str]:
+    e = dict(os.environ)
+    e["OMP_NUM_THREADS"] = str(threads)
+    e["MKL_NUM_THREADS"] = str(threads)
+    return e
+
+
+def run(cmd: list[str], threads: int, log: Path | None = None) -> None:
+    print("$", " ".join(cmd[2:] if cmd[:2] == POISE[:2] else cmd), flush=True)
+    out = open(log, "w") if log else None  # noqa: SIM115
+    try:
+        subprocess.run(cmd, cwd=REPO, env=env(threads), check=True, stdout=out, stderr=out)
+    finally:
+        if out:
+            out.close()
+
+
+def start_server(engine: list[str], threads: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    import httpx
+
+    port = free_port()
+    cmd = [*POISE, "serve", "--port", str(port), "--log-interval", "0", *engine]
+    print("$ poise", " ".join(cmd[3:]), flush=True)
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env(threads), stdout=f, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"poise serve exited ({proc.returncode}); see {log}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.terminate()
+    raise RuntimeError("poise serve did not become healthy")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()  # by PID: only the process this script started
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def load_args(a: argparse.Namespace, concurrency: str, long_ratio: str, n: int | None,
+              warmup: int | None, max_tokens: int) -> list[str]:  # fmt: skip
+    out = [
+        "--concurrency",
+        concurrency,
+        "--long-ratio",
+        long_ratio,
+        "--max-tokens",
+        str(max_tokens),
+    ]
+    if n is not None:
+        out += ["--num-requests", str(n)]
+    if warmup is not None:
+        out += ["--warmup", str(warmup)]
+    return out
+
+
+def templates(path: Path) -> list[dict[str, Any]]:
+    rec = yaml.safe_load(path.read_text())
+    return list(rec["experiment"]["metrics"])
+
+
+def overall(path: Path) -> list[dict[str, Any]]:
+    rec = yaml.safe_load(path.read_text())
+    return [c["metrics"]["overall"] for c in rec["results"]]
+
+
+def calibrate(
+    a: argparse.Namespace, base: str, engine: list[str], out: Path
+) -> tuple[float, float]:
+    """(request overhead s, time scale) from a concurrency-1 SHORT-prompt cell."""
+    cal = ["--concurrency", "1", "--long-ratio", "0", "--max-tokens", str(a.calibration_tokens),
+           "--num-requests", "4", "--warmup", "1"]  # fmt: skip
+    real = out / "calibration-real.yaml"
+    run([*POISE, "bench", "--base-url", base + "/v1", *cal, "--no-progress", "-o", str(real)],
+        a.threads, out / "calibration-bench.log")  # fmt: skip
+    sim = out / "calibration-sim.yaml"
+    run([*POISE, "simulate", "--profile", str(a.profile), *cal, "-o", str(sim), *engine],
+        a.threads, out / "calibration-sim.log")  # fmt: skip
+    r, s = overall(real)[0], overall(sim)[0]
+    # Decode steps dominate TPOT: their ratio is how much slower steps run now, in the server,
+    # than the profile says. What TTFT has beyond its scaled prefill is the request's way in.
+    scale = r["tpot_ms"]["p50"] / s["tpot_ms"]["p50"]
+    req = max(0.0, (r["ttft_ms"]["p50"] - scale * s["ttft_ms"]["p50"]) / 1000)
+    print(f"calibration: time scale {scale:.3f}, request overhead {req * 1000:.1f} ms")
+    return req, scale
+
+
+def compare(real: Path, sim: Path, tolerance: float) -> tuple[list[dict[str, Any]], bool]:
+    rows, ok = [], True
+    for r, s in zip(templates(real), templates(sim), strict=True):
+        row: dict[str, Any] = {
+            "concurrency": r["concurrency"],
+            "long_ratio": r["long_prompt_ratio"],
+        }
+        for m in METRICS:
+            rv, sv = r[m], s[m]
+            err = (sv - rv) / rv if rv else None
+            row[m] = {"real": rv, "sim": sv, "rel_error": err}
+            ok = ok and err is not None and abs(err) <= tolerance
+        rows.append(row)
+    return rows, ok
+
+
+def table(title: str, rows: list[dict[str, Any]]) -> str:
+    lines = [f"### {title}", "",
+             "| c | long | TTFT p50 real / sim (ms) | err | TTFT p95 real / sim (ms) | err "
+             "| out tok/s real / sim | err |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for row in rows:
+        cells = [str(row["concurrency"]), str(row["long_ratio"])]
+        for m in METRICS:
+            v = row[m]
+            cells.append(f"{v['real']:.1f} / {v['sim']:.1f}")
+            cells.append("-" if v["rel_error"] is None else f"{v['rel_error'] * 100:+.1f} %")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--profile", type=Path, default=None, help="Existing profile (else measure one)."
+    )
+    p.add_argument("--profile-grid", default="standard", choices=("quick", "standard"))
+    p.add_argument("--profile-repeats", type=int, default=3)
+    p.add_argument("--concurrency", default="8,16,32")
+    p.add_argument("--long-ratio", default="0.25")
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument(
+        "--num-requests", type=int, default=None, help="Measured per cell (bench default)."
+    )
+    p.add_argument("--warmup", type=int, default=None, help="Warmup per cell (bench default).")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--calibrate", action="store_true", help="Calibrate overheads at concurrency 1.")
+    p.add_argument("--calibration-tokens", type=int, default=32)
+    p.add_argument("--tolerance", type=float, default=0.15)
+    p.add_argument("--out-dir", type=Path, default=REPO / "runs" / "sim_vs_real")
+    p.add_argument(
+        "engine", nargs=argparse.REMAINDER, help="-- then engine flags for serve/simulate."
+    )
+    a = p.parse_args()
+    engine = [x for x in a.engine if x != "--"]
+    out = a.out_dir / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    if a.profile is None:
+        a.profile = out / "profile.json"
+        run([*POISE, "profile", "--grid", a.profile_grid, "--repeats", str(a.profile_repeats),
+             "--threads", str(a.threads), "-o", str(a.profile), *engine],
+            a.threads, out / "profile.log")  # fmt: skip
+    load = load_args(a, a.concurrency, a.long_ratio, a.num_requests, a.warmup, a.max_tokens)
+    real = out / "real.yaml"
+    proc, base = start_server(engine, a.threads, out / "serve.log")
+    try:
+        req_s, scale = 0.0, 1.0
+        if a.calibrate:
+            req_s, scale = calibrate(a, base, engine, out)
+        run([*POISE, "bench", "--base-url", base + "/v1", *load, "--no-progress", "-o", str(real),
+             "--label", "measured"], a.threads, out / "bench.log")  # fmt: skip
+    finally:
+        stop_server(proc)
+    sims = {"profile only": out / "sim.yaml"}
+    run([*POISE, "simulate", "--profile", str(a.profile), *load, "-o", str(sims["profile only"]),
+         "--label", "simulated", *engine], a.threads, out / "sim.log")  # fmt: skip
+    if a.calibrate:
+        sims["calibrated overheads"] = out / "sim-calibrated.yaml"
+        run([*POISE, "simulate", "--profile", str(a.profile), *load,
+             "--request-overhead-ms", f"{req_s * 1000:.3f}",
+             "--time-scale", f"{scale:.4f}",
+             "-o", str(sims["calibrated overheads"]), "--label", "simulated-calibrated", *engine],
+            a.threads, out / "sim-calibrated.log")  # fmt: skip
+    report: dict[str, Any] = {"out_dir": str(out), "profile": str(a.profile),
+                              "calibration": {"request_overhead_s": req_s, "time_scale": scale},
+                              "load": load, "engine": engine, "threads": a.threads}  # fmt: skip
+    md = [f"# sim vs real ({time.strftime('%Y-%m-%d %H:%M')}, threads {a.threads})", ""]
+    all_ok = True
+    for name, path in sims.items():
+        rows, ok = compare(real, path, a.tolerance)
+        report[name] = {"rows": rows, "within_tolerance": ok}
+        md += [table(f"{name}: {'PASS' if ok else 'FAIL'} at ±{a.tolerance:.0%}", rows), ""]
+        all_ok = all_ok and ok
+        sim_rec = yaml.safe_load(path.read_text())
+        report[name]["sim_requests_per_wall_s"] = sim_rec["provenance"].get(
+            "simulated_requests_per_wall_s"
+        )
+    report["wall_s"] = round(time.monotonic() - t0, 1)
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    print(f"results: {out}")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
