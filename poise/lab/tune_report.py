@@ -97,7 +97,11 @@ def format_result(result: TuneResult, command: CommandFn) -> str:
     out += [table(HEADER, evidence_rows(result)), ""]
     if result.throughput_first is not None and result.latency_first is not None:
         out += _answer("Throughput-first", result.throughput_first, command)
-        out += _answer("Latency-first", result.latency_first, command)
+        if result.latency_first is result.throughput_first:
+            out.append("Latency-first: the same config: no probed config has a lower TTFT p95 "
+                       "within the SLO, so nothing is traded here.")  # fmt: skip
+        else:
+            out += _answer("Latency-first", result.latency_first, command)
     else:
         out.append(f"No config meets the SLO ({slo}) among {len(result.evidence)} probes.")
         if result.closest is not None:
