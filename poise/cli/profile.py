@@ -29,9 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Measure this machine's step times and fit the simulator's cost model.",
         description="Drives the real model runner with hand-built batches over a grid of "
         "(prefill tokens, decode batch size, context length), fits step time = c0 + c1*tokens "
-        "+ c2*seqs + c3*sampled + c4*prefill attention pairs + c5*decode context tokens by "
-        "least squares, and writes the coefficients with their provenance (JSON). "
-        "`poise simulate --profile FILE` uses it.",
+        "+ c2*seqs + c3*sampled + c4*prefill attention pairs + c5*decode context tokens + "
+        "c6*decode requests x longest decode context by least squares, and writes the "
+        "coefficients with their provenance (JSON). `poise simulate --profile FILE` uses it.",
     )
     parser.add_argument(
         "-o",
@@ -161,9 +161,10 @@ def _kv_bytes_per_token(runner: Any, info: Any) -> int:
 
 def _print_summary(coef: dict[str, float], fit: dict[str, float], overhead: float) -> None:
     units = {"const": "ms/step", "tokens": "ms/token", "seqs": "ms/request",
-             "sampled": "ms/sampled", "prefill_attn": "ms/1k pairs", "decode_ctx": "ms/1k ctx"}  # fmt: skip
+             "sampled": "ms/sampled", "prefill_attn": "ms/1k pairs", "decode_ctx": "ms/1k ctx",
+             "decode_padded": "ms/1k padded ctx"}  # fmt: skip
     for name, value in coef.items():
-        scale = 1e6 if name in ("prefill_attn", "decode_ctx") else 1e3
+        scale = 1e6 if name in ("prefill_attn", "decode_ctx", "decode_padded") else 1e3
         print(f"  {name:<13} {value * scale:10.4f} {units[name]}")
     print(f"  engine overhead {overhead * 1e3:.3f} ms/step (outside the runner)")
     print(

@@ -35,6 +35,7 @@ class GridPoint:
     prefill_start: int  # its start position (0 = a whole prompt, which samples)
     batch: int  # decode requests
     context: int  # each decode request's context length (its position + 1)
+    skew: int = 0  # when set, the first decode request's context instead (a mixed batch)
 
 
 GRIDS: dict[str, dict[str, tuple[int, ...]]] = {
@@ -76,6 +77,9 @@ def build_grid(
     for b in g["batch"]:
         for c in g["context"]:
             raw.append(GridPoint(0, 0, b, c))
+    for b in g["batch"][1:]:
+        # One long context among short ones: sum of contexts != batch x the longest.
+        raw.append(GridPoint(0, 0, b, g["context"][0], skew=ctx_max))
     for n in g["prefill"][1::2]:
         for b in g["batch"][1::2]:
             raw.append(GridPoint(n, 0, b, ctx_mid))
@@ -100,7 +104,8 @@ def _shrink(
     start = min(p.prefill_start, max_len - 1 - prefill, max(0, share - prefill)) if prefill else 0
     if batch and context < 1:
         return None
-    return GridPoint(max(prefill, 0), max(start, 0), max(batch, 0), context)
+    skew = min(p.skew, max_len - 1, capacity - (batch - 1) * context) if p.skew and batch else 0
+    return GridPoint(max(prefill, 0), max(start, 0), max(batch, 0), context, max(skew, 0))
 
 
 def make_output(
@@ -119,10 +124,8 @@ def make_output(
 
     scheduled = []
     for i in range(p.batch):
-        pos = p.context - 1
-        scheduled.append(
-            ScheduledRequest(f"d{i}", [7], pos, table(p.context), True, params, 1, pos)
-        )
+        pos = (p.skew if i == 0 and p.skew else p.context) - 1
+        scheduled.append(ScheduledRequest(f"d{i}", [7], pos, table(pos + 1), True, params, 1, pos))
     if p.prefill:
         end = p.prefill_start + p.prefill
         sample = p.prefill_start == 0

@@ -34,6 +34,9 @@ FEATURES: tuple[str, ...] = (
     "sampled",  # LM head + sampler per sampled position
     "prefill_attn",  # (query, key) pairs of multi-token chunks: causal attention work
     "decode_ctx",  # KV tokens read by single-token (decode) steps
+    # decode requests x the longest decode context: what a batched decode attention that pads
+    # every request's KV to the longest one (poise's torch reference backend) really reads
+    "decode_padded",
 )
 
 
@@ -52,10 +55,12 @@ class StepShape:
     decode_ctx_tokens: int = 0
     # Sum over all requests of start + n: KV tokens resident for the batch after the step.
     kv_tokens: int = 0
+    # The longest context among single-token requests.
+    decode_max_ctx: int = 0
 
     @classmethod
     def from_output(cls, out: SchedulerOutput) -> StepShape:
-        tokens = seqs = sampled = pf_tokens = dec_seqs = pairs = dec_ctx = kv = 0
+        tokens = seqs = sampled = pf_tokens = dec_seqs = pairs = dec_ctx = kv = dec_max = 0
         for sr in out.scheduled:
             n = len(sr.token_ids)
             start = sr.start_position
@@ -67,10 +72,11 @@ class StepShape:
             if n == 1:
                 dec_seqs += 1
                 dec_ctx += start + 1
+                dec_max = max(dec_max, start + 1)
             else:
                 pf_tokens += n
                 pairs += n * start + n * (n + 1) // 2
-        return cls(tokens, seqs, sampled, pf_tokens, dec_seqs, pairs, dec_ctx, kv)
+        return cls(tokens, seqs, sampled, pf_tokens, dec_seqs, pairs, dec_ctx, kv, dec_max)
 
     def features(self) -> tuple[float, ...]:
         """Values in ``FEATURES`` order."""
@@ -81,6 +87,7 @@ class StepShape:
             float(self.num_sampled),
             float(self.prefill_attn_pairs),
             float(self.decode_ctx_tokens),
+            float(self.num_decode_seqs * self.decode_max_ctx),
         )
 
     def to_dict(self) -> dict[str, int]:
@@ -93,6 +100,7 @@ class StepShape:
             "prefill_attn_pairs": self.prefill_attn_pairs,
             "decode_ctx_tokens": self.decode_ctx_tokens,
             "kv_tokens": self.kv_tokens,
+            "decode_max_ctx": self.decode_max_ctx,
         }
 
     @classmethod

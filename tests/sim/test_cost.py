@@ -36,6 +36,7 @@ def test_step_shape_from_output() -> None:
     assert s.num_prefill_tokens == 4
     assert s.prefill_attn_pairs == 4 * 10 + 4 * 5 // 2
     assert s.kv_tokens == 100 + 10 + 14
+    assert s.decode_max_ctx == 100 and s.features()[-1] == 2 * 100
 
 
 def test_shipped_shapes_have_known_sizes() -> None:

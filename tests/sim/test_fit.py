@@ -24,6 +24,7 @@ TRUE = {
     "sampled": 6e-5,
     "prefill_attn": 2e-8,
     "decode_ctx": 4e-7,
+    "decode_padded": 1e-7,
 }
 
 
@@ -32,9 +33,12 @@ def _grid() -> list[StepShape]:
     shapes = []
     for prefill in (0, 16, 64, 256, 1024):
         for batch in (0, 1, 4, 16, 32):
-            for ctx in (32, 256, 1024):
+            for ctx in (32, 256, 1024, -1):  # -1: one request at 2048, the others at 32
                 if prefill == 0 and batch == 0:
                     continue
+                longest = 2048 if ctx < 0 else ctx
+                total = (batch - 1) * 33 + 2049 if ctx < 0 and batch else batch * (ctx + 1)
+                ctx = max(ctx, 32)
                 start = ctx if prefill and batch % 2 else 0
                 pairs = prefill * start + prefill * (prefill + 1) // 2 if prefill else 0
                 shapes.append(
@@ -45,8 +49,9 @@ def _grid() -> list[StepShape]:
                         num_prefill_tokens=prefill,
                         num_decode_seqs=batch,
                         prefill_attn_pairs=pairs,
-                        decode_ctx_tokens=batch * (ctx + 1),
-                        kv_tokens=batch * (ctx + 1) + start + prefill,
+                        decode_ctx_tokens=total,
+                        kv_tokens=total + start + prefill,
+                        decode_max_ctx=longest + 1 if batch else 0,
                     )
                 )
     return shapes
@@ -86,6 +91,7 @@ def test_fit_recovers_coefficients_under_noise() -> None:
     # seqs and sampled move together in most steps; their sum is what is determined.
     both = coef["seqs"] + coef["sampled"]
     assert both == pytest.approx(TRUE["seqs"] + TRUE["sampled"], rel=0.15)
+    assert coef["decode_padded"] == pytest.approx(TRUE["decode_padded"], rel=0.2)
     assert coef["prefill_attn"] == pytest.approx(TRUE["prefill_attn"], rel=0.15)
     assert q.mape < 0.03
 
