@@ -95,7 +95,7 @@ def _probe(args: argparse.Namespace, fixed: dict[str, Any], workload: Any, out: 
 
 def run(args: argparse.Namespace) -> int:
     from poise.lab.bench_adapter import LabWorkload
-    from poise.lab.commands import fill_template, poise_serve_command
+    from poise.lab.commands import fill_template, poise_serve_command, template_fields
     from poise.lab.tune import DEFAULT_BUDGETS, DEFAULT_SEQS, Tuner, TuneSettings
     from poise.lab.tune_report import format_result
 
@@ -110,13 +110,26 @@ def run(args: argparse.Namespace) -> int:
                           max_tokens=160 if gpu else 32, num_requests=None if gpu else 12,
                           warmup=None if gpu else 2, long_repeat=220 if gpu else 27)  # fmt: skip
     out = args.out or str(default_out("tune"))
+    budgets = args.budgets or (DEFAULT_BUDGETS if gpu else CPU_BUDGETS)
+    seqs = args.seqs or (DEFAULT_SEQS if gpu else CPU_SEQS)
+    try_policies = not args.no_policies
+    if args.command_template:
+        # A knob the template does not pass cannot be tuned: hold it at one value.
+        told = set(template_fields(args.command_template))
+        if "max_num_batched_tokens" not in told:
+            budgets = budgets[:1]
+        if "max_num_seqs" not in told:
+            seqs = seqs[:1]
+        if "scheduling_policy" not in told:
+            try_policies = False
+        untold = [k for k in TUNED if k not in told]
+        if untold:
+            print(f"poise tune: the command template does not pass {', '.join(untold)}: not tuned")
     try:
         workload = workload_from_args(args, base_wl, single=True)
         settings = TuneSettings(
-            args.slo_ttft_p95_ms, args.slo_tpot_p50_ms,
-            budgets=args.budgets or (DEFAULT_BUDGETS if gpu else CPU_BUDGETS),
-            seqs=args.seqs or (DEFAULT_SEQS if gpu else CPU_SEQS),
-            policy=policy, try_policies=not args.no_policies, trade=not args.no_trade,
+            args.slo_ttft_p95_ms, args.slo_tpot_p50_ms, budgets=budgets, seqs=seqs,
+            policy=policy, try_policies=try_policies, trade=not args.no_trade,
             latency_search=not args.no_latency_search, min_gain=args.min_gain,
             tail_tolerance=args.tail_tolerance, kv_headroom=args.kv_headroom,
             max_probes=args.max_probes,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from poise.lab.bench_adapter import LabWorkload
 from poise.lab.live import LiveProbe
 from poise.lab.server import ServerSpec
@@ -57,3 +59,19 @@ def test_failing_cells_leave_no_process(tmp_path: Path, tiny_workload: LabWorklo
     assert not result.met
     assert result.evidence and all(e.error for e in result.evidence)
     assert probe.pids and all(pid_gone(p) for p in probe.pids)
+
+
+def test_tune_cli_against_a_command_template(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from poise.cli import main
+
+    argv = ["tune", "--slo-ttft-p95-ms", "200", "--command-template", MOCK_TEMPLATE,
+            "--budgets", "512,1024,2048", "--seqs", "4", "--concurrency", "4", "--max-tokens", "32",
+            "--num-requests", "8", "--warmup", "2", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "does not pass scheduling_policy: not tuned" in out
+    assert "Throughput-first: budget 1024 / seqs 4 (probe #2)" in out
+    assert "--port 8000 --max-num-batched-tokens 1024 --max-num-seqs 4" in out
+    assert (tmp_path / "tune.json").is_file() and (tmp_path / "tune.md").is_file()
