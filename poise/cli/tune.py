@@ -93,10 +93,46 @@ def _probe(args: argparse.Namespace, fixed: dict[str, Any], workload: Any, out: 
     return LiveProbe(spec, workload, cell, out)
 
 
+def _ladders(args: argparse.Namespace, gpu: bool, concurrency: int) -> tuple[Any, Any, bool]:
+    """(budgets, seqs, try_policies). In a closed loop more than ``concurrency`` slots change
+    nothing, so the seqs ladder stops there; knobs a command template does not pass are held
+    at one value."""
+    from poise.lab.commands import template_fields
+    from poise.lab.tune import DEFAULT_BUDGETS, DEFAULT_SEQS
+
+    budgets = args.budgets or (DEFAULT_BUDGETS if gpu else CPU_BUDGETS)
+    seqs = args.seqs or (DEFAULT_SEQS if gpu else CPU_SEQS)
+    seqs = tuple(s for s in seqs if s <= concurrency) or seqs[:1]
+    try_policies = not args.no_policies
+    if args.command_template:
+        told = set(template_fields(args.command_template))
+        if "max_num_batched_tokens" not in told:
+            budgets = budgets[:1]
+        if "max_num_seqs" not in told:
+            seqs = seqs[:1]
+        if "scheduling_policy" not in told:
+            try_policies = False
+        untold = [k for k in TUNED if k not in told]
+        if untold:
+            print(f"poise tune: the command template does not pass {', '.join(untold)}: not tuned")
+    return budgets, seqs, try_policies
+
+
+def _write(out: str, text: str, record: dict[str, Any]) -> None:
+    from pathlib import Path
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "tune.md").write_text(text + "\n", encoding="utf-8")
+    (Path(out) / "tune.json").write_text(
+        json.dumps(record, indent=2, default=str), encoding="utf-8"
+    )
+    print(f"\nrecord: {Path(out) / 'tune.json'}")
+
+
 def run(args: argparse.Namespace) -> int:
     from poise.lab.bench_adapter import LabWorkload
-    from poise.lab.commands import fill_template, poise_serve_command, template_fields
-    from poise.lab.tune import DEFAULT_BUDGETS, DEFAULT_SEQS, Tuner, TuneSettings
+    from poise.lab.commands import fill_template, poise_serve_command
+    from poise.lab.tune import Tuner, TuneSettings
     from poise.lab.tune_report import format_result
 
     engine = engine_kwargs_from_args(args)
@@ -110,23 +146,9 @@ def run(args: argparse.Namespace) -> int:
                           max_tokens=160 if gpu else 32, num_requests=None if gpu else 12,
                           warmup=None if gpu else 2, long_repeat=220 if gpu else 27)  # fmt: skip
     out = args.out or str(default_out("tune"))
-    budgets = args.budgets or (DEFAULT_BUDGETS if gpu else CPU_BUDGETS)
-    seqs = args.seqs or (DEFAULT_SEQS if gpu else CPU_SEQS)
-    try_policies = not args.no_policies
-    if args.command_template:
-        # A knob the template does not pass cannot be tuned: hold it at one value.
-        told = set(template_fields(args.command_template))
-        if "max_num_batched_tokens" not in told:
-            budgets = budgets[:1]
-        if "max_num_seqs" not in told:
-            seqs = seqs[:1]
-        if "scheduling_policy" not in told:
-            try_policies = False
-        untold = [k for k in TUNED if k not in told]
-        if untold:
-            print(f"poise tune: the command template does not pass {', '.join(untold)}: not tuned")
     try:
         workload = workload_from_args(args, base_wl, single=True)
+        budgets, seqs, try_policies = _ladders(args, gpu, workload.concurrency[0])
         settings = TuneSettings(
             args.slo_ttft_p95_ms, args.slo_tpot_p50_ms, budgets=budgets, seqs=seqs,
             policy=policy, try_policies=try_policies, trade=not args.no_trade,
@@ -142,20 +164,11 @@ def run(args: argparse.Namespace) -> int:
 
     def command(c: Any) -> str:
         if args.command_template:
-            return fill_template(
-                args.command_template,
-                {"port": 8000, "model": fixed.get("model") or "", **c.to_args()},
-            )
+            values = {"port": 8000, "model": fixed.get("model") or "", **c.to_args()}
+            return fill_template(args.command_template, values)
         return poise_serve_command(fixed.get("model"), c.to_args())
 
     text = format_result(result, command)
     print(text)
-    from pathlib import Path
-
-    Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / "tune.md").write_text(text + "\n", encoding="utf-8")
-    (Path(out) / "tune.json").write_text(
-        json.dumps(result.to_dict(), indent=2, default=str), encoding="utf-8"
-    )
-    print(f"\nrecord: {Path(out) / 'tune.json'}")
+    _write(out, text, result.to_dict())
     return 0 if result.met else 1
