@@ -57,16 +57,17 @@ def sample(
         # Fast path: argmax is exact in any float dtype, no float32 copy needed.
         return [int(t) for t in logits.argmax(dim=-1).tolist()]
 
+    dev = logits.device
     out = [0] * len(params)
     greedy_rows = [i for i, g in enumerate(is_greedy) if g]
     if greedy_rows:
-        picked = logits[torch.tensor(greedy_rows)].argmax(dim=-1).tolist()
+        picked = logits[torch.tensor(greedy_rows, device=dev)].argmax(dim=-1).tolist()
         for row, tok in zip(greedy_rows, picked, strict=True):
             out[row] = int(tok)
 
     rows = [i for i, g in enumerate(is_greedy) if not g]
     sub_params = [params[i] for i in rows]
-    sub = logits[torch.tensor(rows)].to(torch.float32)  # [R, V], a copy we may modify
+    sub = logits[torch.tensor(rows, device=dev)].to(torch.float32)  # [R, V], a copy we may modify
     probs = _filtered_probs(sub, sub_params)
     uniforms = _uniforms(sub_params, [output_indices[i] for i in rows], generator)
     for row, tok in zip(rows, _inverse_cdf(probs, uniforms), strict=True):
@@ -80,75 +81,90 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     ``logits`` [R, V] float32 is scaled in place. Returns unnormalised probabilities [R, V].
     """
     n_rows, vocab = logits.shape
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
     logits.div_(temps.unsqueeze(1))
     probs = torch.softmax(logits, dim=-1)  # [R, V]
 
     # top_k <= 0 (or >= V) disables it; k == V keeps everything anyway.
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    use_p = [p.top_p < 1.0 for p in params]
-    thresholds = torch.zeros(n_rows, dtype=torch.float32)
-
-    if any(ks) or any(use_p):
-        thresholds = torch.maximum(thresholds, _topk_topp_threshold(probs, params, ks, use_p))
+    top_ps = [p.top_p for p in params]
     min_ps = [p.min_p for p in params]
-    if any(m > 0.0 for m in min_ps):
+    use_kp = any(ks) or any(tp < 1.0 for tp in top_ps)
+    use_min_p = any(m > 0.0 for m in min_ps)
+    if not (use_kp or use_min_p):
+        return probs
+    thresholds = torch.zeros(n_rows, dtype=torch.float32, device=dev)
+    if use_kp:
+        thresholds = _topk_topp_threshold(probs, ks, top_ps)
+    if use_min_p:
         max_prob = probs.amax(dim=-1)  # [R]
-        thresholds = torch.maximum(thresholds, torch.tensor(min_ps) * max_prob)
-    if any(ks) or any(use_p) or any(m > 0.0 for m in min_ps):
-        # The row's most likely token always survives: every threshold is <= its probability.
-        probs.masked_fill_(probs < thresholds.unsqueeze(1), 0.0)
-    return probs
+        min_p = torch.tensor(min_ps, dtype=torch.float32, device=dev)
+        thresholds = torch.maximum(thresholds, min_p * max_prob)
+    # The row's most likely token always survives: every threshold is <= its probability.
+    return probs.masked_fill_(probs < thresholds.unsqueeze(1), 0.0)
 
 
-def _topk_topp_threshold(
-    probs: torch.Tensor, params: Sequence[SamplingParams], ks: list[int], use_p: list[bool]
-) -> torch.Tensor:
-    """Per-row probability threshold implementing top-k then top-p, from topk candidates only."""
+def _topk_topp_threshold(probs: torch.Tensor, ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """Per-row probability threshold implementing top-k then top-p, from topk candidates only.
+
+    Rows whose top-p cutoff lies beyond the candidates are retried with _GROWTH times more.
+    """
     n_rows, vocab = probs.shape
-    thresholds = torch.zeros(n_rows, dtype=torch.float32)
-    todo = [i for i in range(n_rows) if ks[i] or use_p[i]]
-    count = max([ks[i] for i in todo] + [_TOP_P_CANDIDATES if any(use_p) else 0])
+    thresholds = torch.zeros(n_rows, dtype=torch.float32, device=probs.device)
+    todo = [i for i in range(n_rows) if ks[i] or top_ps[i] < 1.0]
+    has_p = any(top_ps[i] < 1.0 and not ks[i] for i in todo)
+    count = max([ks[i] for i in todo] + [_TOP_P_CANDIDATES if has_p else 0])
     while todo:
         count = min(count, vocab)
-        idx = torch.tensor(todo)
+        idx = torch.tensor(todo, device=probs.device)
         values = probs[idx].topk(count, dim=-1, sorted=True).values  # [T, count], descending
-        still: list[int] = []
-        for j, row in enumerate(todo):
-            thr, covered = _row_threshold(
-                values[j], ks[row], params[row].top_p if use_p[row] else 1.0, count == vocab
-            )
-            if covered:
-                thresholds[row] = thr
-            else:
-                still.append(row)
-        todo = still
+        thr, covered = _thresholds_from_candidates(
+            values, [ks[i] for i in todo], [top_ps[i] for i in todo], complete=count == vocab
+        )
+        done = covered.tolist()
+        keep = [j for j, ok in enumerate(done) if ok]
+        if keep:
+            rows = torch.tensor([todo[j] for j in keep], device=probs.device)
+            thresholds[rows] = thr[torch.tensor(keep, device=probs.device)]
+        todo = [row for row, ok in zip(todo, done, strict=True) if not ok]
         count *= _GROWTH
     return thresholds
 
 
-def _row_threshold(
-    values: torch.Tensor, k: int, top_p: float, complete: bool
-) -> tuple[float, bool]:
-    """Threshold for one row from its descending candidate probabilities ``values``.
+def _thresholds_from_candidates(
+    values: torch.Tensor, ks: list[int], top_ps: list[float], complete: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(threshold [T], covered [T] bool) from descending candidate probabilities [T, C].
 
-    Returns (threshold, covered); covered is False when more candidates are needed to find the
-    top-p cutoff. The top-k candidates always fit (count >= k).
+    ``covered`` is False where the top-p cutoff may lie beyond the C candidates. Top-k always
+    fits (C >= k). Index math, per row, C = 6, k = 4, top_p = 0.8::
+
+        values     .30 .25 .20 .15 | .06 .04      kept = first k (top-k renormalises over them)
+        exclusive  0   .30 .55 .75 |              mass before each kept value (total .90)
+        inside     y   y   y   n                  exclusive < top_p * total = .72
+        threshold  .20                            the last value inside; ties stay in
     """
-    thr_k = float(values[k - 1]) if k else 0.0
-    if top_p >= 1.0:
-        return thr_k, True
-    kept = values[: k or len(values)]
+    n, count = values.shape
+    dev = values.device
+    k = torch.tensor(ks, device=dev)  # [T], 0 = off
+    top_p = torch.tensor(top_ps, dtype=torch.float32, device=dev)  # [T], 1 = off
+    col = torch.arange(count, device=dev).unsqueeze(0)  # [1, C]
+    kept = (col < k.unsqueeze(1)) | (k == 0).unsqueeze(1)  # [T, C]
+    masked = values * kept
+    thr_k = torch.where(k > 0, values.gather(1, (k - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
     # Mass of the top-k-renormalised distribution: the kept values' sum when top-k is on, else
-    # the whole row's (softmax) mass, which is 1 up to rounding.
-    total = float(kept.sum()) if k else 1.0
-    exclusive = torch.cumsum(kept, dim=0) - kept  # mass strictly before each candidate
-    inside = exclusive < top_p * total
-    n_inside = int(inside.sum())
-    if n_inside == len(kept) and not k and not complete:
-        return 0.0, False  # the cutoff may lie beyond the candidates
-    # Sorted descending: the smallest kept value is the last one inside the nucleus.
-    return max(thr_k, float(kept[n_inside - 1])), True
+    # the whole row's softmax mass, 1 up to rounding.
+    total = torch.where(k > 0, masked.sum(dim=1), torch.ones_like(top_p))
+    exclusive = torch.cumsum(masked, dim=1) - masked  # [T, C]
+    inside = (exclusive < (top_p * total).unsqueeze(1)) & kept
+    n_inside = inside.sum(dim=1).clamp(min=1)  # the first candidate is always inside
+    thr_p = values.gather(1, (n_inside - 1).unsqueeze(1)).squeeze(1)
+    thr = torch.where(top_p < 1.0, torch.maximum(thr_k, thr_p), thr_k)
+    covered = (top_p >= 1.0) | (k > 0) | (n_inside < count)
+    if complete:
+        covered = torch.ones_like(covered)
+    return thr, covered
 
 
 def _uniforms(
@@ -168,7 +184,8 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
     """Sample each row of unnormalised ``probs`` [R, V] at its uniform."""
     cdf = torch.cumsum(probs, dim=-1)  # [R, V], non-decreasing
     total = cdf[:, -1:]  # [R, 1]
-    target = torch.tensor(uniforms, dtype=torch.float32).unsqueeze(1) * total
+    u = torch.tensor(uniforms, dtype=torch.float32, device=probs.device)
+    target = u.unsqueeze(1) * total
     # u < 1, but u * total can round up to total; keep the target strictly below it so the
     # search lands on a token with non-zero probability.
     target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))

@@ -152,3 +152,14 @@ def test_unseeded_uses_given_generator() -> None:
     a = sample(logits, params, [0] * 32, generator=torch.Generator().manual_seed(3))
     b = sample(logits, params, [0] * 32, generator=torch.Generator().manual_seed(3))
     assert a == b and len(set(a)) > 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_logits_filters_and_greedy() -> None:
+    logits = LOGITS.to("cuda").unsqueeze(0).expand(2000, -1).contiguous()
+    assert sample(logits, [SamplingParams(temperature=0.0)] * 2000, [0] * 2000) == [0] * 2000
+    out = sample(logits, [SamplingParams(top_k=3, top_p=0.75, seed=1)] * 2000, list(range(2000)))
+    assert set(out) == {0, 1}
+    out = sample(logits.half(), [SamplingParams(min_p=0.3)] * 2000, [0] * 2000)
+    assert set(out) == {0, 1, 2}
