@@ -192,6 +192,14 @@ def main() -> int:
         "--num-requests", type=int, default=None, help="Measured per cell (bench default)."
     )
     p.add_argument("--warmup", type=int, default=None, help="Warmup per cell (bench default).")
+    p.add_argument(
+        "--requests-per-stream", type=int, default=None,
+        help="Measured requests per cell = this x concurrency (overrides --num-requests).",
+    )  # fmt: skip
+    p.add_argument(
+        "--warmup-per-stream", type=int, default=None,
+        help="Warmup requests per cell = this x concurrency (overrides --warmup).",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--calibrate", action="store_true", help="Calibrate overheads at concurrency 1.")
     p.add_argument("--calibration-tokens", type=int, default=32)
@@ -210,41 +218,54 @@ def main() -> int:
         run([*POISE, "profile", "--grid", a.profile_grid, "--repeats", str(a.profile_repeats),
              "--threads", str(a.threads), "-o", str(a.profile), *engine],
             a.threads, out / "profile.log")  # fmt: skip
-    load = load_args(a, a.concurrency, a.long_ratio, a.num_requests, a.warmup, a.max_tokens)
-    real = out / "real.yaml"
+    concs = [int(x) for x in a.concurrency.split(",") if x.strip()]
+
+    def load_for(c: int) -> list[str]:
+        n = a.requests_per_stream * c if a.requests_per_stream else a.num_requests
+        w = a.warmup_per_stream * c if a.warmup_per_stream is not None else a.warmup
+        return load_args(a, str(c), a.long_ratio, n, w, a.max_tokens)
+
     proc, base = start_server(engine, a.threads, out / "serve.log")
     try:
         req_s, scale = 0.0, 1.0
         if a.calibrate:
             req_s, scale = calibrate(a, base, engine, out)
-        run([*POISE, "bench", "--base-url", base + "/v1", *load, "--no-progress", "-o", str(real),
-             "--label", "measured"], a.threads, out / "bench.log")  # fmt: skip
+        for c in concs:
+            run([*POISE, "bench", "--base-url", base + "/v1", *load_for(c), "--no-progress",
+                 "-o", str(out / f"real-c{c}.yaml"), "--label", "measured"],
+                a.threads, out / f"bench-c{c}.log")  # fmt: skip
     finally:
         stop_server(proc)
-    sims = {"profile only": out / "sim.yaml"}
-    run([*POISE, "simulate", "--profile", str(a.profile), *load, "-o", str(sims["profile only"]),
-         "--label", "simulated", *engine], a.threads, out / "sim.log")  # fmt: skip
+    variants: dict[str, tuple[str, list[str]]] = {"profile only": ("sim", [])}
     if a.calibrate:
-        sims["calibrated overheads"] = out / "sim-calibrated.yaml"
-        run([*POISE, "simulate", "--profile", str(a.profile), *load,
-             "--request-overhead-ms", f"{req_s * 1000:.3f}",
-             "--time-scale", f"{scale:.4f}",
-             "-o", str(sims["calibrated overheads"]), "--label", "simulated-calibrated", *engine],
-            a.threads, out / "sim-calibrated.log")  # fmt: skip
+        variants["calibrated"] = (
+            "sim-calibrated",
+            ["--request-overhead-ms", f"{req_s * 1000:.3f}", "--time-scale", f"{scale:.4f}"],
+        )
+    for stem, extra in variants.values():
+        for c in concs:
+            run([*POISE, "simulate", "--profile", str(a.profile), *load_for(c), *extra,
+                 "-o", str(out / f"{stem}-c{c}.yaml"), "--label", stem, *engine],
+                a.threads, out / f"{stem}-c{c}.log")  # fmt: skip
     report: dict[str, Any] = {"out_dir": str(out), "profile": str(a.profile),
                               "calibration": {"request_overhead_s": req_s, "time_scale": scale},
-                              "load": load, "engine": engine, "threads": a.threads}  # fmt: skip
+                              "loads": {c: load_for(c) for c in concs}, "engine": engine,
+                              "threads": a.threads}  # fmt: skip
     md = [f"# sim vs real ({time.strftime('%Y-%m-%d %H:%M')}, threads {a.threads})", ""]
     all_ok = True
-    for name, path in sims.items():
-        rows, ok = compare(real, path, a.tolerance)
-        report[name] = {"rows": rows, "within_tolerance": ok}
+    for name, (stem, _) in variants.items():
+        rows: list[dict[str, Any]] = []
+        ok = True
+        speeds = []
+        for c in concs:
+            r, k = compare(out / f"real-c{c}.yaml", out / f"{stem}-c{c}.yaml", a.tolerance)
+            rows += r
+            ok = ok and k
+            prov = yaml.safe_load((out / f"{stem}-c{c}.yaml").read_text())["provenance"]
+            speeds.append(prov.get("simulated_requests_per_wall_s"))
+        report[name] = {"rows": rows, "within_tolerance": ok, "sim_requests_per_wall_s": speeds}
         md += [table(f"{name}: {'PASS' if ok else 'FAIL'} at ±{a.tolerance:.0%}", rows), ""]
         all_ok = all_ok and ok
-        sim_rec = yaml.safe_load(path.read_text())
-        report[name]["sim_requests_per_wall_s"] = sim_rec["provenance"].get(
-            "simulated_requests_per_wall_s"
-        )
     report["wall_s"] = round(time.monotonic() - t0, 1)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "report.md").write_text("\n".join(md) + "\n")
