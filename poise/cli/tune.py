@@ -64,6 +64,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def _simulate_defaults() -> argparse.Namespace:
+    """`poise simulate`'s own defaults for every cost-model flag (so new ones need no change
+    here)."""
+    from poise.cli import simulate
+
+    parser = argparse.ArgumentParser()
+    simulate.register(parser.add_subparsers())
+    return parser.parse_args(["simulate"])
+
+
 def _probe(args: argparse.Namespace, fixed: dict[str, Any], workload: Any, out: str) -> Any:
     from poise.lab.live import LiveProbe, SimProbe
     from poise.lab.server import DEFAULT_READY_PATHS, ServerSpec
@@ -73,10 +83,12 @@ def _probe(args: argparse.Namespace, fixed: dict[str, Any], workload: Any, out: 
         from poise.cli.simulate import cost_model_from_args, prompt_lengths
         from poise.config import EngineConfig
 
-        ns = argparse.Namespace(profile=args.profile, accelerator=args.accelerator,
-                                model_shape=args.model_shape, request_overhead_ms=None,
-                                step_overhead_ms=None, compute_efficiency=None,
-                                bandwidth_efficiency=None)  # fmt: skip
+        ns = _simulate_defaults()
+        ns.profile, ns.accelerator, ns.model_shape = (
+            args.profile,
+            args.accelerator,
+            args.model_shape,
+        )
         config = EngineConfig.from_kwargs(**fixed)
         cost = cost_model_from_args(ns, config)
         return SimProbe(fixed, workload, cell, cost, prompt_lengths(config.model.tokenizer))

@@ -198,7 +198,11 @@ class Tuner:
                     f"{facts}, TTFT p95 {_signed(tail)}",
                     "tail worse for no gain, back off",
                 )
-            return False, facts, f"no gain (< {fmt_pct(self.s.min_gain)}), keep the previous"
+            return (
+                False,
+                facts,
+                f"no throughput gain (needs +{fmt_pct(self.s.min_gain)}), keep the previous",
+            )
         return True, facts, "keep"
 
     def kv_ok(self, m: CellMetrics | None) -> tuple[bool, str]:

@@ -59,7 +59,7 @@ def test_decisions_explain_back_off_on_slo_breach() -> None:
         d.startswith("budget 4096 -> 8192: throughput +") and d.endswith("keep")
         for d in result.decisions
     )
-    assert any("max_num_seqs 32 -> 64" in d and "no gain" in d for d in result.decisions)
+    assert any("max_num_seqs 32 -> 64" in d and "no throughput gain" in d for d in result.decisions)
     result, _ = tune(700)
     assert any(
         "budget 2048 -> 4096" in d and "> SLO 700 ms: back off" in d for d in result.decisions
