@@ -324,10 +324,15 @@ def cell_metrics(
 
 
 def client_health(
-    records: Sequence[RequestRecord], loop_lags: Sequence[float], max_lag_ms: float = 10.0
+    records: Sequence[RequestRecord],
+    loop_lags: Sequence[float],
+    max_lag_ms: float = 10.0,
+    cpu_util: float | None = None,
 ) -> dict[str, Any]:
     """The client's own health in a cell. The cell is invalid when the client, not the server,
-    set the pace: p99 scheduling lag or event-loop lag above ``max_lag_ms``."""
+    set the pace: p99 scheduling lag or event-loop lag above ``max_lag_ms``. ``cpu_util`` (the
+    client process's CPU seconds per wall second) tells the two causes apart: near 1.0 the
+    client itself is saturated; low, the host is (e.g. the server shares its cores)."""
     lags = [r.start - r.intended for r in records if r.intended is not None and not r.warmup]
     sched = summarize(lags)
     loop = summarize(loop_lags)
@@ -336,9 +341,13 @@ def client_health(
         reasons.append(f"sched_lag p99 {sched['p99']:.1f} ms > {max_lag_ms} ms")
     if loop["p99"] is not None and loop["p99"] > max_lag_ms:
         reasons.append(f"event-loop lag p99 {loop['p99']:.1f} ms > {max_lag_ms} ms")
+    if reasons and cpu_util is not None:
+        cause = "client saturated" if cpu_util > 0.8 else "host CPU contention"
+        reasons.append(f"client CPU {cpu_util:.0%} of a core: likely {cause}")
     return {
         "sched_lag_ms": sched,
         "loop_lag_ms": loop,
+        "cpu_util": cpu_util,
         "max_lag_ms": max_lag_ms,
         "valid": not reasons,
         "invalid_reasons": reasons,

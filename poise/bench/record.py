@@ -137,6 +137,7 @@ def build_cell(
     scrapes: Sequence[Scrape] = (),
     loop_lags: Sequence[float] = (),
     max_lag_ms: float = 10.0,
+    cpu_util: float | None = None,
     t0: float = 0.0,
     started_at: str | None = None,
 ) -> CellResult:
@@ -152,7 +153,7 @@ def build_cell(
         load=load,
         metrics=metrics,
         server=server,
-        client_health=client_health(recs, loop_lags, max_lag_ms),
+        client_health=client_health(recs, loop_lags, max_lag_ms, cpu_util),
         server_timeseries=timeseries(shifted, 0.0) if shifted else {},
         started_at=started_at,
         num_warmup=sum(r.warmup for r in recs),

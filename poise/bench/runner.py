@@ -149,12 +149,15 @@ async def run_cell(
     if scraper is not None:
         await scraper.start()
     monitor.start()
+    cpu0 = time.process_time()
     run.t0 = now()
     if cfg.duration is not None:
         run.deadline = run.t0 + cfg.duration
     try:
         await (run.closed_loop() if spec.closed_loop else run.open_loop())
     finally:
+        wall = now() - run.t0
+        cpu_util = (time.process_time() - cpu0) / wall if wall > 0 else None
         lags = await monitor.stop()
         if scraper is not None:
             await scraper.stop()
@@ -175,6 +178,7 @@ async def run_cell(
         scrapes=scraper.scrapes if scraper else (),
         loop_lags=lags,
         max_lag_ms=cfg.max_lag_ms,
+        cpu_util=cpu_util,
         t0=run.t0,
         started_at=started_at,
     )

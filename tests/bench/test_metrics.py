@@ -125,6 +125,10 @@ def test_sched_lag_and_validity() -> None:
     assert not h["valid"] and "sched_lag" in h["invalid_reasons"][0]
     ok = client_health(recs, loop_lags=[0.001] * 10, max_lag_ms=100)
     assert ok["valid"]
+    busy = client_health(recs, loop_lags=[0.05] * 10, max_lag_ms=10, cpu_util=0.97)
+    assert "client saturated" in busy["invalid_reasons"][-1]
+    host = client_health(recs, loop_lags=[0.05] * 10, max_lag_ms=10, cpu_util=0.05)
+    assert "host CPU contention" in host["invalid_reasons"][-1]
 
 
 def test_from_token_times_roundtrip() -> None:
