@@ -172,7 +172,9 @@ def _uniforms(
 ) -> list[float]:
     """One uniform in [0, 1) per row: hashed from (seed, index) when seeded, else from ``gen``."""
     unseeded = [i for i, p in enumerate(params) if p.seed is None]
-    drawn = torch.rand(len(unseeded), dtype=torch.float64, generator=gen).tolist()
+    # Draw on the generator's own device (a CUDA generator cannot fill a CPU tensor).
+    device = gen.device if gen is not None else torch.device("cpu")
+    drawn = torch.rand(len(unseeded), dtype=torch.float64, generator=gen, device=device).tolist()
     by_row = dict(zip(unseeded, drawn, strict=True))
     return [
         by_row[i] if p.seed is None else seeded_uniform(p.seed, output_indices[i])

@@ -106,7 +106,7 @@ def test_top_p_on_large_vocab_needs_many_candidates() -> None:
     # nucleus ends where (1 - e^-x) / (1 - e^-1) = 0.5, x ~ 0.380, i.e. ~1900 tokens, far past
     # the first candidate set, so the candidate count must grow.
     logits = -torch.arange(5000, dtype=torch.float32) / 5000
-    counts = _draw(SamplingParams(top_p=0.5), 4000, logits)
+    counts = _draw(SamplingParams(top_p=0.5), 1500, logits)
     assert 1700 < max(counts) < 1920
 
 
@@ -132,7 +132,7 @@ def test_seeded_requests_ignore_batch_composition_and_order() -> None:
         ref = _seeded_batch([0, 1, 2, 3], extra=0, index=index)
         assert _seeded_batch([3, 1, 0, 2], extra=5, index=index) == ref
         torch.manual_seed(index + 100)  # the global generator must not matter either
-        assert _seeded_batch([2, 0, 3, 1], extra=60, index=index) == ref
+        assert _seeded_batch([2, 0, 3, 1], extra=24, index=index) == ref
 
 
 def test_seeded_stream_depends_on_seed_and_index() -> None:
@@ -158,6 +158,8 @@ def test_unseeded_uses_given_generator() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_logits_filters_and_greedy() -> None:
     logits = LOGITS.to("cuda").unsqueeze(0).expand(2000, -1).contiguous()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    assert len(set(sample(logits, [SamplingParams()] * 2000, [0] * 2000, generator=gen))) == 8
     assert sample(logits, [SamplingParams(temperature=0.0)] * 2000, [0] * 2000) == [0] * 2000
     out = sample(logits, [SamplingParams(top_k=3, top_p=0.75, seed=1)] * 2000, list(range(2000)))
     assert set(out) == {0, 1}
