@@ -209,8 +209,9 @@ class _Driver:
     def deliver(self, now: float) -> None:
         while self.inbox and self.inbox[0][0] <= now:
             t_engine, _, res, req = heapq.heappop(self.inbox)
-            params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0)
-            params.ignore_eos = req.ignore_eos
+            params = SamplingParams(
+                max_tokens=req.max_tokens, temperature=0.0, ignore_eos=req.ignore_eos
+            )
             try:
                 self.engine.add_request(
                     res.request_id, self.token_ids(req), params, arrival_time=res.sent
