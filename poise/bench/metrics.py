@@ -288,18 +288,25 @@ def group_metrics(
     short = [r.index for r, s in capped if s.n_out < (r.max_tokens or 0)]
     out["shortfall"] = {"num_short": len(short), "of": len(capped), "indices": short[:20]}
     if slo.active:
-        good = [(r, s) for r, s in zip(records, stats, strict=True) if slo.met(r, s)]
-        out["goodput"] = {
-            "slo_ttft_ms": slo.ttft_ms,
-            "slo_tpot_ms": slo.tpot_ms,
-            "num_good": len(good),
-            "requests_per_s": len(good) / duration if duration > 0 else None,
-            "output_tokens_per_s": sum(s.n_out for _, s in good) / duration
-            if duration > 0
-            else None,
-            "slo_attainment": len(good) / len(records) if records else None,
-        }
+        out["goodput"] = goodput(records, stats, duration, slo)
     return out
+
+
+def goodput(
+    records: Sequence[RequestRecord], stats: Sequence[RequestStats], duration: float, slo: SLO
+) -> dict[str, Any]:
+    """Requests meeting every SLO given, as rates and as attainment over all requests
+    (failures included in the denominator: they are not good)."""
+    good = [(r, s) for r, s in zip(records, stats, strict=True) if slo.met(r, s)]
+    rate = 1.0 / duration if duration > 0 else None
+    return {
+        "slo_ttft_ms": slo.ttft_ms,
+        "slo_tpot_ms": slo.tpot_ms,
+        "num_good": len(good),
+        "requests_per_s": len(good) * rate if rate is not None else None,
+        "output_tokens_per_s": sum(s.n_out for _, s in good) * rate if rate is not None else None,
+        "slo_attainment": len(good) / len(records) if records else None,
+    }
 
 
 def cell_metrics(

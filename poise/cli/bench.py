@@ -83,6 +83,12 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         help="Warmup requests per cell, excluded (default: concurrency).",
     )
     g.add_argument("--timeout", type=float, default=600.0, help="Per-request timeout, seconds.")
+    _add_workload_args(p)
+    _add_metrics_args(p)
+    _add_record_args(p)
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument(
         "--long-ratio",
@@ -107,6 +113,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--salt-scope", choices=("run", "cell", "request"), default="cell")
     g.add_argument("--no-ignore-eos", action="store_true", help="Do not send ignore_eos.")
     g.add_argument("--temperature", type=float, default=0.0)
+
+
+def _add_metrics_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("metrics")
     g.add_argument("--slo-ttft-ms", type=float, default=None)
     g.add_argument("--slo-tpot-ms", type=float, default=None)
@@ -122,6 +131,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         default=10.0,
         help="Client lag p99 above this marks a cell invalid.",
     )
+
+
+def _add_record_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("record")
     g.add_argument("--gpu", help="Hardware, for the record.")
     g.add_argument("--engine", help="Engine name (default: detected from /metrics).")
