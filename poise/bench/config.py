@@ -142,10 +142,14 @@ def cell_counts(cfg: BenchConfig, spec: CellSpec) -> tuple[int, int]:
     return warmup, max(4 * c, 16) if spec.closed_loop else 64
 
 
-def cell_requests(cfg: BenchConfig, spec: CellSpec) -> list[wl.WorkloadRequest]:
-    """The cell's request sample (warmup first), with open-loop arrival offsets."""
+def cell_requests(
+    cfg: BenchConfig, spec: CellSpec, limit: int | None = None
+) -> list[wl.WorkloadRequest]:
+    """The cell's request sample (warmup first), with open-loop arrival offsets; at most
+    ``limit`` requests (a duration-bound closed loop cycles through a bounded sample instead
+    of materialising every prompt it might send)."""
     warmup, measured = cell_counts(cfg, spec)
-    n = warmup + measured
+    n = warmup + measured if limit is None else min(warmup + measured, limit)
     if cfg.jsonl is not None:
         reqs = wl.cycle_jsonl(n, wl.load_jsonl(cfg.jsonl, cfg.max_tokens), cfg.seed)
     elif cfg.classes:

@@ -139,9 +139,9 @@ class CellProgress:
     def __exit__(self, *exc: object) -> None:
         self.progress.stop()
 
-    def start_cell(self, label: str, total: int) -> None:
+    def start_cell(self, label: str, total: int | None) -> None:
         self._task = self.progress.add_task(label, total=total)
 
-    def update(self, done: int, total: int) -> None:
+    def update(self, done: int, total: int | None) -> None:
         if self._task is not None:
             self.progress.update(self._task, completed=done, total=total)

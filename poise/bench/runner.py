@@ -39,8 +39,38 @@ from poise.bench.metrics import SLO, RequestRecord
 from poise.bench.record import CellResult, ExperimentRecord, build_cell
 
 log = logging.getLogger(__name__)
-TOOL_VERSION = "poise-bench 0.1"
-Progress = Callable[[int, int], None]  # (done, total) of the current cell
+
+
+def _tool_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return f"poise-bench {version('poise')}"
+    except Exception:  # not installed as a distribution (a copied package)
+        return "poise-bench (unknown version)"
+
+
+def _git_sha() -> str | None:
+    """The commit of the checkout this package runs from, when it is one."""
+    import subprocess
+    from pathlib import Path
+
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+TOOL_VERSION = _tool_version()
+Progress = Callable[[int, "int | None"], None]  # (done, total or None) of the current cell
+CLOSED_LOOP_SAMPLE = 4096  # distinct requests a duration-bound closed loop cycles through
 
 
 def _utc() -> str:
@@ -62,8 +92,12 @@ class _CellRun:
         self.cfg, self.spec, self.session, self.ep = cfg, spec, session, ep
         self.salt, self.progress = salt, progress
         self.warmup, measured = cell_counts(cfg, spec)
-        self.requests = cell_requests(cfg, spec)
-        self.total = self.warmup + measured
+        # A duration-bound closed loop cycles through a bounded sample (see closed_loop).
+        self.cycle = spec.closed_loop and cfg.duration is not None and cfg.num_requests is None
+        limit = self.warmup + CLOSED_LOOP_SAMPLE if self.cycle else None
+        self.requests = cell_requests(cfg, spec, limit)
+        # The clock ends a duration-bound cell: its total is not known in advance.
+        self.total: int | None = None if cfg.duration is not None else self.warmup + measured
         self.records: list[RequestRecord] = []
         self.done = 0
         self.t0 = 0.0
@@ -92,7 +126,9 @@ class _CellRun:
         return rec
 
     async def closed_loop(self) -> None:
-        it: Iterator[wl.WorkloadRequest] = iter(self.requests)
+        it: Iterator[wl.WorkloadRequest] = (
+            wl.iter_forever(self.requests) if self.cycle else iter(self.requests)
+        )
 
         async def worker() -> None:
             intended = now()
@@ -232,7 +268,7 @@ async def open_endpoint(cfg: BenchConfig, session: aiohttp.ClientSession) -> End
 async def run_matrix(
     cfg: BenchConfig,
     *,
-    on_cell_start: Callable[[CellSpec, int], None] | None = None,
+    on_cell_start: Callable[[CellSpec, int | None], None] | None = None,
     progress: Progress | None = None,
     on_cell_done: Callable[[CellResult], None] | None = None,
 ) -> ExperimentRecord:
@@ -253,7 +289,8 @@ async def run_matrix(
         cells = []
         for i, spec in enumerate(cfg.cells()):
             if on_cell_start is not None:
-                on_cell_start(spec, sum(cell_counts(cfg, spec)))
+                total = None if cfg.duration is not None else sum(cell_counts(cfg, spec))
+                on_cell_start(spec, total)
             salt = f"{run_salt}-{i}" if run_salt and cfg.salt_scope != "run" else run_salt
             cell = await run_cell(cfg, spec, session, ep, salt=salt, progress=progress)
             cells.append(cell)
@@ -267,6 +304,7 @@ async def run_matrix(
         provenance={
             "command": cfg.command,
             "tool_version": TOOL_VERSION,
+            "git_sha": _git_sha(),
             "started_at": started,
             "finished_at": _utc(),
             "wall_s": round(time.time() - t_start, 3),

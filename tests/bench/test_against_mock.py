@@ -198,3 +198,20 @@ def test_stream_timer_edge_events() -> None:
     assert rec.usage_prompt_tokens == 3 and rec.ok
     timer.feed(b'data: {"error": {"message": "boom"}}', 6.0)
     assert not rec.ok and rec.error == "stream_error"
+
+
+def test_duration_closed_loop_cycles_a_bounded_sample(mock: Any) -> None:
+    from poise.bench import runner
+
+    old = runner.CLOSED_LOOP_SAMPLE
+    runner.CLOSED_LOOP_SAMPLE = 3  # force wrap-around within the short cell
+    try:
+        rec = run(mock(ttft=0.005, tpot=0.001), concurrency=(2,), max_tokens=3,
+                  num_requests=None, duration=0.6, warmup=1, long_ratio=(0.5,))  # fmt: skip
+    finally:
+        runner.CLOSED_LOOP_SAMPLE = old
+    cell = rec.cells[0]
+    indices = sorted(r.index for r in cell.records)
+    assert len(indices) > 4 and indices == list(range(len(indices)))  # renumbered, unique
+    assert sum(r.warmup for r in cell.records) == 1
+    assert rec.provenance["git_sha"] is None or len(rec.provenance["git_sha"]) == 40
