@@ -89,3 +89,12 @@ def test_questions_answered_from_numbers() -> None:
     grid["p"] = {"c4-long0": _m(120, 30, 100), "c4-long0.5": _m(950, 30, 410)}
     text = "\n".join(answer_questions(SweepResult(Path("."), specs, work, []), grid))
     assert "prefill-first did not pay" in text
+
+
+def test_mixed_long_ratio_effect_is_called_mixed() -> None:
+    specs = [ServerSpec("f", args={"max_num_seqs": 4})]
+    work = LabWorkload(concurrency=(2, 4), long_ratio=(0.0, 0.5))
+    grid = {"f": {"c2-long0": _m(100, 20, 100), "c2-long0.5": _m(90, 20, 60),
+                  "c4-long0": _m(100, 20, 100), "c4-long0.5": _m(300, 20, 300)}}  # fmt: skip
+    text = "\n".join(answer_questions(SweepResult(Path("."), specs, work, []), grid))
+    assert "Mixed: short requests' TTFT p95 moved by x0.6" in text and "x3.0" in text
