@@ -42,11 +42,14 @@ def empty_model(
     """The model with uninitialised parameters, allocated once in dtype on device."""
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, attention_backend)
-    model = model.to(dtype=dtype)  # free on meta
-    model.to_empty(device=device)
-    model.eval()
-    model.requires_grad_(False)
-    return model
+    # Materialise each parameter ourselves (what Module.to_empty does, minus its import of
+    # sympy: ~1 s of cold start). torch.empty does not touch the pages, so this is free until
+    # the loader writes the weights.
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            empty = torch.empty(param.shape, dtype=dtype, device=device)
+            setattr(module, name, torch.nn.Parameter(empty, requires_grad=False))
+    return model.eval()
 
 
 def check_complete(model: LlamaForCausalLM, loaded: set[str], source: str) -> None:

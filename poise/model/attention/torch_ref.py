@@ -68,7 +68,7 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)
         d = meta.num_decodes
         if d:
             out[:d] = self._decode(q[:d], key_cache, value_cache, meta, scale)
@@ -95,7 +95,7 @@ class TorchAttentionBackend:
         keys = key_cache[tables].flatten(1, 2).transpose(1, 2)
         values = value_cache[tables].flatten(1, 2).transpose(1, 2)
         # [D, H, hd] -> [D, Hkv, G, hd]: the G query heads of a group act as G "queries".
-        qg = q.view(d, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        qg = q.reshape(d, num_kv_heads, num_heads // num_kv_heads, head_dim)
         mask = meta.backend_state["decode_mask"]
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
         return o.reshape(d, num_heads, head_dim)  # [D, Hkv, G, hd] -> [D, H, hd]
