@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=info.max_model_len,
         kv_bytes_per_token=kv_per_token,
         eos_token_ids=sorted(info.eos_token_ids),
-        kv_budget_bytes=info.num_kv_blocks * info.block_size * kv_per_token,
+        kv_budget_bytes=_default_kv_budget(info, kv_per_token),
         provenance=_provenance(args, info, args.grid, torch.get_num_threads()),
     )
     record["step_overhead_s"] = overhead
@@ -149,6 +149,16 @@ def run(args: argparse.Namespace) -> int:
     _print_summary(coefficients, quality.to_dict(), overhead)
     print(f"profile: {out}")
     return 0
+
+
+def _default_kv_budget(info: Any, kv_per_token: int) -> int:
+    """The KV byte budget the runner uses when a config names none: on CPU its fixed default
+    (whatever pool this profile ran with), on a GPU what this run's memory rule gave."""
+    from poise.runner.kv_pool import DEFAULT_CPU_KV_BYTES
+
+    if str(info.device).startswith("cpu"):
+        return int(DEFAULT_CPU_KV_BYTES)
+    return int(info.num_kv_blocks * info.block_size * kv_per_token)
 
 
 def _kv_bytes_per_token(runner: Any, info: Any) -> int:

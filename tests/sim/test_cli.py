@@ -79,6 +79,11 @@ def test_profile_cli_fits_and_simulate_uses_it(tmp_path: Path) -> None:
     assert cost.vocab_size == 512 and cost.model_max_len == 256
     assert cost.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # K+V, 2 layers, 2 kv heads, d16, fp32
     assert cost.provenance["torch_threads"] == 1
+    # The sim sizes the pool by the runner's rule, not by the pool the profile ran with.
+    from poise.config import EngineConfig
+
+    assert cost.num_kv_blocks(EngineConfig()) == (1 << 30) // (16 * cost.kv_bytes_per_token)
+    assert cost.num_kv_blocks(EngineConfig.from_kwargs(num_kv_blocks=77)) == 77
     out = tmp_path / "s.yaml"
     rc = main(
         ["simulate", "--profile", str(prof), "--concurrency", "2", "--max-tokens", "8",
