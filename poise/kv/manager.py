@@ -99,6 +99,11 @@ class KVCacheManager:
         """
         rid = request.request_id
         table = self._tables.get(rid, [])
+        if not cached_blocks and table:
+            # Fast path (most decode steps): the new tokens fit in the last block.
+            total = request.num_computed_tokens + num_new_tokens
+            if total <= len(table) * self.block_size:
+                return []
         cached = cached_blocks or []
         num_cached_tokens = len(cached) * self.block_size
         total_tokens = max(request.num_computed_tokens, num_cached_tokens) + num_new_tokens
