@@ -255,7 +255,7 @@ class Scraper:
     def __init__(self, url: str, interval: float = 1.0, engine: str | None = None) -> None:
         self.url = url
         self.interval = interval
-        self.engine = engine
+        self.engine = engine.lower() if engine else None
         self.scrapes: list[Scrape] = []
         self.errors = 0
         self._task: asyncio.Task[None] | None = None
@@ -273,7 +273,8 @@ class Scraper:
             self.errors += 1
             return None
         t = now()
-        if self.engine is None:
+        if self.engine not in ADAPTERS:
+            # Not told, or told a free-form name ("vLLM 0.11"): detect from the series names.
             values, _ = await asyncio.to_thread(parse_samples, text)
             self.engine = detect_engine(list(values)) or "unknown"
         adapter = ADAPTERS.get(self.engine)

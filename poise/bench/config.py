@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from poise import workload as wl
+from poise.bench.metrics import SLO
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class BenchConfig:
     temperature: float = 0.0
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    # Per-class overrides, e.g. {"long": 5000.0}: a relaxed TTFT target for long prompts.
+    class_slo_ttft_ms: dict[str, float] = field(default_factory=dict)
+    class_slo_tpot_ms: dict[str, float] = field(default_factory=dict)
     include_failures: bool = False
     metrics_url: str | None = None  # default: <server root>/metrics
     scrape: bool = True
@@ -84,6 +88,13 @@ class BenchConfig:
             raise ValueError("BenchConfig.max_tokens must be >= 1")
         if all(math.isinf(r) for r in self.request_rate) and not self.concurrency:
             raise ValueError("BenchConfig.concurrency: closed loop needs a concurrency")
+
+    def slo(self) -> SLO:
+        names = set(self.class_slo_ttft_ms) | set(self.class_slo_tpot_ms)
+        per_class = {
+            n: (self.class_slo_ttft_ms.get(n), self.class_slo_tpot_ms.get(n)) for n in names
+        }
+        return SLO(self.slo_ttft_ms, self.slo_tpot_ms, per_class)
 
     @property
     def mixes_by_ratio(self) -> bool:

@@ -196,22 +196,30 @@ def summarize(values: Iterable[float | None], scale: float = 1000.0) -> dict[str
 
 @dataclass(frozen=True)
 class SLO:
+    """Latency targets: defaults for every request, optionally overridden per class
+    (``per_class[name] = (ttft_ms, tpot_ms)``; None in a slot keeps the default)."""
+
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    per_class: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
-        return self.ttft_ms is not None or self.tpot_ms is not None
+        slots = [self.ttft_ms, self.tpot_ms, *(x for p in self.per_class.values() for x in p)]
+        return any(x is not None for x in slots)
+
+    def targets(self, class_name: str) -> tuple[float | None, float | None]:
+        ttft, tpot = self.per_class.get(class_name, (None, None))
+        return (self.ttft_ms if ttft is None else ttft, self.tpot_ms if tpot is None else tpot)
 
     def met(self, rec: RequestRecord, st: RequestStats) -> bool:
         if not rec.ok or st.ttft is None:
             return False
-        if self.ttft_ms is not None and st.ttft * 1000 > self.ttft_ms:
+        ttft_ms, tpot_ms = self.targets(rec.class_name)
+        if ttft_ms is not None and st.ttft * 1000 > ttft_ms:
             return False
         # A one-token answer has no TPOT; it cannot violate a TPOT SLO.
-        return not (
-            self.tpot_ms is not None and st.tpot is not None and st.tpot * 1000 > self.tpot_ms
-        )
+        return not (tpot_ms is not None and st.tpot is not None and st.tpot * 1000 > tpot_ms)
 
 
 def measurement_window(records: Sequence[RequestRecord]) -> tuple[float, float] | None:
@@ -302,6 +310,7 @@ def goodput(
     return {
         "slo_ttft_ms": slo.ttft_ms,
         "slo_tpot_ms": slo.tpot_ms,
+        "slo_per_class": {k: list(v) for k, v in slo.per_class.items()} or None,
         "num_good": len(good),
         "requests_per_s": len(good) * rate if rate is not None else None,
         "output_tokens_per_s": sum(s.n_out for _, s in good) * rate if rate is not None else None,

@@ -35,7 +35,7 @@ from poise.bench.client import (
     send_one,
 )
 from poise.bench.config import BenchConfig, CellSpec, cell_counts, cell_requests
-from poise.bench.metrics import SLO, RequestRecord
+from poise.bench.metrics import RequestRecord
 from poise.bench.record import CellResult, ExperimentRecord, build_cell
 
 log = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ async def run_cell(
     return build_cell(
         load,
         run.records,
-        slo=SLO(cfg.slo_ttft_ms, cfg.slo_tpot_ms),
+        slo=cfg.slo(),
         include_failures=cfg.include_failures,
         scrapes=scraper.scrapes if scraper else (),
         loop_lags=lags,
@@ -242,6 +242,8 @@ def experiment_block(
         "timeout_s": cfg.timeout_s,
         "slo_ttft_ms": cfg.slo_ttft_ms,
         "slo_tpot_ms": cfg.slo_tpot_ms,
+        "class_slo_ttft_ms": dict(cfg.class_slo_ttft_ms) or None,
+        "class_slo_tpot_ms": dict(cfg.class_slo_tpot_ms) or None,
     }
     return {
         "model": model,

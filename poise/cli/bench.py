@@ -22,6 +22,18 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
+def _slo(text: str) -> tuple[float | None, dict[str, float]]:
+    """``500`` | ``500,long=5000`` | ``short=300``: (default, per-class overrides)."""
+    default, per_class = None, {}
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        name, eq, value = item.partition("=")
+        if eq:
+            per_class[name] = float(value)
+        else:
+            default = float(item)
+    return default, per_class
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
@@ -117,8 +129,20 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
 
 def _add_metrics_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("metrics")
-    g.add_argument("--slo-ttft-ms", type=float, default=None)
-    g.add_argument("--slo-tpot-ms", type=float, default=None)
+    g.add_argument(
+        "--slo-ttft-ms",
+        type=_slo,
+        default=(None, {}),
+        metavar="MS[,CLASS=MS...]",
+        help="TTFT target for goodput, optionally per class: 500 or 500,long=5000.",
+    )
+    g.add_argument(
+        "--slo-tpot-ms",
+        type=_slo,
+        default=(None, {}),
+        metavar="MS[,CLASS=MS...]",
+        help="TPOT target for goodput, optionally per class.",
+    )
     g.add_argument(
         "--include-failures", action="store_true", help="Failures count as +inf in latency tails."
     )
@@ -185,8 +209,10 @@ def config_from_args(args: argparse.Namespace) -> Any:
         salt_scope=args.salt_scope,
         ignore_eos=not args.no_ignore_eos,
         temperature=args.temperature,
-        slo_ttft_ms=args.slo_ttft_ms,
-        slo_tpot_ms=args.slo_tpot_ms,
+        slo_ttft_ms=args.slo_ttft_ms[0],
+        slo_tpot_ms=args.slo_tpot_ms[0],
+        class_slo_ttft_ms=args.slo_ttft_ms[1],
+        class_slo_tpot_ms=args.slo_tpot_ms[1],
         include_failures=args.include_failures,
         metrics_url=args.metrics_url,
         scrape=not args.no_scrape,

@@ -136,3 +136,16 @@ def test_from_token_times_roundtrip() -> None:
     assert RequestRecord.from_dict(rec.to_dict()) == rec
     st = derive(rec)
     assert st.ttft == 0.5 and st.tpot == pytest.approx(0.1) and st.itl_source == "event_usage"
+
+
+def test_per_class_slo_overrides() -> None:
+    short = stream(0.0, 0.3, 0.01, 5, 1)  # ttft 300 ms
+    long = stream(0.0, 2.0, 0.01, 5, 1)
+    long.class_name = "long"
+    strict = SLO(ttft_ms=500)
+    relaxed = SLO(ttft_ms=500, per_class={"long": (3000.0, None)})
+    assert cell_metrics([short, long], strict)["overall"]["goodput"]["num_good"] == 1
+    out = cell_metrics([short, long], relaxed)
+    assert out["overall"]["goodput"]["num_good"] == 2
+    assert out["classes"]["long"]["goodput"]["slo_attainment"] == 1.0
+    assert SLO(per_class={"long": (None, 50.0)}).active and not SLO().active

@@ -113,7 +113,7 @@ def test_cli_bench_and_plot(mock: Any, tmp_path: Path, capsys: pytest.CaptureFix
             "--scrape-interval",
             "0.2",
             "--slo-ttft-ms",
-            "500",
+            "500,long=5000",
             "--server-arg",
             "max_num_seqs=64",
             "--gpu",
@@ -131,6 +131,9 @@ def test_cli_bench_and_plot(mock: Any, tmp_path: Path, capsys: pytest.CaptureFix
     assert d["experiment"]["workload"]["concurrency"] == [2, 4]
     assert d["provenance"]["command"].startswith("poise")
     assert len(d["experiment"]["metrics"]) == 4
+    assert d["experiment"]["workload"]["class_slo_ttft_ms"] == {"long": 5000.0}
+    goodput = d["results"][1]["metrics"]["overall"]["goodput"]
+    assert goodput["slo_ttft_ms"] == 500 and goodput["slo_per_class"] == {"long": [5000.0, None]}
     rc = main(["bench", "plot", str(out), "--out", str(tmp_path / "plots")])
     assert rc == 0 and (tmp_path / "plots" / "report.html").exists()
     assert main(["bench", "--concurrency", "2"]) == 2  # no --base-url
