@@ -88,6 +88,30 @@ class CellResult:
             "preemption_count": srv.get("preemptions"),
         }
 
+    def compat_vllm(self) -> dict[str, Any]:
+        """The overall numbers under `vllm bench serve` result keys. Caveats: vLLM's "itl" is
+        per chunk (our icl); its durations run from dispatch to drain, ours over the window."""
+        ov = self.metrics["overall"]
+        out: dict[str, Any] = {
+            "completed": ov["num_ok"],
+            "failed": ov["num_requests"] - ov["num_ok"],
+            "total_output_tokens": ov["output_tokens"],
+            "total_input_tokens": ov["prompt_tokens"],
+            "request_throughput": ov["requests_per_s"],
+            "output_throughput": ov["output_tokens_per_s"],
+            "duration": self.metrics.get("window_s"),
+        }
+        for ours, theirs in (("ttft_ms", "ttft"), ("tpot_ms", "tpot"), ("icl_ms", "itl"),
+                             ("e2e_ms", "e2el")):  # fmt: skip
+            summary = ov[ours]
+            out[f"mean_{theirs}_ms"] = summary["mean"]
+            out[f"median_{theirs}_ms"] = summary["p50"]
+            out[f"p99_{theirs}_ms"] = summary["p99"]
+        goodput = ov.get("goodput")
+        if goodput:
+            out["request_goodput"] = goodput["requests_per_s"]
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "load": self.load,
@@ -97,6 +121,7 @@ class CellResult:
             "server": self.server,
             "client_health": self.client_health,
             "server_timeseries": self.server_timeseries,
+            "compat_vllm": self.compat_vllm(),
         }
 
     @classmethod

@@ -67,6 +67,9 @@ def test_record_from_simulated_requests_has_template_fields(tmp_path: Path) -> N
     assert m2["p50_tpot_ms"] == pytest.approx(10.0)
     assert m2["preemption_count"] == 10  # counter 0 -> 10 across the window's edges
     assert d["results"][0]["metrics"]["classes"]["long"]["ttft_ms"]["p50"] == pytest.approx(500.0)
+    compat = d["results"][0]["compat_vllm"]
+    assert compat["completed"] == 8 and compat["median_tpot_ms"] == pytest.approx(10.0)
+    assert compat["output_throughput"] == pytest.approx(m2["output_tokens_per_s"])
     back = ExperimentRecord.load(rec.save(tmp_path / "sim.yaml"))
     assert back.kind == "simulated" and len(back.cells[1].records) == 8
     assert back.to_dict()["experiment"]["metrics"] == exp["metrics"]
