@@ -16,6 +16,10 @@ closed loop at ``--concurrency`` 8, 16, 32) on the embedded SmolLM2 on this CPU:
 5. a table of TTFT p50, TTFT p95 and output tokens/s, simulated vs measured, and the relative
    error; pass when all are within ``--tolerance`` (15 %).
 
+Others may edit the tree while this runs (the server and the profile must run the same model
+code): run it from a pinned copy, ``git archive HEAD | tar -x -C /tmp/snap`` then
+``.venv/bin/python /tmp/snap/benchmarks/sim_vs_real.py``; the commit is recorded when known.
+
 Torch threads are pinned (``--threads``, default 1) for both the profile and the server: on a
 2-core machine shared with other work, oversubscribed OpenMP threads make step times erratic.
 
@@ -41,6 +45,16 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 POISE = [sys.executable, "-m", "poise"]
 METRICS = ("p50_ttft_ms", "p95_ttft_ms", "output_tokens_per_s")
+
+
+def _commit() -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True
+        )
+    except OSError:
+        return None
+    return done.stdout.strip() or None
 
 
 def free_port() -> int:
@@ -248,6 +262,7 @@ def main() -> int:
                  "-o", str(out / f"{stem}-c{c}.yaml"), "--label", stem, *engine],
                 a.threads, out / f"{stem}-c{c}.log")  # fmt: skip
     report: dict[str, Any] = {"out_dir": str(out), "profile": str(a.profile),
+                              "commit": os.environ.get("POISE_COMMIT") or _commit(),
                               "calibration": {"request_overhead_s": req_s, "time_scale": scale},
                               "loads": {c: load_for(c) for c in concs}, "engine": engine,
                               "threads": a.threads}  # fmt: skip
