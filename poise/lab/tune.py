@@ -297,7 +297,12 @@ class Tuner:
                 cur = self.phase_trade(cur)
             if cur.candidate == before:
                 return cur
-            self.say(f"round ends at {cur.candidate.label}: try the budget again from here")
+            if self._can_rise(cur.candidate):
+                self.say(f"round ends at {cur.candidate.label}: try the budget again from here")
+
+    def _can_rise(self, c: Candidate) -> bool:
+        """Is there a ladder step above c left (budget or seqs)?"""
+        return c.max_num_batched_tokens != self.s.budgets[-1] or c.max_num_seqs != self.s.seqs[-1]
 
     def phase_policy(self, cur: Evidence) -> None:
         """Flip the scheduling policy at the best config; if the flipped config is stable and
