@@ -48,7 +48,8 @@ def plot_ttft_vs_throughput(
     records: Sequence[Named], path: Path, slo_ttft_ms: float | None = None
 ) -> Path:
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    all_points: list[tuple[float, float]] = []
+    # Frontiers compare configs on the same workload: one per long ratio (or class mix).
+    by_workload: dict[Any, list[tuple[float, float]]] = {}
     for name, rec in records:
         curves: dict[Any, list[CellResult]] = {}
         for cell in rec.cells:
@@ -71,17 +72,13 @@ def plot_ttft_vs_throughput(
                 ax.annotate(
                     _load_label(c), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8
                 )
-            all_points += [(x, y) for x, y, _ in pts]
-    front = pareto_front(all_points)
-    if front:
-        ax.plot(
-            [p[0] for p in front],
-            [p[1] for p in front],
-            "k--",
-            lw=2.5,
-            alpha=0.6,
-            label="Pareto frontier",
-        )
+            by_workload.setdefault(ratio, []).extend((x, y) for x, y, _ in pts)
+    for i, points in enumerate(by_workload.values()):
+        front = pareto_front(points)
+        # Hollow squares mark frontier points (a one-point frontier has no line to see).
+        ax.plot([p[0] for p in front], [p[1] for p in front], "k--", lw=1.5, alpha=0.6,
+                marker="s", markersize=13, markerfacecolor="none",
+                label="Pareto frontier (per workload)" if i == 0 else None)  # fmt: skip
     slo = slo_ttft_ms or _slo(records)
     if slo:
         ax.axhline(slo, color="red", ls=":", label=f"TTFT SLO {slo:g} ms")

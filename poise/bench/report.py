@@ -95,8 +95,9 @@ def print_record(record: ExperimentRecord, console: Console | None = None) -> No
         console.width = max(console.width, 180)  # files and pipes: do not squeeze columns
     console.print(results_table(record))
     for cell in record.cells:
-        for reason in cell.client_health.get("invalid_reasons", []):
-            console.print(f"[red]{cell.label}: client-bound, results invalid: {reason}[/red]")
+        reasons = cell.client_health.get("invalid_reasons", [])
+        if reasons:
+            console.print(f"[red]{cell.label}: INVALID (client lag): {'; '.join(reasons)}[/red]")
         short = cell.metrics["overall"]["shortfall"]
         if short["num_short"]:
             console.print(
