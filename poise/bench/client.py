@@ -139,7 +139,9 @@ class Endpoint:
         return body
 
 
-def make_session(timeout_s: float | None = None) -> aiohttp.ClientSession:
+def make_session() -> aiohttp.ClientSession:
+    """No pool cap (aiohttp's default of 100 would queue requests inside the client) and a
+    1 MiB read buffer (64 KiB throttles long streams); per-request timeouts are ours."""
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     return aiohttp.ClientSession(
         connector=connector,
@@ -180,6 +182,9 @@ async def send_one(
     except asyncio.TimeoutError:
         rec.ok, rec.error, rec.timed_out = False, "timeout", True
     except (aiohttp.ClientError, json.JSONDecodeError, OSError) as exc:
+        rec.ok, rec.error = False, type(exc).__name__
+    except Exception as exc:  # one malformed response must not end the whole run
+        log.warning("request %d failed unexpectedly: %r", rec.index, exc)
         rec.ok, rec.error = False, type(exc).__name__
     rec.end = now()
     return rec
