@@ -55,7 +55,7 @@ def test_sweep_report_plots_and_resume(tmp_path: Path, two_cells: LabWorkload) -
     assert res.plots and all(p.is_file() for p in res.plots.values())
     assert (tmp_path / "plots" / "ttft_vs_throughput.png").stat().st_size > 1000
 
-    again = run_sweep(mock_specs(), two_cells, tmp_path, runner=counting)
+    again = run_sweep(mock_specs(), two_cells, tmp_path, runner=counting, plots=False)
     assert len(calls) == 2  # no server started, no cell measured the second time
     assert [o.reused for o in again.outcomes] == [["c2-long0", "c2-long0.5"]] * 2
     assert all(o.measured == [] and o.server_pid is None for o in again.outcomes)
@@ -145,7 +145,7 @@ def test_acceptance_two_poise_configs_two_cells(
     report = (tmp_path / "report.md").read_text()
     assert "prefill-first (prefill-first) vs FIFO (fifo)" in report
     assert (tmp_path / "plots" / "ttft_vs_throughput.png").is_file()
-    again = run_sweep(specs, two_cells, tmp_path)
+    again = run_sweep(specs, two_cells, tmp_path, plots=False)
     assert all(o.measured == [] and o.server_pid is None for o in again.outcomes)
     assert all(len(o.reused) == 2 for o in again.outcomes)
 
