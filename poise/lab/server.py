@@ -101,9 +101,14 @@ class ManagedServer:
         self._log.flush()
         env = {**os.environ, **self.spec.env}
         logger.info("starting %s on port %d: %s", self.spec.name, self.port, shlex.join(argv))
-        self.proc = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        try:
+            self.proc = subprocess.Popen(
+                argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        except OSError as exc:  # e.g. the engine's executable is not installed
+            self._log.close()
+            self._log = None
+            raise ServerStartError(f"{self.spec.name}: cannot start {argv[0]!r}: {exc}") from exc
         return self
 
     def log_tail(self, n: int = 3000) -> str:

@@ -75,3 +75,10 @@ def test_command_lines() -> None:
     )
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         fill_template("x {max_num_batched_tokens}", {"port": 1})
+
+
+def test_missing_executable_is_a_start_error(tmp_path: Path) -> None:
+    srv = ManagedServer(spec(command="no-such-engine-binary serve --port {port}"), tmp_path / "log")
+    with pytest.raises(ServerStartError, match="cannot start 'no-such-engine-binary'"), srv:
+        pass
+    assert srv.pid is None
