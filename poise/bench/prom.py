@@ -26,6 +26,8 @@ class Adapter:
     waiting: tuple[str, ...] = ()
     preemptions: tuple[str, ...] = ()
     ttft: tuple[str, ...] = ()  # histogram base names (without _bucket)
+    queue_time: tuple[str, ...] = ()  # arrival -> first scheduled (histogram)
+    prefill_time: tuple[str, ...] = ()  # first scheduled -> first token (histogram)
     # TGI: KV usage as a ratio of two gauges (current max tokens / max total tokens).
     kv_ratio: tuple[str, str] | None = None
 
@@ -38,6 +40,8 @@ def _vllm_like(prefix: str, engine: str) -> Adapter:
         waiting=(f"{prefix}num_requests_waiting",),
         preemptions=(f"{prefix}num_preemptions_total", f"{prefix}num_preemptions"),
         ttft=(f"{prefix}time_to_first_token_seconds",),
+        queue_time=(f"{prefix}request_queue_time_seconds",),
+        prefill_time=(f"{prefix}request_prefill_time_seconds",),
     )
 
 
@@ -51,11 +55,13 @@ ADAPTERS: dict[str, Adapter] = {
         waiting=("sglang:num_queue_reqs",),
         preemptions=("sglang:num_retracted_requests_total", "sglang:num_retracted_requests"),
         ttft=("sglang:time_to_first_token_seconds",),
+        queue_time=("sglang:queue_time_seconds",),
     ),
     "tgi": Adapter(
         "tgi",
         running=("tgi_batch_current_size",),
         waiting=("tgi_queue_size",),
+        queue_time=("tgi_request_queue_duration",),
         kv_ratio=("tgi_batch_current_max_tokens", "tgi_batch_max_total_tokens"),
     ),
     "llamacpp": Adapter(
@@ -107,6 +113,8 @@ class Scrape:
     waiting: float | None = None
     preemptions: float | None = None
     ttft_buckets: list[tuple[float, float]] = field(default_factory=list)
+    # Other server histograms by common name ("queue_time", "prefill_time").
+    hists: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
 
 def _first(values: dict[str, float], names: Sequence[str]) -> float | None:
@@ -123,6 +131,14 @@ def map_scrape(t: float, text: str, adapter: Adapter) -> Scrape:
         num, den = (values.get(n) for n in adapter.kv_ratio)
         kv = num / den if num is not None and den else None
     ttft = next((hists[n] for n in adapter.ttft if n in hists), [])
+    extra = {}
+    for common, names in (
+        ("queue_time", adapter.queue_time),
+        ("prefill_time", adapter.prefill_time),
+    ):
+        found = next((hists[n] for n in names if n in hists), None)
+        if found is not None:
+            extra[common] = found
     return Scrape(
         t,
         kv,
@@ -130,6 +146,7 @@ def map_scrape(t: float, text: str, adapter: Adapter) -> Scrape:
         _first(values, adapter.waiting),
         _first(values, adapter.preemptions),
         ttft,
+        extra,
     )
 
 
@@ -155,6 +172,20 @@ def _bucket_delta(
 ) -> list[tuple[float, float]]:
     before = dict(a)
     return [(le, c - before.get(le, 0.0)) for le, c in b]
+
+
+def _hist_summary(
+    before: Sequence[tuple[float, float]], after: Sequence[tuple[float, float]]
+) -> dict[str, Any] | None:
+    """Percentiles (ms) of the observations a histogram gained between two scrapes."""
+    delta = _bucket_delta(before, after)
+    if not delta or delta[-1][1] <= 0:
+        return None
+    out: dict[str, Any] = {"n": int(delta[-1][1])}
+    for q in (50, 90, 95, 99):
+        v = histogram_quantile(delta, q / 100)
+        out[f"p{q}"] = v * 1000 if v is not None else None
+    return out
 
 
 def _stats(xs: list[float]) -> dict[str, float | None]:
@@ -186,19 +217,11 @@ def summarize_window(scrapes: Sequence[Scrape], w0: float, w1: float) -> dict[st
         out["preemptions"] = int(round(last.preemptions - first.preemptions))
     else:
         out["preemptions"] = None
-    delta = _bucket_delta(first.ttft_buckets, last.ttft_buckets)
-    if delta and delta[-1][1] > 0:
-        out["server_ttft_ms"] = {
-            "n": int(delta[-1][1]),
-            **{
-                f"p{q}": (
-                    v * 1000 if (v := histogram_quantile(delta, q / 100)) is not None else None
-                )
-                for q in (50, 90, 95, 99)
-            },
-        }
-    else:
-        out["server_ttft_ms"] = None
+    out["server_ttft_ms"] = _hist_summary(first.ttft_buckets, last.ttft_buckets)
+    for name in ("queue_time", "prefill_time"):
+        out[f"server_{name}_ms"] = _hist_summary(
+            first.hists.get(name, []), last.hists.get(name, [])
+        )
     return out
 
 

@@ -29,6 +29,12 @@ vllm:time_to_first_token_seconds_bucket{le="0.5",model_name="m"} 6
 vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 8
 vllm:time_to_first_token_seconds_count{model_name="m"} 8
 vllm:time_to_first_token_seconds_sum{model_name="m"} 2.0
+# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_bucket{le="0.01",model_name="m"} 4
+vllm:request_queue_time_seconds_bucket{le="1.0",model_name="m"} 8
+vllm:request_queue_time_seconds_bucket{le="+Inf",model_name="m"} 8
+vllm:request_queue_time_seconds_count{model_name="m"} 8
+vllm:request_queue_time_seconds_sum{model_name="m"} 1.0
 """
 SGLANG = """# TYPE sglang:token_usage gauge
 sglang:token_usage{model_name="m"} 0.4
@@ -60,6 +66,12 @@ def test_vllm_sums_label_sets_and_reads_histogram() -> None:
     assert (s.kv_usage, s.running, s.waiting, s.preemptions) == (0.75, 3, 7, 11)
     assert s.ttft_buckets == [(0.1, 2), (0.5, 6), (float("inf"), 8)]
     assert detect_engine(list(parse_samples(VLLM)[0])) == "vllm"
+    assert s.hists["queue_time"] == [(0.01, 4), (1.0, 8), (float("inf"), 8)]
+    zero = map_scrape(0.0, "", ADAPTERS["vllm"])
+    out = summarize_window([zero, s], 0.0, 1.0)
+    assert out["server_queue_time_ms"]["n"] == 8
+    assert out["server_queue_time_ms"]["p50"] == pytest.approx(10.0)
+    assert out["server_prefill_time_ms"] is None  # not exposed in this text: not invented
 
 
 def test_poise_uses_vllm_names_with_its_prefix() -> None:
