@@ -2,6 +2,7 @@
 
 Modules (import what you need; only ``client`` and ``runner`` need aiohttp):
 - ``metrics``: pure metric math (RequestRecord -> per-cell summaries); stdlib only.
+- ``interference``: how long prompts' prefills delay and stall the other requests.
 - ``prom``: Prometheus scrapes mapped to common names per engine.
 - ``record``: ExperimentRecord / CellResult (YAML + JSONL), ``build_cell`` from any records.
 - ``config``: BenchConfig / CellSpec and the request sample of a cell.

@@ -18,7 +18,8 @@ from poise.bench.config import BenchConfig
 from poise.bench.record import ExperimentRecord
 from poise.bench.runner import run_matrix
 
-TTFT, TPOT = 0.15, 0.02
+# TPOT large enough that sleep overshoot on a loaded machine (a few ms) stays small next to it.
+TTFT, TPOT = 0.15, 0.04
 
 
 def run(srv: Any, **kw: Any) -> ExperimentRecord:
@@ -59,7 +60,7 @@ def test_ttft_tpot_itl_match_script(mock: Any, k: int) -> None:
 def test_tpot_does_not_change_with_tokens_per_chunk(mock: Any) -> None:
     one = overall(run(mock(ttft=TTFT, tpot=TPOT, k=1)))["tpot_ms"]["p50"]
     four = overall(run(mock(ttft=TTFT, tpot=TPOT, k=4)))["tpot_ms"]["p50"]
-    assert 0.8 < four / one < 1.25
+    assert 0.75 < four / one < 1.25  # counting chunks as tokens would give 0.25 or 4
 
 
 def test_role_chunk_and_usage_chunk_do_not_move_ttft_or_e2e(mock: Any) -> None:
@@ -67,7 +68,7 @@ def test_role_chunk_and_usage_chunk_do_not_move_ttft_or_e2e(mock: Any) -> None:
     ov = overall(rec)
     assert ov["ttft_ms"]["p50"] >= TTFT * 1000  # the role chunk at stream open is not a token
     e2e_script = (TTFT + 16 * TPOT) * 1000
-    assert e2e_script <= ov["e2e_ms"]["p50"] < e2e_script + 150
+    assert e2e_script <= ov["e2e_ms"]["p50"] < e2e_script + 300
     assert ov["e2e_stream_ms"]["p50"] >= ov["e2e_ms"]["p50"] + 300  # usage chunk came later
     assert ov["n_out_sources"] == {"usage": 8}
 
