@@ -303,6 +303,7 @@ class AsyncEngine:
             self._log.add_step(stats)
         self._publish(deltas)
         self._refresh_state()
+        self.metrics.engine_thread_cpu.set(time.thread_time())
         self._log.maybe_log(self.core.scheduler, self._preemptions_seen)
 
     def _publish(self, deltas: list[RequestDelta]) -> None:

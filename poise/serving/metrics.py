@@ -13,7 +13,16 @@ Invariants:
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import time
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 from poise.core.outputs import RequestDelta, StepStats
 from poise.core.timing import derive
@@ -99,6 +108,16 @@ class ServingMetrics:
             "step_duration_seconds", "Engine step wall time.", TOKEN_GAP_BUCKETS
         )
         self.engine_errors = counter("engine_errors_total", "Exceptions raised by engine steps.")
+        # Where the server's CPU goes (docs/serving.md: thread or process for the engine?):
+        # the engine thread (scheduling, input prep, torch ops it runs itself) and the event
+        # loop thread (HTTP, SSE, detokenization); process_cpu_seconds_total has all threads.
+        self.engine_thread_cpu = gauge(
+            "engine_thread_cpu_seconds", "CPU time of the engine thread (its own, not torch's)."
+        )
+        self.loop_thread_cpu = gauge(
+            "event_loop_thread_cpu_seconds", "CPU time of the HTTP event loop thread."
+        )
+        ProcessCollector(registry=r)
         self._model_name = model_name
 
     # -- engine thread ---------------------------------------------------------------------
@@ -150,4 +169,6 @@ class ServingMetrics:
         self._rejected.labels(model_name=self._model_name, reason=reason).inc()
 
     def render(self) -> bytes:
+        """Called on the event loop thread, so it can sample that thread's CPU time."""
+        self.loop_thread_cpu.set(time.thread_time())
         return generate_latest(self.registry)
