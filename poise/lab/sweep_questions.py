@@ -134,6 +134,11 @@ def _policy_verdict(result: SweepResult, grid: Grid, pairs: list[tuple[str, str]
         return (f"Here prefill-first bought first tokens (TTFT p95 {_pct(dt)} on average) with "
                 f"decode smoothness (TPOT p50 {_pct(dp)}); FIFO keeps TPOT steady and makes "
                 "queued prompts wait.")  # fmt: skip
+    if dt < -0.05 and dp < -0.05:
+        return (f"Here prefill-first improved TTFT p95 ({_pct(dt)}) and TPOT p50 ({_pct(dp)}) "
+                "alike. A policy trades one for the other, so a gain on both sides points to a "
+                "difference in machine load between the two configs' runs (they run one after "
+                "the other); re-measure them back to back, with more requests per cell.")  # fmt: skip
     if dt < -0.05:
         return f"Here prefill-first cut TTFT p95 ({_pct(dt)}) at little TPOT cost ({_pct(dp)})."
     return (f"Here prefill-first did not pay (TTFT p95 {_pct(dt)}, TPOT p50 {_pct(dp)} on "

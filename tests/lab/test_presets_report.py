@@ -98,3 +98,11 @@ def test_mixed_long_ratio_effect_is_called_mixed() -> None:
                   "c4-long0": _m(100, 20, 100), "c4-long0.5": _m(300, 20, 300)}}  # fmt: skip
     text = "\n".join(answer_questions(SweepResult(Path("."), specs, work, []), grid))
     assert "Mixed: short requests' TTFT p95 moved by x0.6" in text and "x3.0" in text
+
+
+def test_policy_gain_on_both_sides_is_flagged() -> None:
+    specs = [ServerSpec("f", args={}), ServerSpec("p", args={"scheduling_policy": "prefill_first"})]
+    work = LabWorkload(concurrency=(4,), long_ratio=(0.0,))
+    grid = {"f": {"c4-long0": _m(100, 40, 100)}, "p": {"c4-long0": _m(60, 20, 60)}}
+    text = "\n".join(answer_questions(SweepResult(Path("."), specs, work, []), grid))
+    assert "improved TTFT p95 (-40 %) and TPOT p50 (-50 %) alike" in text
