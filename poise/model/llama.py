@@ -22,7 +22,8 @@ from poise.model.arch import ArchConfig
 from poise.model.attention import AttentionBackend, AttentionMetadata, get_backend
 from poise.model.rope import RotaryEmbedding, apply_rope
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # key, value: [num_blocks, block_size, Hkv, hd]
+# Per layer: [num_blocks, block_size, 2 * Hkv, hd], K heads then V heads per token slot.
+KVCache = torch.Tensor
 
 
 class Linear(nn.Module):
@@ -85,17 +86,17 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        t, h = x.shape[0], self.num_heads
+        t, h, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         # [T, (H + 2 Hkv) * hd] -> [T, H + 2 Hkv, hd]: heads of q, then k, then v.
-        heads = qkv.view(t, h + 2 * self.num_kv_heads, self.head_dim)
-        qk, v = heads[:, : h + self.num_kv_heads], heads[:, h + self.num_kv_heads :]
+        heads = qkv.view(t, h + 2 * hkv, self.head_dim)
+        qk = heads[:, : h + hkv]  # [T, H + Hkv, hd]
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-        # One rotation for q and k heads together: [T, H + Hkv, hd].
-        qk = apply_rope(qk, cos, sin)
-        q, k = qk[:, :h], qk[:, h:]  # [T, H, hd], [T, Hkv, hd]
-        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, hd]
+        # Rotate q and k heads in one call and write them back into the qkv buffer, so that
+        # k (rotated) and v sit side by side: heads[:, H:] is the [T, 2Hkv, hd] the cache takes.
+        apply_rope(qk, cos, sin, out=heads[:, : h + hkv])
+        o = backend.forward(heads[:, :h], heads[:, h:], kv_cache, meta, self.scale)  # [T, H, hd]
         return self.o_proj(o.reshape(t, self.q_size))  # [T, H * hd] -> [T, hidden]
 
 
@@ -180,9 +181,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] -> hidden [T, hidden_size] (after the final norm)."""
         assert self.rotary is not None, "call init_rope() after loading"
-        block_size = kv_caches[0][0].shape[1]
+        block_size = kv_caches[0].shape[1]
         self.backend.prepare(meta, block_size)
-        cos, sin = self.rotary.tables(positions)  # [T, 1, hd/2] each
+        cos, sin = self.rotary.tables(positions)  # [T, 1, hd] each
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta, self.backend)

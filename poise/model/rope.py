@@ -41,7 +41,12 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Holds cos/sin tables [max_positions, head_dim // 2] in the model dtype."""
+    """Holds full-width tables [max_positions, head_dim] in the model dtype.
+
+    ``cos`` is cat(cos, cos); ``sin`` is cat(-sin, sin), the sign of rotate_half folded in,
+    so a rotation is ``x * cos + swap_halves(x) * sin``: 4 kernels instead of 7, and the
+    same products as transformers' ``x * cos + rotate_half(x) * sin`` (negation is exact).
+    """
 
     def __init__(
         self,
@@ -54,17 +59,20 @@ class RotaryEmbedding:
         inv_freq = inv_frequencies(rope, head_dim)
         pos = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]  # [P, hd/2]
-        self.cos = freqs.cos().to(dtype=dtype, device=device)
-        self.sin = freqs.sin().to(dtype=dtype, device=device)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.cos = torch.cat((cos, cos), dim=-1).to(dtype=dtype, device=device)  # [P, hd]
+        self.sin = torch.cat((-sin, sin), dim=-1).to(dtype=dtype, device=device)  # [P, hd]
         self.max_positions = max_positions
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for a flat step: [T, 1, hd/2] each (broadcast over heads)."""
+        """cos, sin for a flat step: [T, 1, hd] each (broadcast over heads)."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, hd] by cos/sin [T, 1, hd/2]; same arithmetic as HF rotate_half."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rotate x [T, heads, hd] by tables [T, 1, hd] (see RotaryEmbedding); writes into
+    ``out`` when given (it may alias x: both products are taken before the write)."""
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # [x2, x1]
+    return torch.add(x * cos, swapped * sin, out=out)  # [x1 c - x2 s, x2 c + x1 s]

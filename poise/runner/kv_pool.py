@@ -6,11 +6,11 @@ Sizing (returned explicitly, never written back to the config):
 - on CUDA: ``gpu_memory_utilization`` x total memory, minus what is already in use (weights,
   CUDA context, other processes) and an activation reserve for the largest step.
 
-Layout: one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; layer i
-gets the contiguous views (key, value) = pool[i, 0], pool[i, 1], each
-[num_blocks, block_size, Hkv, hd], so a token's K/V for all heads is one contiguous row at
-``slot = block * block_size + offset``. Zero-initialised: padded block-table entries read
-finite values that the attention masks multiply by 0.
+Layout: one tensor [num_layers, num_blocks, block_size, 2 * num_kv_heads, head_dim]; layer i
+gets pool[i] (K heads then V heads per token slot; why in model/attention/torch_ref.py), so
+a token's K and V for all heads are one contiguous row at ``slot = block * block_size +
+offset``. Zero-initialised: padded block-table entries read finite values that the attention
+masks multiply by 0.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def num_kv_blocks(
 
 def allocate_kv_caches(
     arch: ArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+) -> list[torch.Tensor]:
+    shape = (arch.num_layers, num_blocks, block_size, 2 * arch.num_kv_heads, arch.head_dim)
     pool = torch.zeros(shape, dtype=dtype, device=device)
-    return [(pool[i, 0], pool[i, 1]) for i in range(arch.num_layers)]
+    return list(pool.unbind(0))

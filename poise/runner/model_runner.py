@@ -35,7 +35,7 @@ class ModelRunner:
 
     @property
     def num_kv_blocks(self) -> int:
-        return int(self.kv_caches[0][0].shape[0])
+        return int(self.kv_caches[0].shape[0])
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

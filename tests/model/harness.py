@@ -21,19 +21,16 @@ class PagedHarness:
     block_size: int = 4
     num_blocks: int = 64
     seed: int = 0
-    caches: list[tuple[torch.Tensor, torch.Tensor]] = field(init=False)
+    caches: list[torch.Tensor] = field(init=False)
     tables: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         a = self.model.arch
         dtype = self.model.model.embed_tokens.weight.dtype
-        shape = (self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        shape = (self.num_blocks, self.block_size, 2 * a.num_kv_heads, a.head_dim)
         # Filled with large finite garbage: a read of an unwritten slot inside a context would
         # wreck the logits, while masked-out padding contributes exactly 0 (NaN would not).
-        self.caches = [
-            (torch.full(shape, 1e4, dtype=dtype), torch.full(shape, -1e4, dtype=dtype))
-            for _ in range(a.num_layers)
-        ]
+        self.caches = [torch.full(shape, 1e4, dtype=dtype) for _ in range(a.num_layers)]
         self._free = list(range(self.num_blocks))
         random.Random(self.seed).shuffle(self._free)
 

@@ -128,7 +128,7 @@ def test_kv_sizing_from_bytes(tiny_checkpoints: dict[str, Path]) -> None:
     arch = arch_from_hf_config(json.loads((path / "config.json").read_text()))
     assert info.num_kv_blocks == (1 << 20) // bytes_per_block(arch, 8, torch.float32)
     assert config.cache.num_kv_blocks is None  # never written back
-    assert runner.kv_caches[0][0].shape == (info.num_kv_blocks, 8, 2, 16)
+    assert runner.kv_caches[0].shape == (info.num_kv_blocks, 8, 2 * 2, 16)
 
 
 def test_dtype_resolution() -> None:
@@ -139,7 +139,7 @@ def test_dtype_resolution() -> None:
 def test_bfloat16_runs_and_mostly_agrees(tiny_checkpoints: dict[str, Path]) -> None:
     runner, info = make_runner(tiny_checkpoints["qwen2"], dtype="bfloat16")
     assert info.dtype == "bfloat16"
-    assert runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert runner.kv_caches[0].dtype == torch.bfloat16
     sched = MiniScheduler(block_size=4, num_blocks=64, chunk=5)
     sched.add("a", PROMPTS["c"], max_tokens=4)
     got = sched.run(runner)["a"]

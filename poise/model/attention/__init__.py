@@ -4,9 +4,11 @@ A backend reads and writes the paged KV cache of one layer. Interface (see ``bas
 
 - ``prepare(meta, block_size)``: once per step, derive what every layer reuses (masks, gather
   indices) into ``meta.backend_state``.
-- ``forward(q, k, v, key_cache, value_cache, meta, scale) -> out``: write this step's k/v at
-  ``meta.slot_mapping``, then attend. q [T, H, hd], k/v [T, Hkv, hd], caches
-  [num_blocks, block_size, Hkv, hd], out [T, H, hd].
+- ``forward(q, kv, kv_cache, meta, scale) -> out``: write this step's k/v at
+  ``meta.slot_mapping``, then attend. q [T, H, hd]; kv [T, 2Hkv, hd] (k heads then v heads,
+  k already rotated); kv_cache [num_blocks, block_size, 2Hkv, hd] (layout and its reasons in
+  torch_ref.py; ``key_view``/``value_view`` give [num_blocks, block_size, Hkv, hd] views);
+  out [T, H, hd].
 
 Registered: ``torch`` (reference; CPU and GPU). A GPU backend (flash-attn varlen, SDPA
 varlen) registers itself with ``register_backend(name, cls)`` and is chosen by name.
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 from poise.model.attention.base import AttentionBackend
 from poise.model.attention.metadata import AttentionMetadata, PrefillChunk
-from poise.model.attention.torch_ref import TorchAttentionBackend
+from poise.model.attention.torch_ref import TorchAttentionBackend, key_view, value_view
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
 
@@ -42,5 +44,7 @@ __all__ = [
     "TorchAttentionBackend",
     "available_backends",
     "get_backend",
+    "key_view",
     "register_backend",
+    "value_view",
 ]

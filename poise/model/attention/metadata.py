@@ -8,7 +8,7 @@ The flat batch of one step puts all decode tokens first, then the prefill chunks
 Slot mapping (one int per flat token) says where its K/V is written in the paged cache::
 
     slot = block_ids[position // block_size] * block_size + position % block_size
-    key_cache.view(num_blocks * block_size, kv_heads, head_dim)[slot] = k
+    kv_cache.view(num_blocks * block_size, 2 * kv_heads, head_dim)[slot] = (k heads, v heads)
 
 A query at position p of a request attends to that request's tokens 0..p (causal), read back
 through its block table. Metadata is built once per step (by the runner) and passed to every

@@ -1,7 +1,14 @@
 """Reference paged attention in plain torch: runs on CPU (and on GPU, slowly but correctly).
 
+Cache layout, per layer: ``kv_cache [num_blocks, block_size, 2 * Hkv, hd]``: for each token
+slot, its K heads then its V heads. Why K and V share one tensor: a step then needs ONE
+scatter (this step's k/v are already adjacent in the fused qkv output) and ONE gather per
+layer instead of two, and gathers move whole blocks with ``index_select`` (contiguous rows
+of block_size * 2Hkv * hd values), ~5x faster on CPU than advanced indexing. ``key_view`` /
+``value_view`` give the familiar [num_blocks, block_size, Hkv, hd] views for other backends.
+
 - Decode: all decoding requests (one query each) in ONE batched SDPA call. Their K/V are
-  gathered through the padded block tables into [D, L, Hkv, hd] and positions >= context_len
+  gathered through the padded block tables into [D, L, 2Hkv, hd] and positions >= context_len
   are masked out, so no Python loop over requests runs per layer for decode.
 - Prefill: one SDPA call per chunk. A chunk at offset 0 attends to its own fresh k/v with
   ``is_causal``; a later chunk (chunked prefill, or recompute after preemption) reads its
@@ -21,17 +28,24 @@ import torch.nn.functional as F
 from poise.model.attention.metadata import AttentionMetadata, PrefillChunk
 
 
-def write_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Scatter k/v [T, Hkv, hd] into caches [N, bs, Hkv, hd] at flat slots [T]."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+def key_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """[N, bs, 2Hkv, hd] -> the K half [N, bs, Hkv, hd] (a strided view)."""
+    return kv_cache[:, :, : kv_cache.shape[2] // 2]
+
+
+def value_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    return kv_cache[:, :, kv_cache.shape[2] // 2 :]
+
+
+def write_kv(kv: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter kv [T, 2Hkv, hd] (k heads then v heads) into kv_cache at flat slots [T]."""
+    kv_cache.view(-1, kv.shape[1], kv.shape[2]).index_copy_(0, slot_mapping, kv)
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Blocks [*idx] of kv_cache -> [*idx, bs, 2Hkv, hd], one contiguous row per block."""
+    rows = kv_cache.view(kv_cache.shape[0], -1).index_select(0, block_ids.reshape(-1))
+    return rows.view(*block_ids.shape, *kv_cache.shape[1:])
 
 
 class TorchAttentionBackend:
@@ -60,40 +74,34 @@ class TorchAttentionBackend:
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        kv: torch.Tensor,
+        kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = q.new_empty(q.shape)
+        """q [T, H, hd], kv [T, 2Hkv, hd] -> out [T, H, hd]."""
+        write_kv(kv, kv_cache, meta.slot_mapping)
         d = meta.num_decodes
+        if not meta.prefills:  # pure decode step: no output buffer to assemble
+            return self._decode(q, kv_cache, meta, scale)
+        out = q.new_empty(q.shape)
         if d:
-            out[:d] = self._decode(q[:d], key_cache, value_cache, meta, scale)
+            out[:d] = self._decode(q[:d], kv_cache, meta, scale)
         for i, chunk in enumerate(meta.prefills):
             s, e = chunk.query_start, chunk.query_start + chunk.query_len
-            out[s:e] = self._prefill(
-                i, chunk, q[s:e], k[s:e], v[s:e], key_cache, value_cache, meta, scale
-            )
+            out[s:e] = self._prefill(i, chunk, q[s:e], kv[s:e], kv_cache, meta, scale)
         return out
 
     def _decode(
-        self,
-        q: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         d, num_heads, head_dim = q.shape
-        num_kv_heads = key_cache.shape[2]
-        tables = meta.decode_block_tables
-        assert tables is not None
-        # [D, B, bs, Hkv, hd] -> [D, L, Hkv, hd] -> [D, Hkv, L, hd]
-        keys = key_cache[tables].flatten(1, 2).transpose(1, 2)
-        values = value_cache[tables].flatten(1, 2).transpose(1, 2)
+        num_kv_heads = kv_cache.shape[2] // 2
+        assert meta.decode_block_tables is not None
+        # [D, B] blocks -> [D, B, bs, 2Hkv, hd] -> [D, L, 2Hkv, hd]
+        ctx = gather_blocks(kv_cache, meta.decode_block_tables).flatten(1, 2)
+        keys = ctx[:, :, :num_kv_heads].transpose(1, 2)  # [D, Hkv, L, hd]
+        values = ctx[:, :, num_kv_heads:].transpose(1, 2)  # [D, Hkv, L, hd]
         # [D, H, hd] -> [D, Hkv, G, hd]: the G query heads of a group act as G "queries".
         qg = q.reshape(d, num_kv_heads, num_heads // num_kv_heads, head_dim)
         mask = meta.backend_state["decode_mask"]
@@ -105,27 +113,22 @@ class TorchAttentionBackend:
         index: int,
         chunk: PrefillChunk,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        kv: torch.Tensor,
+        kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        num_kv_heads = kv.shape[1] // 2
         qt = q.transpose(0, 1).unsqueeze(0)  # [n, H, hd] -> [1, H, n, hd]
         if chunk.start_position == 0:
-            kt = k.transpose(0, 1).unsqueeze(0)  # [n, Hkv, hd] -> [1, Hkv, n, hd]
-            vt = v.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True
-            )
+            ctx, mask, causal = kv, None, True  # [n, 2Hkv, hd]: its own fresh k/v
         else:
-            ctx = chunk.context_len
-            # [nb, bs, Hkv, hd] -> [nb*bs, Hkv, hd] -> [ctx, Hkv, hd] -> [1, Hkv, ctx, hd]
-            kt = key_cache[chunk.block_table].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
-            vt = value_cache[chunk.block_table].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0)
-            mask = meta.backend_state[f"prefill_mask_{index}"]
-            o = F.scaled_dot_product_attention(
-                qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True
-            )
+            # [nb, bs, 2Hkv, hd] -> [nb*bs, 2Hkv, hd] -> [ctx, 2Hkv, hd]
+            ctx = gather_blocks(kv_cache, chunk.block_table).flatten(0, 1)[: chunk.context_len]
+            mask, causal = meta.backend_state[f"prefill_mask_{index}"], False
+        kt = ctx[:, :num_kv_heads].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, hd]
+        vt = ctx[:, num_kv_heads:].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, hd]
+        o = F.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        )
         return o.squeeze(0).transpose(0, 1)  # [1, H, n, hd] -> [n, H, hd]
