@@ -11,7 +11,6 @@ the lm_head, with the model's own weights): no framework can do a step faster th
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
