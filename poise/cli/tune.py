@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -182,5 +183,9 @@ def run(args: argparse.Namespace) -> int:
 
     text = format_result(result, command)
     print(text)
-    _write(out, text, result.to_dict())
+    record = result.to_dict()
+    record["workload"] = dataclasses.asdict(workload)
+    record["fixed_args"] = fixed
+    record["target"] = "simulator" if args.simulate else (args.command_template or "poise serve")
+    _write(out, text, record)
     return 0 if result.met else 1

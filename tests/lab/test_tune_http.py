@@ -5,6 +5,7 @@ so the answers do not depend on this machine's speed."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -74,4 +75,7 @@ def test_tune_cli_against_a_command_template(
     assert "does not pass scheduling_policy: not tuned" in out
     assert "Throughput-first: budget 1024 / seqs 4 (probe #2)" in out
     assert "--port 8000 --max-num-batched-tokens 1024 --max-num-seqs 4" in out
-    assert (tmp_path / "tune.json").is_file() and (tmp_path / "tune.md").is_file()
+    record = json.loads((tmp_path / "tune.json").read_text())
+    assert record["met"] and record["throughput_first"]["args"]["max_num_batched_tokens"] == 1024
+    assert record["workload"]["concurrency"] == [4] and len(record["evidence"]) == 3
+    assert (tmp_path / "tune.md").is_file()
