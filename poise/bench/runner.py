@@ -18,6 +18,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -53,7 +54,6 @@ def _tool_version() -> str:
 def _git_sha() -> str | None:
     """The commit of the checkout this package runs from, when it is one."""
     import subprocess
-    from pathlib import Path
 
     try:
         out = subprocess.run(
@@ -273,13 +273,14 @@ async def run_matrix(
     on_cell_start: Callable[[CellSpec, int | None], None] | None = None,
     progress: Progress | None = None,
     on_cell_done: Callable[[CellResult], None] | None = None,
+    checkpoint: str | Path | None = None,
 ) -> ExperimentRecord:
-    """Probe the server, then run every cell of ``cfg`` in order."""
-    started = _utc()
+    """Probe the server, then run every cell of ``cfg`` in order. With ``checkpoint``, the
+    record so far is saved there after every cell (``provenance.complete`` false until the
+    end), so an interrupted matrix keeps its finished cells."""
     t_start = time.time()
     async with make_session() as session:
         ep = await open_endpoint(cfg, session)
-        caps = dict(ep.capabilities)
         engine = cfg.engine
         if engine is None and cfg.scrape:
             scraper = Scraper(cfg.metrics_endpoint())
@@ -287,33 +288,46 @@ async def run_matrix(
             await scraper.stop()
             engine = scraper.engine if scraper.scrapes else None
         version = cfg.version or await discover_version(session, cfg.server_root)
+        record = ExperimentRecord(
+            experiment=experiment_block(cfg, ep.model, engine, version),
+            cells=[],
+            capabilities={**ep.capabilities, "ignore_eos_requested": cfg.ignore_eos},
+            provenance=_provenance(cfg),
+        )
         run_salt = cfg.run_salt()
-        cells = []
         for i, spec in enumerate(cfg.cells()):
             if on_cell_start is not None:
                 total = None if cfg.duration is not None else sum(cell_counts(cfg, spec))
                 on_cell_start(spec, total)
             salt = f"{run_salt}-{i}" if run_salt and cfg.salt_scope != "run" else run_salt
             cell = await run_cell(cfg, spec, session, ep, salt=salt, progress=progress)
-            cells.append(cell)
+            record.cells.append(cell)
             if on_cell_done is not None:
                 on_cell_done(cell)
-    caps["ignore_eos_requested"] = cfg.ignore_eos
-    return ExperimentRecord(
-        experiment=experiment_block(cfg, ep.model, engine, version),
-        cells=cells,
-        capabilities=caps,
-        provenance={
-            "command": cfg.command,
-            "tool_version": TOOL_VERSION,
-            "git_sha": _git_sha(),
-            "started_at": started,
-            "finished_at": _utc(),
-            "wall_s": round(time.time() - t_start, 3),
-            "base_url": cfg.base_url,
-            "python": sys.version.split()[0],
-            "host": platform.node(),
-            "metrics_url": cfg.metrics_endpoint() if cfg.scrape else None,
-            "config": cfg.to_dict(),
-        },
+            if checkpoint is not None:
+                _stamp(record, t_start, complete=False).save(checkpoint)
+    return _stamp(record, t_start, complete=True)
+
+
+def _provenance(cfg: BenchConfig) -> dict[str, Any]:
+    return {
+        "command": cfg.command,
+        "tool_version": TOOL_VERSION,
+        "git_sha": _git_sha(),
+        "started_at": _utc(),
+        "finished_at": None,
+        "wall_s": None,
+        "complete": False,
+        "base_url": cfg.base_url,
+        "python": sys.version.split()[0],
+        "host": platform.node(),
+        "metrics_url": cfg.metrics_endpoint() if cfg.scrape else None,
+        "config": cfg.to_dict(),
+    }
+
+
+def _stamp(record: ExperimentRecord, t_start: float, complete: bool) -> ExperimentRecord:
+    record.provenance.update(
+        finished_at=_utc(), wall_s=round(time.time() - t_start, 3), complete=complete
     )
+    return record

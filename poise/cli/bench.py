@@ -249,6 +249,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 cfg,
                 on_cell_start=(lambda spec, n: prog.start_cell(spec.label, n)) if prog else None,
                 progress=prog.update if prog else None,
+                checkpoint=out,  # finished cells survive an interrupted run
             )
         )
     if args.label:

@@ -216,3 +216,35 @@ def test_duration_closed_loop_cycles_a_bounded_sample(mock: Any) -> None:
     assert len(indices) > 4 and indices == list(range(len(indices)))  # renumbered, unique
     assert sum(r.warmup for r in cell.records) == 1
     assert rec.provenance["git_sha"] is None or len(rec.provenance["git_sha"]) == 40
+
+
+def test_checkpoint_keeps_finished_cells_when_interrupted(mock: Any, tmp_path: Path) -> None:
+    from poise.bench import runner
+
+    srv = mock(ttft=0.005, tpot=0.001)
+    real = runner.run_cell
+    calls = []
+
+    async def flaky(*args: Any, **kw: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the user gives up during the second cell
+        return await real(*args, **kw)
+
+    cfg = BenchConfig(base_url=srv.base_url, concurrency=(1, 2), max_tokens=3, num_requests=2,
+                      warmup=0, scrape=False)  # fmt: skip
+    path = tmp_path / "partial.yaml"
+    runner.run_cell = flaky  # type: ignore[assignment]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            asyncio.run(run_matrix(cfg, checkpoint=path))
+    finally:
+        runner.run_cell = real  # type: ignore[assignment]
+    saved = ExperimentRecord.load(path)
+    assert [c.label for c in saved.cells] == ["c1-long0"] and len(saved.cells[0].records) == 2
+    assert saved.provenance["complete"] is False
+    done = asyncio.run(run_matrix(cfg, checkpoint=path))
+    assert (
+        done.provenance["complete"] is True
+        and ExperimentRecord.load(path).cells[1].label == "c2-long0"
+    )
