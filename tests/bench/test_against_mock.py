@@ -248,3 +248,14 @@ def test_checkpoint_keeps_finished_cells_when_interrupted(mock: Any, tmp_path: P
         done.provenance["complete"] is True
         and ExperimentRecord.load(path).cells[1].label == "c2-long0"
     )
+
+
+def test_unsalted_wire_prompts_are_the_seeds_bytes(mock: Any) -> None:
+    from poise.workload import LONG_PROMPT, SHORT_PROMPT
+
+    srv = mock(ttft=0.001, tpot=0.001)
+    run(srv, concurrency=(2,), long_ratio=(0.5,), max_tokens=2, num_requests=4, salt=None)
+    sent = [b["messages"][0]["content"] for b in srv.state.bodies[1:]]  # [0] is the probe
+    assert sorted(set(sent)) == sorted({SHORT_PROMPT, LONG_PROMPT})
+    assert sent.count(LONG_PROMPT) == 2
+    assert all(b["temperature"] == 0.0 and b["stream"] is True for b in srv.state.bodies)
