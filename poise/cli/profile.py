@@ -48,6 +48,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--threads", type=int, default=None, help="torch threads (default: torch's choice)."
     )
     parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: elapsed time (a machine of your own). cpu: the thread's CPU time, immune "
+        "to other load on a shared machine; needs --threads 1, and `poise simulate "
+        "--time-scale` for the share of a core the server gets.",
+    )
+    parser.add_argument(
         "--no-engine-overhead",
         action="store_true",
         help="Skip measuring the engine's per-step overhead outside the runner.",
@@ -76,6 +84,7 @@ def _provenance(args: argparse.Namespace, info: Any, grid: str, threads: int) ->
         "num_kv_blocks": info.num_kv_blocks,
         "grid": grid,
         "repeats": args.repeats,
+        "clock": args.clock,
     }
 
 
@@ -94,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        print("poise profile: error: --clock cpu needs --threads 1", file=sys.stderr)
+        return 2
     t0 = time.monotonic()
     runner, info = create_model_runner(config)
     print(
@@ -123,11 +135,16 @@ def run(args: argparse.Namespace) -> int:
         num_blocks=info.num_kv_blocks,
         warmup=args.warmup,
         repeats=args.repeats,
+        clock=args.clock,
         progress=progress,
     )
     samples = [(StepShape.from_output(out), t) for out, t in measured]
     coefficients, quality = fit_step_costs(samples)
-    overhead = 0.0 if args.no_engine_overhead else measure_engine_overhead(config, runner, info)
+    overhead = (
+        0.0
+        if args.no_engine_overhead
+        else measure_engine_overhead(config, runner, info, clock=args.clock)
+    )
     kv_per_token = _kv_bytes_per_token(runner, info)
     record = profile_record(
         model=info.model_name,
@@ -162,11 +179,16 @@ def _default_kv_budget(info: Any, kv_per_token: int) -> int:
 
 
 def _kv_bytes_per_token(runner: Any, info: Any) -> int:
-    """K+V bytes of one token over all layers, read off the allocated pool."""
-    total = sum(
-        k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in runner.kv_caches
-    )
-    return int(total // (info.num_kv_blocks * info.block_size))
+    """K+V bytes of one token over all layers, read off the allocated pool (whatever its
+    layout: per-layer (k, v) pairs or one tensor per layer)."""
+    import torch
+
+    def nbytes(x: Any) -> int:
+        if isinstance(x, torch.Tensor):
+            return int(x.numel() * x.element_size())
+        return sum(nbytes(y) for y in x)
+
+    return nbytes(runner.kv_caches) // (info.num_kv_blocks * info.block_size)
 
 
 def _print_summary(coef: dict[str, float], fit: dict[str, float], overhead: float) -> None:

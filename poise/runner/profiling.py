@@ -139,15 +139,11 @@ def make_output(
     return out
 
 
-def time_call(fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+# What a step's "time" is. wall: elapsed time, right on a machine of one's own. cpu: the
+# calling thread's CPU time, which other processes on a shared machine do not inflate (with one
+# torch thread all of the forward runs on the calling thread); a simulation then scales it by
+# how much of a core the server gets (CostModel.time_scale, calibrated at one load point).
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
 def measure_grid(
@@ -158,40 +154,57 @@ def measure_grid(
     num_blocks: int,
     warmup: int = 1,
     repeats: int = 3,
+    clock: str = "wall",
     progress: Callable[[int, int, GridPoint, float], None] | None = None,
 ) -> list[tuple[SchedulerOutput, float]]:
-    """(the output run, median seconds) per point; the caller turns outputs into features."""
-    samples = []
-    for i, p in enumerate(points):
-        out = make_output(p, block_size, num_blocks, step_id=i)
-        t = time_call(lambda out=out: execute(out), warmup, repeats)  # type: ignore[misc]
-        samples.append((out, t))
-        if progress is not None:
-            progress(i + 1, len(points), p, t)
-    return samples
+    """(the output run, median seconds) per point; the caller turns outputs into features.
+
+    Repeats are interleaved (``repeats`` passes over the whole grid after ``warmup`` passes),
+    so a burst of outside load spreads over all points instead of skewing a few of them.
+    """
+    tick = CLOCKS[clock]
+    outs = [make_output(p, block_size, num_blocks, step_id=i) for i, p in enumerate(points)]
+    times: list[list[float]] = [[] for _ in points]
+    for rep in range(warmup + repeats):
+        for i, out in enumerate(outs):
+            t0 = tick()
+            execute(out)
+            dt = tick() - t0
+            if rep >= warmup:
+                times[i].append(dt)
+            if progress is not None and rep == warmup + repeats - 1:
+                progress(i + 1, len(points), points[i], statistics.median(times[i]))
+    return [(out, statistics.median(ts)) for out, ts in zip(outs, times, strict=True)]
 
 
 class _TimedExecutor:
     """Wraps the runner to time its ``execute`` inside engine steps."""
 
-    def __init__(self, inner: object) -> None:
+    def __init__(self, inner: object, tick: Callable[[], float]) -> None:
         self.inner = inner
+        self.tick = tick
         self.times: list[float] = []
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        t0 = time.perf_counter()
+        t0 = self.tick()
         result = self.inner.execute(scheduler_output)  # type: ignore[attr-defined]
-        self.times.append(time.perf_counter() - t0)
+        self.times.append(self.tick() - t0)
         return result
 
 
 def measure_engine_overhead(
-    config: EngineConfig, runner: object, info: object, num_requests: int = 8, max_tokens: int = 12
+    config: EngineConfig,
+    runner: object,
+    info: object,
+    num_requests: int = 8,
+    max_tokens: int = 12,
+    clock: str = "wall",
 ) -> float:
     """Median seconds per engine step spent outside ``runner.execute`` (scheduler, updates)."""
     from poise.engine.core import EngineCore
 
-    timed = _TimedExecutor(runner)
+    tick = CLOCKS[clock]
+    timed = _TimedExecutor(runner, tick)
     engine = EngineCore(
         config,
         timed,
@@ -206,9 +219,9 @@ def measure_engine_overhead(
     overheads = []
     while engine.has_unfinished_requests():
         n_before = len(timed.times)
-        t0 = time.perf_counter()
+        t0 = tick()
         engine.step()
-        total = time.perf_counter() - t0
+        total = tick() - t0
         if len(timed.times) > n_before:
             overheads.append(max(0.0, total - timed.times[-1]))
     return statistics.median(overheads) if overheads else 0.0

@@ -70,7 +70,7 @@ def test_profile_cli_fits_and_simulate_uses_it(tmp_path: Path) -> None:
     prof = tmp_path / "p.json"
     rc = main(
         ["profile", str(model), "--grid", "quick", "--repeats", "1", "--warmup", "0",
-         "--threads", "1", "--num-kv-blocks", "128", "-o", str(prof)]
+         "--threads", "1", "--clock", "cpu", "--num-kv-blocks", "128", "-o", str(prof)]
     )  # fmt: skip
     assert rc == 0
     from poise.sim.fit import load_profile
@@ -78,7 +78,7 @@ def test_profile_cli_fits_and_simulate_uses_it(tmp_path: Path) -> None:
     cost = load_profile(prof)
     assert cost.vocab_size == 512 and cost.model_max_len == 256
     assert cost.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # K+V, 2 layers, 2 kv heads, d16, fp32
-    assert cost.provenance["torch_threads"] == 1
+    assert cost.provenance["torch_threads"] == 1 and cost.provenance["clock"] == "cpu"
     # The sim sizes the pool by the runner's rule, not by the pool the profile ran with.
     from poise.config import EngineConfig
 
