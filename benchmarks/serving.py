@@ -12,7 +12,7 @@ offline ratio, TTFT p50/p95 for SHORT and LONG separately (HTTP: client-side, se
 content chunk; offline: engine arrival to first token, ``poise.core.timing.derive``), and
 where the server's CPU went (engine thread, event-loop thread, whole process, from /metrics).
 
-    .venv/bin/python benchmarks/serving.py [--concurrency 8 16 32] [--requests N] [--quick]
+    .venv/bin/python benchmarks/serving.py [--concurrency 8 16 32] [--waves W | --requests N]
 """
 
 from __future__ import annotations
@@ -214,7 +214,8 @@ def main() -> int:
     p.add_argument("--model", default=None, help="Default: the embedded SmolLM2-135M GGUF.")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 16, 32])
-    p.add_argument("--requests", type=int, default=0, help="Per cell; default 2 x concurrency.")
+    p.add_argument("--requests", type=int, default=0, help="Per cell (overrides --waves).")
+    p.add_argument("--waves", type=int, default=1, help="Requests per cell = waves x concurrency.")
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--long-ratio", type=float, default=0.25)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -247,7 +248,7 @@ def main() -> int:
         run_offline(llm, warm, 2, 8)
         asyncio.run(run_http(base, "bench", warm, 2, 8))
         for c in args.concurrency:
-            reqs = workload(args.requests or 2 * c, args.max_tokens, args.long_ratio)
+            reqs = workload(args.requests or args.waves * c, args.max_tokens, args.long_ratio)
             cells.append(run_offline(llm, reqs, c, args.max_tokens))
             before = scrape(base)
             cell = asyncio.run(run_http(base, "bench", reqs, c, args.max_tokens))

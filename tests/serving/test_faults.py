@@ -40,11 +40,13 @@ class FaultyExecutor(FakeExecutor):
         return super().execute(scheduler_output)
 
 
-def _server(tokenizer: Any, **engine_kwargs: Any) -> tuple[InProcessServer, FaultyExecutor]:
+def _server(
+    tokenizer: Any, num_kv_blocks: int = 128, **engine_kwargs: Any
+) -> tuple[InProcessServer, FaultyExecutor]:
     vocab = len(tokenizer)
     cfg = EngineConfig.from_kwargs(block_size=16, **engine_kwargs)
     executor = FaultyExecutor(vocab, 16)
-    core = EngineCore(cfg, executor, num_kv_blocks=128, max_model_len=1024, vocab_size=vocab,
+    core = EngineCore(cfg, executor, num_kv_blocks=num_kv_blocks, max_model_len=1024, vocab_size=vocab,
                       eos_token_ids=eos_token_ids(tokenizer))  # fmt: skip
     state = build_state(core, tokenizer, model_name="fake", vocab_size=vocab,
                         max_num_queued_requests=cfg.scheduler.max_num_queued_requests)  # fmt: skip
@@ -122,3 +124,12 @@ def test_flood_against_a_tiny_queue_gets_429_with_retry_after(smol_tokenizer: An
         assert metric_value(
             text, "poise:requests_rejected_total", reason="queue_full"
         ) == codes.count(429)
+
+
+def test_prompt_longer_than_the_kv_pool_is_400_naming_the_limit(smol_tokenizer: Any) -> None:
+    server, _ = _server(smol_tokenizer, num_kv_blocks=4)  # 64 tokens of KV
+    with server:
+        with pytest.raises(openai.BadRequestError) as info:
+            _client(server).completions.create(model="fake", prompt=list(range(10, 90)))
+        message = info.value.body["message"]  # type: ignore[index]
+        assert "80 tokens" in message and "KV cache" in message and "64 tokens" in message

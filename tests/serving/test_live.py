@@ -230,7 +230,7 @@ def _wait_for(cond: Any, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def test_disconnecting_20_streams_frees_the_kv_cache(
+def test_disconnecting_20_streams_and_3_waiters_frees_the_kv_cache(
     server: ServerProcess, client: openai.OpenAI
 ) -> None:
     aborts_before = metric_value(_metrics(server), "poise:request_success_total",
@@ -247,10 +247,18 @@ def test_disconnecting_20_streams_frees_the_kv_cache(
                 if seen >= 3:
                     return  # leaving the block closes the connection mid-generation
 
+    async def give_up_waiting(http: httpx.AsyncClient, i: int) -> None:
+        body = {"prompt": f"never mind {i}", "max_tokens": 400, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post(server.base_url + "/v1/completions", json=body, timeout=0.3)
+
     async def run() -> None:
         limits = httpx.Limits(max_connections=32)
         async with httpx.AsyncClient(timeout=60, limits=limits) as http:
-            await asyncio.gather(*(start_and_leave(http, i) for i in range(20)))
+            await asyncio.gather(
+                *(start_and_leave(http, i) for i in range(20)),
+                *(give_up_waiting(http, i) for i in range(3)),
+            )
 
     asyncio.run(run())
 
@@ -260,7 +268,7 @@ def test_disconnecting_20_streams_frees_the_kv_cache(
             metric_value(text, "poise:kv_cache_usage_perc") == 0
             and metric_value(text, "poise:num_requests_running") == 0
             and metric_value(text, "poise:request_success_total", finished_reason="abort")
-            >= aborts_before + 20
+            >= aborts_before + 23
         )
 
     _wait_for(drained)
@@ -305,7 +313,7 @@ def test_sigterm_stops_accepting_finishes_in_flight_and_exits_0(server: ServerPr
         body = {"prompt": "drain me", "max_tokens": 200, "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
         url = server.base_url + "/v1/completions"
-        with httpx.stream("POST", url, json=body, timeout=120) as r:
+        with httpx.stream("POST", url, json=body, timeout=0.3) as r:
             lines.extend(line for line in r.iter_lines() if line.startswith("data: "))
 
     thread = threading.Thread(target=stream)
