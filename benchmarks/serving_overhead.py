@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -47,7 +48,7 @@ def serve_fake(port: int) -> int:
     from poise.serving.server import ServerSettings, build_state, serve
     from poise.text import eos_token_ids, load_tokenizer
 
-    tok = load_tokenizer(None)
+    tok: Any = load_tokenizer(None)
     cfg = EngineConfig.from_kwargs(max_num_seqs=128, max_num_batched_tokens=8192)
     core = EngineCore(cfg, FreeExecutor(), num_kv_blocks=16384, max_model_len=8192,
                       vocab_size=len(tok), eos_token_ids=eos_token_ids(tok))  # fmt: skip
