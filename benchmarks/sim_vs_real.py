@@ -3,7 +3,9 @@
 For the seed workload (SHORT/LONG prompts, ``--long-ratio`` 0.25, ``--max-tokens`` 160,
 closed loop at ``--concurrency`` 8, 16, 32) on the embedded SmolLM2 on this CPU:
 
-1. a step-cost profile: ``--profile FILE``, or measured now with ``poise profile``;
+1. a step-cost profile: ``--profile FILE``, or measured now with ``poise profile`` (by default
+   ``--clock cpu``: the runner thread's CPU time, which a busy shared machine does not inflate;
+   ``--calibrate`` then supplies the share of a core the server really gets);
 2. the real run: ``poise serve`` (a subprocess on 127.0.0.1, a free port) and ``poise bench``
    against it, the same engine flags for both;
 3. optionally (``--calibrate``) a small concurrency-1 cell of SHORT prompts, measured and
@@ -25,7 +27,10 @@ Torch threads are pinned (``--threads``, default 1) for both the profile and the
 
     .venv/bin/python benchmarks/sim_vs_real.py [--profile FILE] [--calibrate]
         [--concurrency 8,16,32] [--num-requests N] [--warmup W] [--max-tokens 160]
-        [--out-dir runs/sim_vs_real] [-- ENGINE FLAGS...]
+        [--requests-per-stream K] [--out-dir runs/sim_vs_real] [-- ENGINE FLAGS...]
+    # simulate a finished run's measurements again, e.g. with another profile:
+    .venv/bin/python benchmarks/sim_vs_real.py --reuse runs/sim_vs_real/<run> --profile P \
+        --calibrate --concurrency 8,16,32 --requests-per-stream 1 --warmup-per-stream 0
 """
 
 from __future__ import annotations
@@ -139,19 +144,23 @@ def overall(path: Path) -> list[dict[str, Any]]:
     return [c["metrics"]["overall"] for c in rec["results"]]
 
 
-def calibrate(
-    a: argparse.Namespace, base: str, engine: list[str], out: Path
-) -> tuple[float, float]:
-    """(request overhead s, time scale) from a concurrency-1 SHORT-prompt cell."""
-    cal = ["--concurrency", "1", "--long-ratio", "0", "--max-tokens", str(a.calibration_tokens),
-           "--num-requests", "4", "--warmup", "1"]  # fmt: skip
-    real = out / "calibration-real.yaml"
-    run([*POISE, "bench", "--base-url", base + "/v1", *cal, "--no-progress", "-o", str(real)],
-        a.threads, out / "calibration-bench.log")  # fmt: skip
-    sim = out / "calibration-sim.yaml"
+CALIBRATION = ["--concurrency", "1", "--long-ratio", "0", "--num-requests", "4", "--warmup", "1"]
+
+
+def measure_calibration(a: argparse.Namespace, base: str, out: Path) -> None:
+    """The concurrency-1 SHORT-prompt cell, measured (calibration-real.yaml)."""
+    cal = [*CALIBRATION, "--max-tokens", str(a.calibration_tokens)]
+    run([*POISE, "bench", "--base-url", base + "/v1", *cal, "--no-progress",
+         "-o", str(out / "calibration-real.yaml")], a.threads, out / "calibration-bench.log")  # fmt: skip
+
+
+def calibrate(a: argparse.Namespace, engine: list[str], out: Path) -> tuple[float, float]:
+    """(request overhead s, time scale): the measured calibration cell against its simulation."""
+    cal = [*CALIBRATION, "--max-tokens", str(a.calibration_tokens)]
+    sim = out / f"calibration-sim-{a.profile.stem}.yaml"
     run([*POISE, "simulate", "--profile", str(a.profile), *cal, "-o", str(sim), *engine],
         a.threads, out / "calibration-sim.log")  # fmt: skip
-    r, s = overall(real)[0], overall(sim)[0]
+    r, s = overall(out / "calibration-real.yaml")[0], overall(sim)[0]
     # Decode steps dominate TPOT: their ratio is how much slower steps run now, in the server,
     # than the profile says. What TTFT has beyond its scaled prefill is the request's way in.
     scale = r["tpot_ms"]["p50"] / s["tpot_ms"]["p50"]
@@ -199,6 +208,14 @@ def main() -> int:
     )
     p.add_argument("--profile-grid", default="standard", choices=("quick", "standard"))
     p.add_argument("--profile-repeats", type=int, default=3)
+    p.add_argument(
+        "--profile-clock", choices=("wall", "cpu"), default="cpu",
+        help="cpu (default): thread CPU time, then --calibrate scales it to the server's share.",
+    )  # fmt: skip
+    p.add_argument(
+        "--reuse", type=Path, default=None,
+        help="A finished run's folder: keep its measurements, simulate again (e.g. a new profile).",
+    )  # fmt: skip
     p.add_argument("--concurrency", default="8,16,32")
     p.add_argument("--long-ratio", default="0.25")
     p.add_argument("--max-tokens", type=int, default=160)
@@ -224,14 +241,14 @@ def main() -> int:
     )
     a = p.parse_args()
     engine = [x for x in a.engine if x != "--"]
-    out = a.out_dir / time.strftime("%Y%m%d-%H%M%S")
+    out = a.reuse or a.out_dir / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     if a.profile is None:
-        a.profile = out / "profile.json"
+        a.profile = out / f"profile-{a.profile_clock}.json"
         run([*POISE, "profile", "--grid", a.profile_grid, "--repeats", str(a.profile_repeats),
-             "--threads", str(a.threads), "-o", str(a.profile), *engine],
-            a.threads, out / "profile.log")  # fmt: skip
+             "--threads", str(a.threads), "--clock", a.profile_clock, "-o", str(a.profile),
+             *engine], a.threads, out / "profile.log")  # fmt: skip
     concs = [int(x) for x in a.concurrency.split(",") if x.strip()]
 
     def load_for(c: int) -> list[str]:
@@ -239,21 +256,23 @@ def main() -> int:
         w = a.warmup_per_stream * c if a.warmup_per_stream is not None else a.warmup
         return load_args(a, str(c), a.long_ratio, n, w, a.max_tokens)
 
-    proc, base = start_server(engine, a.threads, out / "serve.log")
-    try:
-        req_s, scale = 0.0, 1.0
-        if a.calibrate:
-            req_s, scale = calibrate(a, base, engine, out)
-        for c in concs:
-            run([*POISE, "bench", "--base-url", base + "/v1", *load_for(c), "--no-progress",
-                 "-o", str(out / f"real-c{c}.yaml"), "--label", "measured"],
-                a.threads, out / f"bench-c{c}.log")  # fmt: skip
-    finally:
-        stop_server(proc)
-    variants: dict[str, tuple[str, list[str]]] = {"profile only": ("sim", [])}
+    if a.reuse is None:
+        proc, base = start_server(engine, a.threads, out / "serve.log")
+        try:
+            if a.calibrate:
+                measure_calibration(a, base, out)
+            for c in concs:
+                run([*POISE, "bench", "--base-url", base + "/v1", *load_for(c), "--no-progress",
+                     "-o", str(out / f"real-c{c}.yaml"), "--label", "measured"],
+                    a.threads, out / f"bench-c{c}.log")  # fmt: skip
+        finally:
+            stop_server(proc)
+    req_s, scale = calibrate(a, engine, out) if a.calibrate else (0.0, 1.0)
+    tag = a.profile.stem
+    variants: dict[str, tuple[str, list[str]]] = {"profile only": (f"sim-{tag}", [])}
     if a.calibrate:
         variants["calibrated"] = (
-            "sim-calibrated",
+            f"sim-calibrated-{tag}",
             ["--request-overhead-ms", f"{req_s * 1000:.3f}", "--time-scale", f"{scale:.4f}"],
         )
     for stem, extra in variants.values():
@@ -266,7 +285,8 @@ def main() -> int:
                               "calibration": {"request_overhead_s": req_s, "time_scale": scale},
                               "loads": {c: load_for(c) for c in concs}, "engine": engine,
                               "threads": a.threads}  # fmt: skip
-    md = [f"# sim vs real ({time.strftime('%Y-%m-%d %H:%M')}, threads {a.threads})", ""]
+    md = [f"# sim vs real ({time.strftime('%Y-%m-%d %H:%M')}, threads {a.threads}, "
+          f"profile {a.profile.name})", ""]  # fmt: skip
     all_ok = True
     for name, (stem, _) in variants.items():
         rows: list[dict[str, Any]] = []
@@ -282,8 +302,8 @@ def main() -> int:
         md += [table(f"{name}: {'PASS' if ok else 'FAIL'} at ±{a.tolerance:.0%}", rows), ""]
         all_ok = all_ok and ok
     report["wall_s"] = round(time.monotonic() - t0, 1)
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    (out / "report.md").write_text("\n".join(md) + "\n")
+    (out / f"report-{tag}.json").write_text(json.dumps(report, indent=1))
+    (out / f"report-{tag}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     print(f"results: {out}")
     return 0 if all_ok else 1
