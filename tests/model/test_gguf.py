@@ -35,11 +35,12 @@ CHAT_IDS += [2, 198, 1, 520, 9531, 198]
 GREEDY = [504, 3575, 282, 4649, 314, 7042, 30, 2]  # "The capital of France is Paris.<|im_end|>"
 
 
-def transformers_from_gguf(path: Path, head_dim: int | None = None) -> Any:
+def transformers_from_gguf(path: Path, head_dim: int | None = None, cfg: Any = None) -> Any:
+    """transformers' GGUF reader for the weights; ``cfg`` replaces the config it derives."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    cfg = cfg or AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     if head_dim is not None:
         cfg.head_dim = head_dim  # transformers does not read {arch}.attention.key_length
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -60,6 +61,22 @@ def test_tiny_gguf_matches_transformers(tmp_path: Path, kind: str, head_dim: int
     with torch.inference_mode():
         want = ref(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_gguf_llama3_rope_freqs(tmp_path: Path) -> None:
+    """llama3 scaling arrives as a rope_freqs tensor; logits match the HF checkpoint."""
+    hf = build_tiny_model("llama3_rope")
+    path = write_tiny_gguf(hf, tmp_path / "l3.gguf", "llama")
+    ours = load_ours(str(path))
+    assert ours.arch.rope.freq_factors is not None
+    # transformers ignores rope_freqs: give it the checkpoint's llama3 config and the GGUF's
+    # (quantised) weights.
+    ref = transformers_from_gguf(path, cfg=hf.config)
+    ids = list(range(3, 60))  # past original_max_position_embeddings (32)
+    got = PagedHarness(ours).step([("a", ids, 0)])["a"]
+    with torch.inference_mode():
+        want = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 def test_header_reader_matches_gguf_package(tmp_path: Path) -> None:

@@ -81,6 +81,14 @@ def write_tiny_gguf(hf_model: Any, path: Path, arch: str) -> Path:
             w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
         else:
             w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "llama3":
+        # llama.cpp stores llama3 scaling as per-frequency divisors of the plain inv_freq.
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, None)
+        plain = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim)
+        w.add_tensor("rope_freqs.weight", (plain / scaled.double().numpy()).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
