@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.model.harness import PagedHarness, load_ours
-from tests.model.tiny_models import KINDS, build_tiny_model
+from tests.model.tiny_models import KINDS, build_tiny_checkpoint, build_tiny_model
 
 ATOL = 2e-4
 
@@ -88,3 +88,22 @@ def test_greedy_decode_equals_transformers(pair: Any, kind: str) -> None:
         with torch.inference_mode():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0].tolist()
         assert seqs[rid] == ref, rid
+
+
+def test_sharded_checkpoint_loads(tmp_path: Path, pair: Any) -> None:
+    path = build_tiny_checkpoint("qwen2", tmp_path / "sharded", max_shard_size="100KB")
+    assert len(list(path.glob("*.safetensors"))) > 1
+    ours, hf = load_ours(str(path)), pair("qwen2")[1]
+    ids = prompt(9, 11)
+    got = PagedHarness(ours).step([("a", ids, 0)])["a"]
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_mistral_sliding_window_clamps_context(tmp_path: Path) -> None:
+    path = build_tiny_checkpoint("mistral", tmp_path / "mistral")
+    ours, hf = load_ours(str(path)), build_tiny_model("mistral")
+    assert ours.arch.model_type == "mistral" and ours.arch.context_length == 64
+    ids = prompt(30, 12)
+    h = PagedHarness(ours)
+    got = torch.cat([h.step([("a", ids[:13], 0)])["a"], h.step([("a", ids[13:], 13)])["a"]])
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)

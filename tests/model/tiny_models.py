@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 KINDS = ("llama", "qwen2", "qwen3", "llama3_rope", "tied")
+# Also buildable, tested more lightly: "mistral" (sliding window 64 < max positions).
 
 _COMMON: dict[str, Any] = dict(
     hidden_size=64,
@@ -29,7 +30,7 @@ _COMMON: dict[str, Any] = dict(
 
 
 def tiny_config(kind: str) -> Any:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     if kind == "llama":
         return LlamaConfig(**_COMMON, rope_theta=10000.0, tie_word_embeddings=False)
@@ -45,6 +46,8 @@ def tiny_config(kind: str) -> Any:
             "original_max_position_embeddings": 32,
         }
         return LlamaConfig(**_COMMON, rope_scaling=rope, tie_word_embeddings=False)
+    if kind == "mistral":
+        return MistralConfig(**_COMMON, sliding_window=64, tie_word_embeddings=False)
     if kind == "qwen2":
         return Qwen2Config(**_COMMON, rope_theta=1000000.0, tie_word_embeddings=False)
     if kind == "qwen3":
@@ -72,9 +75,13 @@ def build_tiny_model(kind: str, seed: int = 0) -> Any:
     return model.eval()
 
 
-def build_tiny_checkpoint(kind: str, path: str | Path, seed: int = 0) -> Path:
-    """Write a tiny checkpoint (config.json + model.safetensors) to path; returns path."""
+def build_tiny_checkpoint(
+    kind: str, path: str | Path, seed: int = 0, max_shard_size: str | None = None
+) -> Path:
+    """Write a tiny checkpoint (config.json + *.safetensors) to path; returns path.
+    ``max_shard_size`` (e.g. "100KB") splits it into several safetensors shards."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    build_tiny_model(kind, seed).save_pretrained(path, safe_serialization=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    build_tiny_model(kind, seed).save_pretrained(path, safe_serialization=True, **kwargs)
     return path
