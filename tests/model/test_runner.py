@@ -165,3 +165,22 @@ def test_finished_ids_and_unsampled_chunks(tiny_checkpoints: dict[str, Path]) ->
     out = runner.execute(SchedulerOutput(step_id=1, scheduled=[req], finished_request_ids=["z"]))
     assert out.sampled_token_ids == {}
     assert runner.execute(SchedulerOutput(step_id=2)).sampled_token_ids == {}
+
+
+def test_seeded_sampling_independent_of_batch(tiny_checkpoints: dict[str, Path]) -> None:
+    """A seeded request samples the same tokens alone or batched with others: the runner
+    hands the sampler each row's own params and output index."""
+    runner, _ = make_runner(tiny_checkpoints["llama"])
+    seeded = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
+
+    def run(with_others: bool) -> list[int]:
+        sched = MiniScheduler(block_size=4, num_blocks=64, chunk=4)
+        if with_others:
+            sched.add("other", PROMPTS["c"], max_tokens=5)
+        sched.add("s", PROMPTS["a"], max_tokens=5)
+        sched.reqs["s"]["sp"] = SamplingParams(max_tokens=5, **seeded)
+        return sched.run(runner)["s"]
+
+    alone = run(False)
+    assert alone == run(True)
+    assert len(alone) == 5
