@@ -131,7 +131,6 @@ class AsyncEngine:
         self._step_no = 0
         self._preemptions_seen = 0
         self._log = _ThroughputLog(log_interval_s)
-        self.busy_s = 0.0  # engine-thread time spent inside core.step()
 
     # ---- lifecycle (event loop) ---------------------------------------------------------
 
@@ -238,6 +237,11 @@ class AsyncEngine:
                 aborts, self._aborts = self._aborts, []
                 finishes, self._finishes = self._finishes, []
                 stop = self._stop
+            if stop:  # shutting down: admit nothing more
+                for add in adds:
+                    exc = OverloadedError("server is shutting down", retry_after_s=5.0)
+                    self._loop.call_soon_threadsafe(self._resolve, add.admitted, exc)  # type: ignore[union-attr]
+                adds = []
             try:
                 self._drain(adds, aborts, finishes)
                 if stop:
@@ -295,9 +299,7 @@ class AsyncEngine:
 
     def _step(self) -> None:
         self._step_no += 1
-        t0 = time.perf_counter()
         deltas, stats = self.core.step()
-        self.busy_s += time.perf_counter() - t0
         if stats is not None:
             self.metrics.observe_step(stats)
             self._log.add_step(stats)
