@@ -104,3 +104,18 @@ def test_help_groups_and_trade_offs(capsys: pytest.CaptureFixture[str]) -> None:
 )
 def test_parse_bytes(text: str, value: int) -> None:
     assert parse_bytes(text) == value
+
+
+def test_poise_serve_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    from poise.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "m", "--port", "9000", "--served-model-name", "a", "b", "--max-num-seqs", "16"]
+    )
+    assert (args.model, args.host, args.port) == ("m", "127.0.0.1", 9000)
+    assert args.served_model_name == ["a", "b"]
+    assert engine_config_from_args(args).scheduler.max_num_seqs == 16
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = capsys.readouterr().out
+    assert "server:" in text and "--shutdown-grace-period" in text and "scheduler:" in text
