@@ -22,15 +22,19 @@ class PagedHarness:
     num_blocks: int = 64
     seed: int = 0
     caches: list[torch.Tensor] = field(init=False)
+    device: torch.device = field(init=False)
     tables: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         a = self.model.arch
         dtype = self.model.model.embed_tokens.weight.dtype
+        self.device = self.model.model.embed_tokens.weight.device
         shape = (self.num_blocks, self.block_size, 2 * a.num_kv_heads, a.head_dim)
         # Filled with large finite garbage: a read of an unwritten slot inside a context would
         # wreck the logits, while masked-out padding contributes exactly 0 (NaN would not).
-        self.caches = [torch.full(shape, 1e4, dtype=dtype) for _ in range(a.num_layers)]
+        self.caches = [
+            torch.full(shape, 1e4, dtype=dtype, device=self.device) for _ in range(a.num_layers)
+        ]
         self._free = list(range(self.num_blocks))
         random.Random(self.seed).shuffle(self._free)
 
@@ -55,7 +59,7 @@ class PagedHarness:
             )
             for rid, ids, start in chunks
         ]
-        inputs = build_step_inputs(scheduled, self.block_size, torch.device("cpu"))
+        inputs = build_step_inputs(scheduled, self.block_size, self.device)
         with torch.inference_mode():
             hidden = self.model(inputs.input_ids, inputs.positions, self.caches, inputs.meta)
             logits = self.model.compute_logits(hidden)
