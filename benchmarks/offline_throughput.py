@@ -22,6 +22,7 @@ A full fp32 run of the peers takes many minutes on a 2-core CPU (~15 tok/s); use
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -71,8 +72,12 @@ def load_hf_model(dtype: str) -> Any:
     does its steps by hand: config from the GGUF metadata, an empty model, then transformers'
     own GGUF reader (which maps names and undoes llama.cpp's Q/K row permutation).
     """
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    # Its per-tensor progress bar would flood the benchmark's output.
+    gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
+    load_gguf_checkpoint = gguf_utils.load_gguf_checkpoint
 
     gguf = default_gguf_path()
     config = AutoConfig.from_pretrained(
@@ -179,6 +184,9 @@ def run_poise(
     """poise's offline engine on the same token ids."""
     from poise.engine.llm import LLM
 
+    # Like the generate_batch run: a KV pool that holds every request at once (no preemption).
+    blocks = sum(-(-(len(p) + max_tokens) // 16) for p in prompts) + 16
+    engine_kwargs = {"block_size": 16, "num_kv_blocks": blocks} | engine_kwargs
     llm = LLM(model=None, dtype=dtype, max_num_seqs=max_num_seqs, **engine_kwargs)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     batch: list[str | list[int]] = list(prompts)
@@ -288,9 +296,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # transformers' GGUF dequantization bars
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
