@@ -60,8 +60,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="Skip measuring the engine's per-step overhead outside the runner.",
     )
+    parser.add_argument(
+        "--refit",
+        metavar="PROFILE",
+        default=None,
+        help="Fit a profile's stored samples again (no measuring) and write it to -o "
+        "(default: in place).",
+    )
     add_engine_args(parser, positional_model=True)
     parser.set_defaults(func=run)
+
+
+def refit(path: str, output: str | None) -> int:
+    import json
+
+    from poise.sim.cost import StepShape
+    from poise.sim.fit import fit_with_knee, save_profile
+
+    record = json.loads(Path(path).read_text())
+    samples = [(StepShape.from_dict(d), float(d["time_s"])) for d in record["samples"]]
+    coefficients, quality, knee = fit_with_knee(samples)
+    record.update(
+        coefficients=coefficients,
+        features=list(coefficients),
+        fit=quality.to_dict(),
+        decode_padded_knee=knee,
+    )
+    record.setdefault("provenance", {})["refit"] = dt.datetime.now(dt.timezone.utc).isoformat(
+        timespec="seconds"
+    )
+    out = save_profile(record, output or path)
+    _print_summary(coefficients, quality.to_dict(), float(record.get("step_overhead_s", 0.0)))
+    print(f"  decode_padded knee: {knee if knee is not None else 'none'}")
+    print(f"profile: {out}")
+    return 0
 
 
 def _provenance(args: argparse.Namespace, info: Any, grid: str, threads: int) -> dict[str, Any]:
@@ -89,12 +121,14 @@ def _provenance(args: argparse.Namespace, info: Any, grid: str, threads: int) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.refit:
+        return refit(args.refit, args.output)
     import torch
 
     from poise.runner.factory import create_model_runner
     from poise.runner.profiling import build_grid, measure_engine_overhead, measure_grid
     from poise.sim.cost import StepShape
-    from poise.sim.fit import fit_step_costs, profile_record, save_profile
+    from poise.sim.fit import fit_with_knee, profile_record, save_profile
 
     try:
         config = engine_config_from_args(args)
@@ -139,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         progress=progress,
     )
     samples = [(StepShape.from_output(out), t) for out, t in measured]
-    coefficients, quality = fit_step_costs(samples)
+    coefficients, quality, knee = fit_with_knee(samples)
     overhead = (
         0.0
         if args.no_engine_overhead
@@ -157,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         eos_token_ids=sorted(info.eos_token_ids),
         kv_budget_bytes=_default_kv_budget(info, kv_per_token),
         provenance=_provenance(args, info, args.grid, torch.get_num_threads()),
+        decode_padded_knee=knee,
     )
     record["step_overhead_s"] = overhead
     record["provenance"]["wall_s"] = round(time.monotonic() - t0, 1)
@@ -164,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output or f"profiles/{name}-{info.device.replace(':', '')}.json")
     save_profile(record, out)
     _print_summary(coefficients, quality.to_dict(), overhead)
+    print(f"  decode_padded knee: {knee if knee is not None else 'none'}")
     print(f"profile: {out}")
     return 0
 
@@ -194,9 +230,10 @@ def _kv_bytes_per_token(runner: Any, info: Any) -> int:
 def _print_summary(coef: dict[str, float], fit: dict[str, float], overhead: float) -> None:
     units = {"const": "ms/step", "tokens": "ms/token", "seqs": "ms/request",
              "sampled": "ms/sampled", "prefill_attn": "ms/1k pairs", "decode_ctx": "ms/1k ctx",
-             "decode_padded": "ms/1k padded ctx"}  # fmt: skip
+             "decode_padded": "ms/1k padded ctx", "decode_padded_excess": "ms/1k past knee"}  # fmt: skip
     for name, value in coef.items():
-        scale = 1e6 if name in ("prefill_attn", "decode_ctx", "decode_padded") else 1e3
+        per_k = ("prefill_attn", "decode_ctx", "decode_padded", "decode_padded_excess")
+        scale = 1e6 if name in per_k else 1e3
         print(f"  {name:<13} {value * scale:10.4f} {units[name]}")
     print(f"  engine overhead {overhead * 1e3:.3f} ms/step (outside the runner)")
     print(

@@ -37,6 +37,9 @@ FEATURES: tuple[str, ...] = (
     # decode requests x the longest decode context: what a batched decode attention that pads
     # every request's KV to the longest one (poise's torch reference backend) really reads
     "decode_padded",
+    # the part of decode_padded above a knee (fitted): past the caches, a bigger KV gather
+    # costs more per token
+    "decode_padded_excess",
 )
 
 
@@ -78,8 +81,9 @@ class StepShape:
                 pairs += n * start + n * (n + 1) // 2
         return cls(tokens, seqs, sampled, pf_tokens, dec_seqs, pairs, dec_ctx, kv, dec_max)
 
-    def features(self) -> tuple[float, ...]:
-        """Values in ``FEATURES`` order."""
+    def features(self, knee: float | None = None) -> tuple[float, ...]:
+        """Values in ``FEATURES`` order; ``decode_padded_excess`` is 0 without a knee."""
+        padded = self.num_decode_seqs * self.decode_max_ctx
         return (
             1.0,
             float(self.num_tokens),
@@ -87,7 +91,8 @@ class StepShape:
             float(self.num_sampled),
             float(self.prefill_attn_pairs),
             float(self.decode_ctx_tokens),
-            float(self.num_decode_seqs * self.decode_max_ctx),
+            float(padded),
+            max(0.0, padded - knee) if knee is not None else 0.0,
         )
 
     def to_dict(self) -> dict[str, int]:
@@ -189,6 +194,8 @@ class LinearCostModel(CostModel):
 
     name: str = "linear"
     coefficients: dict[str, float] = field(default_factory=dict)
+    # Where ``decode_padded_excess`` starts (None: that feature is 0).
+    decode_padded_knee: float | None = None
     # The profiled machine's KV byte budget when the config gives none (CPU runner: 1 GiB).
     default_kv_budget_bytes: int = DEFAULT_CPU_KV_BYTES
 
@@ -203,7 +210,8 @@ class LinearCostModel(CostModel):
 
     def step_time(self, shape: StepShape) -> float:
         coef: tuple[float, ...] = self._coef  # type: ignore[attr-defined]
-        t = sum(c * x for c, x in zip(coef, shape.features(), strict=True))
+        feats = shape.features(self.decode_padded_knee)
+        t = sum(c * x for c, x in zip(coef, feats, strict=True))
         return max(t, 0.0)
 
     def kv_budget_bytes(self, config: EngineConfig) -> int:
@@ -212,4 +220,5 @@ class LinearCostModel(CostModel):
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         d["coefficients"] = dict(self.coefficients)
+        d["decode_padded_knee"] = self.decode_padded_knee
         return d

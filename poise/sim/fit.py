@@ -108,22 +108,40 @@ def fit_step_costs(
     *,
     relative: bool = True,
     features: Sequence[str] = FEATURES,
+    knee: float | None = None,
 ) -> tuple[dict[str, float], FitQuality]:
     """Fit coefficients for ``features`` to (shape, seconds) samples.
 
     ``relative`` weights each sample by 1/t^2, i.e. minimises relative error, so short decode
-    steps count as much as long prefills.
+    steps count as much as long prefills. ``knee`` is where ``decode_padded_excess`` starts.
     """
     if len(samples) < len(features):
         raise ValueError(f"fit: need at least {len(features)} samples, got {len(samples)}")
     idx = [FEATURES.index(f) for f in features]
-    rows = [[s.features()[i] for i in idx] for s, _ in samples]
+    rows = [[s.features(knee)[i] for i in idx] for s, _ in samples]
     y = [t for _, t in samples]
     weights = [1.0 / max(t, 1e-9) ** 2 for t in y] if relative else None
     coef = nonneg_least_squares(rows, y, weights)
     coefficients = dict(zip(features, coef, strict=True))
     pred = [sum(c * x for c, x in zip(coef, r, strict=True)) for r in rows]
     return coefficients, quality(pred, y)
+
+
+KNEES: tuple[float | None, ...] = (None, 8192, 16384, 24576, 32768, 49152, 65536)
+
+
+def fit_with_knee(
+    samples: Sequence[tuple[StepShape, float]], knees: Sequence[float | None] = KNEES
+) -> tuple[dict[str, float], FitQuality, float | None]:
+    """``fit_step_costs`` for each candidate knee; the one with the lowest MAPE wins (a 1-D
+    search keeps the model linear in its coefficients)."""
+    best: tuple[dict[str, float], FitQuality, float | None] | None = None
+    for knee in knees:
+        coef, q = fit_step_costs(samples, knee=knee)
+        if best is None or q.mape < best[1].mape - 1e-9:
+            best = (coef, q, knee)
+    assert best is not None
+    return best
 
 
 def quality(pred: Sequence[float], y: Sequence[float]) -> FitQuality:
@@ -154,6 +172,7 @@ def profile_record(
     eos_token_ids: Sequence[int] = (),
     kv_budget_bytes: int = DEFAULT_CPU_KV_BYTES,
     provenance: dict[str, Any] | None = None,
+    decode_padded_knee: float | None = None,
 ) -> dict[str, Any]:
     return {
         "kind": PROFILE_KIND,
@@ -166,6 +185,7 @@ def profile_record(
         "eos_token_ids": list(eos_token_ids),
         "features": list(coefficients),
         "coefficients": coefficients,
+        "decode_padded_knee": decode_padded_knee,
         "fit": fit.to_dict(),
         "request_overhead_s": 0.0,
         "step_overhead_s": 0.0,
@@ -197,6 +217,7 @@ def load_profile(
     return LinearCostModel(
         name=f"profile:{data['model']}",
         coefficients={k: float(v) for k, v in data["coefficients"].items()},
+        decode_padded_knee=data.get("decode_padded_knee"),
         vocab_size=int(data["vocab_size"]),
         model_max_len=int(data["max_model_len"]),
         eos_token_ids=tuple(data.get("eos_token_ids", ())),

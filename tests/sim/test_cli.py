@@ -84,6 +84,10 @@ def test_profile_cli_fits_and_simulate_uses_it(tmp_path: Path) -> None:
 
     assert cost.num_kv_blocks(EngineConfig()) == (1 << 30) // (16 * cost.kv_bytes_per_token)
     assert cost.num_kv_blocks(EngineConfig.from_kwargs(num_kv_blocks=77)) == 77
+    # Refitting the stored samples reproduces the fit without measuring.
+    assert main(["profile", "--refit", str(prof), "-o", str(tmp_path / "r.json")]) == 0
+    again = load_profile(tmp_path / "r.json")
+    assert again.coefficients == pytest.approx(cost.coefficients)
     out = tmp_path / "s.yaml"
     rc = main(
         ["simulate", "--profile", str(prof), "--concurrency", "2", "--max-tokens", "8",

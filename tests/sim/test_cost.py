@@ -36,7 +36,8 @@ def test_step_shape_from_output() -> None:
     assert s.num_prefill_tokens == 4
     assert s.prefill_attn_pairs == 4 * 10 + 4 * 5 // 2
     assert s.kv_tokens == 100 + 10 + 14
-    assert s.decode_max_ctx == 100 and s.features()[-1] == 2 * 100
+    assert s.decode_max_ctx == 100 and s.features()[-2] == 2 * 100
+    assert s.features()[-1] == 0.0 and s.features(knee=150)[-1] == 50
 
 
 def test_shipped_shapes_have_known_sizes() -> None:

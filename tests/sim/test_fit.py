@@ -10,6 +10,7 @@ from poise.config import EngineConfig
 from poise.sim.cost import FEATURES, StepShape
 from poise.sim.fit import (
     fit_step_costs,
+    fit_with_knee,
     least_squares,
     load_profile,
     profile_record,
@@ -25,6 +26,7 @@ TRUE = {
     "prefill_attn": 2e-8,
     "decode_ctx": 4e-7,
     "decode_padded": 1e-7,
+    "decode_padded_excess": 0.0,
 }
 
 
@@ -94,6 +96,21 @@ def test_fit_recovers_coefficients_under_noise() -> None:
     assert coef["decode_padded"] == pytest.approx(TRUE["decode_padded"], rel=0.2)
     assert coef["prefill_attn"] == pytest.approx(TRUE["prefill_attn"], rel=0.15)
     assert q.mape < 0.03
+
+
+def test_fit_finds_the_knee_of_big_decode_gathers() -> None:
+    def truth(s: StepShape) -> float:
+        padded = s.num_decode_seqs * s.decode_max_ctx
+        return _truth(s) + 6e-7 * max(0, padded - 16384)
+
+    samples = [(s, truth(s)) for s in _grid()]
+    coef, q, knee = fit_with_knee(samples)
+    assert knee == 16384
+    assert coef["decode_padded_excess"] == pytest.approx(6e-7, rel=1e-4)
+    assert q.max_rel_error < 1e-4
+    # Without the knee the same data fits worse.
+    _, q_linear = fit_step_costs(samples)
+    assert q_linear.mape > 10 * q.mape
 
 
 def test_fit_never_returns_negative_coefficients() -> None:
