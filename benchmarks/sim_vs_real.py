@@ -235,6 +235,10 @@ def main() -> int:
     p.add_argument("--calibrate", action="store_true", help="Calibrate overheads at concurrency 1.")
     p.add_argument("--calibration-tokens", type=int, default=32)
     p.add_argument("--tolerance", type=float, default=0.15)
+    p.add_argument(
+        "--timeout", type=float, default=3600.0,
+        help="Per-request bench timeout, s (a CPU run of long prompts takes many minutes).",
+    )  # fmt: skip
     p.add_argument("--out-dir", type=Path, default=REPO / "runs" / "sim_vs_real")
     p.add_argument(
         "engine", nargs=argparse.REMAINDER, help="-- then engine flags for serve/simulate."
@@ -263,6 +267,7 @@ def main() -> int:
                 measure_calibration(a, base, out)
             for c in concs:
                 run([*POISE, "bench", "--base-url", base + "/v1", *load_for(c), "--no-progress",
+                     "--timeout", str(a.timeout),
                      "-o", str(out / f"real-c{c}.yaml"), "--label", "measured"],
                     a.threads, out / f"bench-c{c}.log")  # fmt: skip
         finally:
