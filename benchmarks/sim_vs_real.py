@@ -62,6 +62,12 @@ def _commit() -> str | None:
     return done.stdout.strip() or None
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -260,19 +266,28 @@ def main() -> int:
         w = a.warmup_per_stream * c if a.warmup_per_stream is not None else a.warmup
         return load_args(a, str(c), a.long_ratio, n, w, a.max_tokens)
 
+    shares: dict[int, float] = {}
     if a.reuse is None:
         proc, base = start_server(engine, a.threads, out / "serve.log")
         try:
             if a.calibrate:
                 measure_calibration(a, base, out)
             for c in concs:
+                cpu0, t_0 = cpu_seconds(proc.pid), time.monotonic()
                 run([*POISE, "bench", "--base-url", base + "/v1", *load_for(c), "--no-progress",
                      "--timeout", str(a.timeout),
                      "-o", str(out / f"real-c{c}.yaml"), "--label", "measured"],
                     a.threads, out / f"bench-c{c}.log")  # fmt: skip
+                share = (cpu_seconds(proc.pid) - cpu0) / (time.monotonic() - t_0)
+                shares[c] = share
+                print(f"c={c}: the server got {share:.2f} of a core during the cell")
+            (out / "server-cpu-share.json").write_text(json.dumps(shares))
         finally:
             stop_server(proc)
     req_s, scale = calibrate(a, engine, out) if a.calibrate else (0.0, 1.0)
+    share_file = out / "server-cpu-share.json"
+    if share_file.exists():
+        shares = {int(k): v for k, v in json.loads(share_file.read_text()).items()}
     tag = a.profile.stem
     variants: dict[str, tuple[str, list[str]]] = {"profile only": (f"sim-{tag}", [])}
     if a.calibrate:
@@ -280,21 +295,31 @@ def main() -> int:
             f"sim-calibrated-{tag}",
             ["--request-overhead-ms", f"{req_s * 1000:.3f}", "--time-scale", f"{scale:.4f}"],
         )
-    for stem, extra in variants.values():
+    if a.calibrate and shares and all(c in shares for c in concs):
+        # A cpu-clock profile scaled by the CPU share the server measurably got in each cell
+        # (OS accounting, not latencies): the machine's contention, not the model, differs.
+        variants["measured CPU share"] = (
+            f"sim-share-{tag}",
+            ["--request-overhead-ms", f"{req_s * 1000:.3f}"],
+        )
+    for name, (stem, extra) in variants.items():
         for c in concs:
+            if name == "measured CPU share":
+                extra = [*variants[name][1], "--time-scale", f"{1 / shares[c]:.4f}"]
             run([*POISE, "simulate", "--profile", str(a.profile), *load_for(c), *extra,
                  "-o", str(out / f"{stem}-c{c}.yaml"), "--label", stem, *engine],
                 a.threads, out / f"{stem}-c{c}.log")  # fmt: skip
     report: dict[str, Any] = {"out_dir": str(out), "profile": str(a.profile),
                               "commit": os.environ.get("POISE_COMMIT") or _commit(),
                               "calibration": {"request_overhead_s": req_s, "time_scale": scale},
+                              "server_cpu_share": shares,
                               "loads": {c: load_for(c) for c in concs}, "engine": engine,
                               "threads": a.threads}  # fmt: skip
     md = [f"# sim vs real ({time.strftime('%Y-%m-%d %H:%M')}, threads {a.threads}, "
           f"profile {a.profile.name})", ""]  # fmt: skip
     all_ok = True
     for name, (stem, _) in variants.items():
-        rows: list[dict[str, Any]] = []
+        rows = []
         ok = True
         speeds = []
         for c in concs:
