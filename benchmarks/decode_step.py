@@ -6,22 +6,30 @@ floor is the model's matmuls alone at batch 32 (every q/k/v, o, gate/up, down pr
 the lm_head, with the model's own weights): no framework can do a step faster than that.
 
     .venv/bin/python benchmarks/decode_step.py [--model PATH] [--steps 20] [--threads N]
+
+Timings are the best of ``--steps`` repeats, in wall and in process-CPU time (the steadier
+one on a machine shared with other work). ``--threads 1`` gives the most repeatable numbers
+on a busy 2-core box.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
-import torch
-import torch.nn.functional as F
+# As poise.runner does for the CLI: OpenMP reads this once, when torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from poise.config import EngineConfig
-from poise.core.outputs import ScheduledRequest, SchedulerOutput
-from poise.core.sampling_params import SamplingParams
-from poise.model.llama import Linear
-from poise.runner.factory import create_model_runner
-from poise.runner.model_runner import ModelRunner
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from poise.config import EngineConfig  # noqa: E402
+from poise.core.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
+from poise.core.sampling_params import SamplingParams  # noqa: E402
+from poise.model.llama import Linear  # noqa: E402
+from poise.runner.factory import create_model_runner  # noqa: E402
+from poise.runner.model_runner import ModelRunner  # noqa: E402
 
 BATCH, PROMPT_LEN, BLOCK = 32, 16, 16
 
