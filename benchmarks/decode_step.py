@@ -31,7 +31,7 @@ from poise.model.llama import Linear  # noqa: E402
 from poise.runner.factory import create_model_runner  # noqa: E402
 from poise.runner.model_runner import ModelRunner  # noqa: E402
 
-BATCH, PROMPT_LEN, BLOCK = 32, 16, 16
+BATCH, BLOCK = 32, 16
 
 
 class Timer:
@@ -70,22 +70,22 @@ def linear_floor(runner: ModelRunner, steps: int) -> tuple[float, float]:
     return best_pair(timers[2:])
 
 
-def decode_steps(runner: ModelRunner, steps: int) -> tuple[float, float]:
+def decode_steps(runner: ModelRunner, steps: int, prompt_len: int) -> tuple[float, float]:
     """Best (wall, cpu) seconds per decode step of BATCH requests (after a prefill)."""
     sp = SamplingParams(temperature=0.0, max_tokens=steps + 1)
-    blocks_per = (PROMPT_LEN + steps + 2 + BLOCK - 1) // BLOCK
+    blocks_per = (prompt_len + steps + 2 + BLOCK - 1) // BLOCK
     tables = [list(range(i * blocks_per, (i + 1) * blocks_per)) for i in range(BATCH)]
-    prompts = [[(7 * i + j) % 1000 + 10 for j in range(PROMPT_LEN)] for i in range(BATCH)]
+    prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(BATCH)]
     reqs = [
-        ScheduledRequest(f"r{i}", prompts[i], 0, tables[i], True, sp, 0, PROMPT_LEN)
+        ScheduledRequest(f"r{i}", prompts[i], 0, tables[i], True, sp, 0, prompt_len)
         for i in range(BATCH)
     ]
     last = runner.execute(SchedulerOutput(step_id=0, scheduled=reqs)).sampled_token_ids
     timers = []
     for s in range(steps + 2):
-        pos = PROMPT_LEN + s
+        pos = prompt_len + s
         reqs = [
-            ScheduledRequest(f"r{i}", [last[f"r{i}"]], pos, tables[i], True, sp, s + 1, PROMPT_LEN)
+            ScheduledRequest(f"r{i}", [last[f"r{i}"]], pos, tables[i], True, sp, s + 1, prompt_len)
             for i in range(BATCH)
         ]
         with Timer() as t:
@@ -101,20 +101,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument(
+        "--prompt-len", type=int, default=16, help="context each request decodes against"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"batch {BATCH}, prompt {PROMPT_LEN}, threads {torch.get_num_threads()}")
+    print(f"batch {BATCH}, prompt {args.prompt_len}, threads {torch.get_num_threads()}")
     print(f"{'':>9} {'---------- wall ----------':>28} {'---------- cpu -----------':>28}")
     header = f"{'step ms':>9} {'floor ms':>9} {'ratio':>8}"
     print(f"{'dtype':>9} {header} {header} {'tok/s':>8}")
     for dtype in args.dtypes.split(","):
         config = EngineConfig.from_kwargs(
-            model=args.model, dtype=dtype, num_kv_blocks=BATCH * 4, block_size=BLOCK
+            model=args.model,
+            dtype=dtype,
+            num_kv_blocks=BATCH * ((args.prompt_len + args.steps + 2) // BLOCK + 2),
+            block_size=BLOCK,
         )
         runner, _ = create_model_runner(config)
         floor_a = linear_floor(runner, args.steps)
-        step = decode_steps(runner, args.steps)
+        step = decode_steps(runner, args.steps, args.prompt_len)
         floor_b = linear_floor(runner, args.steps)  # bracket the step timing
         floor = (min(floor_a[0], floor_b[0]), min(floor_a[1], floor_b[1]))
         cols = [
