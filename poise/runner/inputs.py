@@ -30,6 +30,8 @@ class StepInputs:
     # Flat indices whose hidden state is projected to logits, aligned with sampled_requests.
     logits_indices: torch.Tensor  # [S] int64
     sampled_requests: list[ScheduledRequest]
+    # request id -> flat index of its first token this step (the layout is ours to choose).
+    flat_starts: dict[str, int]
 
 
 def _slots(block_ids: list[int], start: int, n: int, block_size: int) -> np.ndarray:
@@ -55,15 +57,36 @@ def _decode_part(
     return ids, pos, slots, tables, pos + 1
 
 
+def decode_groups(num_blocks: np.ndarray) -> list[tuple[int, int, int]]:
+    """Split decode rows (sorted by block count, descending) into runs padded to their first.
+
+    Why: one long context among short ones would otherwise pad every row's K/V gather to the
+    long one (the seed mix: 3k-token LONG prompts beside 30-token SHORT ones). A new group
+    starts where a row needs at most half the current group's blocks, so padding at most
+    doubles the work, and there are at most log2(longest) groups.
+    """
+    groups: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(num_blocks) + 1):
+        if i == len(num_blocks) or num_blocks[i] * 2 <= num_blocks[start]:
+            groups.append((start, i, int(num_blocks[start])))
+            start = i
+    return groups
+
+
 def build_step_inputs(
     scheduled: list[ScheduledRequest], block_size: int, device: torch.device
 ) -> StepInputs:
-    decodes = [r for r in scheduled if r.num_tokens == 1]
+    # Longest context first, so decode_groups are contiguous runs (see decode_groups).
+    decodes = sorted(
+        (r for r in scheduled if r.num_tokens == 1), key=lambda r: r.start_position, reverse=True
+    )
     prefills = [r for r in scheduled if r.num_tokens > 1]
     ids_d, pos_d, slots_d, tables, ctx = _decode_part(decodes, block_size)
     ids_parts, pos_parts, slot_parts = [ids_d], [pos_d], [slots_d]
     chunks: list[PrefillChunk] = []
-    last_index: dict[str, int] = {r.request_id: i for i, r in enumerate(decodes)}
+    flat_starts: dict[str, int] = {r.request_id: i for i, r in enumerate(decodes)}
+    last_index = dict(flat_starts)
     offset = len(decodes)
     for r in prefills:
         n, start = r.num_tokens, r.start_position
@@ -73,6 +96,7 @@ def build_step_inputs(
         used = (start + n + block_size - 1) // block_size
         table = torch.tensor(r.block_ids[:used], dtype=torch.int64, device=device)
         chunks.append(PrefillChunk(offset, n, start, table))
+        flat_starts[r.request_id] = offset
         offset += n
         last_index[r.request_id] = offset - 1
     sampled = [r for r in scheduled if r.sample]
@@ -89,6 +113,7 @@ def build_step_inputs(
         decode_block_tables=to_dev(tables) if decodes else None,
         decode_context_lens=to_dev(ctx) if decodes else None,
         decode_max_context=int(ctx.max()) if decodes else 0,
+        decode_groups=decode_groups(pos_d // block_size + 1),
         prefills=chunks,
     )
     return StepInputs(
@@ -97,4 +122,5 @@ def build_step_inputs(
         meta=meta,
         logits_indices=to_dev(logits_idx),
         sampled_requests=sampled,
+        flat_starts=flat_starts,
     )

@@ -63,13 +63,8 @@ class PagedHarness:
         with torch.inference_mode():
             hidden = self.model(inputs.input_ids, inputs.positions, self.caches, inputs.meta)
             logits = self.model.compute_logits(hidden)
-        # Flat layout: one-token chunks first (scheduler order), then longer chunks.
-        order = [c for c in chunks if len(c[1]) == 1] + [c for c in chunks if len(c[1]) > 1]
-        out, offset = {}, 0
-        for rid, ids, _ in order:
-            out[rid] = logits[offset : offset + len(ids)]
-            offset += len(ids)
-        return out
+        starts = inputs.flat_starts
+        return {rid: logits[starts[rid] : starts[rid] + len(ids)] for rid, ids, _ in chunks}
 
 
 def load_ours(path: str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:

@@ -49,9 +49,7 @@ def test_paged_matches_dense(backend: str, heads: int, kv_heads: int, block_size
             ScheduledRequest(rid, [0] * n, cached, tables[rid], True, params, 0, cached + n)
         )
     inputs = build_step_inputs(scheduled, block_size, torch.device("cpu"))
-    order = [r for r, (_, n) in shapes.items() if n == 1] + [
-        r for r, (_, n) in shapes.items() if n > 1
-    ]
+    order = sorted(shapes, key=lambda r: inputs.flat_starts[r])
     q_flat = torch.cat([q[r] for r in order])
     kv_flat = torch.cat(
         [torch.cat((full_k[r][shapes[r][0] :], full_v[r][shapes[r][0] :]), dim=1) for r in order]
@@ -70,3 +68,17 @@ def test_paged_matches_dense(backend: str, heads: int, kv_heads: int, block_size
     block, off = tables["p1"][last // block_size], last % block_size
     assert torch.equal(key_view(cache)[block, off], full_k["p1"][last])
     assert torch.equal(value_view(cache)[block, off], full_v["p1"][last])
+
+
+def test_decode_groups_bound_padding_to_twice_the_need() -> None:
+    import numpy as np
+
+    from poise.runner.inputs import decode_groups
+
+    assert decode_groups(np.array([200, 180, 101, 100, 3, 2, 1])) == [
+        (0, 4, 200),
+        (4, 6, 3),
+        (6, 7, 1),
+    ]
+    assert decode_groups(np.array([5, 5, 5])) == [(0, 3, 5)]
+    assert decode_groups(np.array([], dtype=np.int64)) == []

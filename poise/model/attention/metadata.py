@@ -50,6 +50,10 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None
     # Longest decode context this step (bounds the gather).
     decode_max_context: int = 0
+    # (start, end, num_blocks): runs of decode rows whose contexts are within 2x of each
+    # other, each attended with its own padded width (rows sorted longest first). Empty means
+    # one group over all decodes at full width.
+    decode_groups: list[tuple[int, int, int]] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Backend-private per-step derived state (masks, gather indices), built once by
     # ``AttentionBackend.prepare`` and reused by every layer.

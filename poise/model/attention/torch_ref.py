@@ -95,18 +95,23 @@ class TorchAttentionBackend:
     def _decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        d, num_heads, head_dim = q.shape
-        num_kv_heads = kv_cache.shape[2] // 2
-        assert meta.decode_block_tables is not None
-        # [D, B] blocks -> [D, B, bs, 2Hkv, hd] -> [D, L, 2Hkv, hd]
-        ctx = gather_blocks(kv_cache, meta.decode_block_tables).flatten(1, 2)
-        keys = ctx[:, :, :num_kv_heads].transpose(1, 2)  # [D, Hkv, L, hd]
-        values = ctx[:, :, num_kv_heads:].transpose(1, 2)  # [D, Hkv, L, hd]
-        # [D, H, hd] -> [D, Hkv, G, hd]: the G query heads of a group act as G "queries".
-        qg = q.reshape(d, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        tables = meta.decode_block_tables
+        assert tables is not None
         mask = meta.backend_state["decode_mask"]
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
-        return o.reshape(d, num_heads, head_dim)  # [D, Hkv, G, hd] -> [D, H, hd]
+        groups = meta.decode_groups
+        if len(groups) <= 1:
+            return _decode_rows(q, kv_cache, tables, mask, scale)
+        block_size = kv_cache.shape[1]
+        out = q.new_empty(q.shape)
+        for start, end, num_blocks in groups:
+            out[start:end] = _decode_rows(
+                q[start:end],
+                kv_cache,
+                tables[start:end, :num_blocks],
+                mask[start:end, ..., : num_blocks * block_size],
+                scale,
+            )
+        return out
 
     def _prefill(
         self,
@@ -132,3 +137,23 @@ class TorchAttentionBackend:
             qt, kt, vt, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
         )
         return o.squeeze(0).transpose(0, 1)  # [1, H, n, hd] -> [n, H, hd]
+
+
+def _decode_rows(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    tables: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention for rows sharing one padded width: q [D, H, hd] -> [D, H, hd]."""
+    d, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[2] // 2
+    # [D, B] blocks -> [D, B, bs, 2Hkv, hd] -> [D, L, 2Hkv, hd]
+    ctx = gather_blocks(kv_cache, tables).flatten(1, 2)
+    keys = ctx[:, :, :num_kv_heads].transpose(1, 2)  # [D, Hkv, L, hd]
+    values = ctx[:, :, num_kv_heads:].transpose(1, 2)  # [D, Hkv, L, hd]
+    # [D, H, hd] -> [D, Hkv, G, hd]: the G query heads of a group act as G "queries".
+    qg = q.reshape(d, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    return o.reshape(d, num_heads, head_dim)  # [D, Hkv, G, hd] -> [D, H, hd]
