@@ -75,8 +75,10 @@ def test_decode_groups_bound_padding_to_twice_the_need() -> None:
 
     from poise.runner.inputs import decode_groups
 
+    # A row needing at most half the group's blocks starts a new group.
     assert decode_groups(np.array([200, 180, 101, 100, 3, 2, 1])) == [
-        (0, 4, 200),
+        (0, 3, 200),
+        (3, 4, 100),
         (4, 6, 3),
         (6, 7, 1),
     ]
