@@ -17,24 +17,44 @@ Prints output tokens/s per engine and dtype and the ratios poise / peer. Each en
 and a tiny warm-up are outside the timed region; the timed region is the whole generate call.
 A full fp32 run of the peers takes many minutes on a 2-core CPU (~15 tok/s); use
 ``--requests 8 --max-tokens 32`` for a quick check.
+
+Quick check, 2026-11-29, shared 2-core CPU (load average ~5-6, so only ratios mean much),
+8 requests (2 LONG of 3363 tokens, 6 SHORT of 45), 32 tokens, OMP_WAIT_POLICY=PASSIVE::
+
+    dtype     engine          tok/s   poise/peer   greedy ids equal to poise
+    float32   poise            2.06
+    float32   generate_batch   1.95   1.06x        8/8
+    float32   static (bs 8)    0.70   2.96x        8/8
+    bfloat16  poise            6.10
+    bfloat16  generate_batch   3.08   1.98x        2/8 (bf16 rounding; outputs diverge late)
+    bfloat16  static (bs 8)    1.76   3.47x        0/8
 """
 
 from __future__ import annotations
 
-import argparse
-import functools
-import gc
-import json
-import logging
-import time
-from dataclasses import dataclass, field
-from typing import Any
+import os
 
-import torch
+# Before torch loads OpenMP: with the default active spin-wait, an oversubscribed CPU (this
+# 2-core box is shared) makes every small op in the *main* thread ~30x slower (a [8, 576] x
+# [576, 960] linear: 11 ms instead of 0.3 ms), while transformers' generate_batch runs its
+# loop in a worker thread that escapes most of it, so the comparison would measure OpenMP,
+# not the engines. An explicit OMP_WAIT_POLICY in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from poise.core.sampling_params import SamplingParams
-from poise.text import apply_chat_template, default_gguf_path, load_tokenizer
-from poise.workload import LONG_PROMPT, SHORT_PROMPT, long_positions
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+from poise.core.sampling_params import SamplingParams  # noqa: E402
+from poise.text import apply_chat_template, default_gguf_path, load_tokenizer  # noqa: E402
+from poise.workload import LONG_PROMPT, SHORT_PROMPT, long_positions  # noqa: E402
 
 ENGINES = ("poise", "generate_batch", "static")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -236,7 +256,8 @@ def run_all(args: argparse.Namespace) -> list[RunResult]:
     prompts = build_prompts(args.requests, args.long_ratio)
     print(
         f"{len(prompts)} requests, prompt tokens {sorted(set(map(len, prompts)))}, "
-        f"max_tokens {args.max_tokens}, torch threads {torch.get_num_threads()}",
+        f"max_tokens {args.max_tokens}, torch threads {torch.get_num_threads()}, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}",
         flush=True,
     )
     results: list[RunResult] = []
