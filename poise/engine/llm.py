@@ -8,6 +8,7 @@ Text handling (chat template, incremental detokenization, stop strings) comes fr
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,9 +49,10 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | list[Prompt],
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
+        """Generate for one prompt or many (text, or token ids); outputs in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         token_lists = [self.encode(p) for p in prompts]  # type: ignore[arg-type]
@@ -59,8 +61,8 @@ class LLM:
 
     def chat(
         self,
-        messages: Messages | list[Messages],
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         from poise.text.tokenizer import apply_chat_template
 
@@ -112,7 +114,7 @@ class LLM:
 
 
 def _broadcast(
-    params: SamplingParams | list[SamplingParams] | None, n: int
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
 ) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams() for _ in range(n)]
