@@ -53,9 +53,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or many (text, or token ids); outputs in prompt order."""
+        batch: Sequence[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        token_lists = [self.encode(p) for p in prompts]  # type: ignore[arg-type]
+            batch = [prompts]  # type: ignore[list-item]
+        else:
+            batch = prompts  # type: ignore[assignment]
+        token_lists = [self.encode(p) for p in batch]
         params = _broadcast(sampling_params, len(token_lists))
         return self._run(token_lists, params)
 
