@@ -48,7 +48,7 @@ GRIDS: dict[str, dict[str, tuple[int, ...]]] = {
     "standard": {
         "prefill": (16, 64, 256, 1024, 2048),
         "batch": (1, 4, 16, 32, 64),
-        "context": (64, 512, 2048),
+        "context": (64, 512, 2048, 4096),
     },
 }
 
