@@ -227,6 +227,7 @@ def main() -> int:
     )
     p.add_argument("--port", type=int, default=18777)
     p.add_argument("--server-log", default="/tmp/poise-bench-serving.log")
+    p.add_argument("--http-first", action="store_true", help="Run HTTP before offline.")
     p.add_argument("--out", default=None, help="Write the cells as JSON here.")
     args = p.parse_args()
 
@@ -249,12 +250,15 @@ def main() -> int:
         asyncio.run(run_http(base, "bench", warm, 2, 8))
         for c in args.concurrency:
             reqs = workload(args.requests or args.waves * c, args.max_tokens, args.long_ratio)
-            cells.append(run_offline(llm, reqs, c, args.max_tokens))
+            if not args.http_first:
+                cells.append(run_offline(llm, reqs, c, args.max_tokens))
             before = scrape(base)
             cell = asyncio.run(run_http(base, "bench", reqs, c, args.max_tokens))
             after = scrape(base)
             cell.server_cpu = {k: after[k] - before.get(k, 0.0) for k in after}
             cells.append(cell)
+            if args.http_first:
+                cells.append(run_offline(llm, reqs, c, args.max_tokens))
             print(report(cells[-2:]).splitlines()[-2:], file=sys.stderr, flush=True)
     finally:
         proc.send_signal(signal.SIGTERM)
