@@ -153,6 +153,19 @@ def shift(rec: RequestRecord, t0: float) -> RequestRecord:
     )
 
 
+def cell_load(cfg: Any, spec: Any, salt: str | None) -> dict[str, Any]:
+    """The record's description of a cell's load (``cfg``: BenchConfig, ``spec``: CellSpec)."""
+    return {
+        "label": spec.label,
+        "mode": "closed" if spec.closed_loop else "open",
+        "concurrency": spec.concurrency,
+        "request_rate": None if spec.closed_loop else spec.request_rate,
+        "burstiness": None if spec.closed_loop else cfg.burstiness,
+        "long_prompt_ratio": spec.long_ratio,
+        "salt": salt,
+    }
+
+
 def build_cell(
     load: dict[str, Any],
     records: Sequence[RequestRecord],

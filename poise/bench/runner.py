@@ -37,7 +37,7 @@ from poise.bench.client import (
 )
 from poise.bench.config import BenchConfig, CellSpec, cell_counts, cell_requests
 from poise.bench.metrics import RequestRecord
-from poise.bench.record import CellResult, ExperimentRecord, build_cell
+from poise.bench.record import CellResult, ExperimentRecord, build_cell, cell_load
 
 log = logging.getLogger(__name__)
 
@@ -197,17 +197,8 @@ async def run_cell(
         lags = await monitor.stop()
         if scraper is not None:
             await scraper.stop()
-    load = {
-        "label": spec.label,
-        "mode": "closed" if spec.closed_loop else "open",
-        "concurrency": spec.concurrency,
-        "request_rate": None if spec.closed_loop else spec.request_rate,
-        "burstiness": None if spec.closed_loop else cfg.burstiness,
-        "long_prompt_ratio": spec.long_ratio,
-        "salt": salt,
-    }
     return build_cell(
-        load,
+        cell_load(cfg, spec, salt),
         run.records,
         slo=cfg.slo(),
         include_failures=cfg.include_failures,

@@ -19,7 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed.")
+    parser.add_argument(
+        "--sampling-seed", type=int, default=None, help="Per-request sampling seed."
+    )
     parser.add_argument(
         "--raw", action="store_true", help="Send the prompt as plain text, without chat template."
     )

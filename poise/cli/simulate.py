@@ -4,8 +4,7 @@ Takes the engine flags of `poise serve` and the workload flags of `poise bench`,
 through ``poise.sim.simulate_cell`` (the real scheduler on a virtual clock, with a profiled or
 roofline cost model) and writes the same YAML experiment record (``kind: simulated``) and plots.
 
-Programmatic use (sweep/tune): ``simulate_bench_cell`` turns one bench ``CellSpec`` into a
-bench ``CellResult``; ``simulate_matrix`` does a whole ``BenchConfig``.
+Programmatic use (sweep/tune): ``poise.lab.sim_bridge``.
 """
 
 from __future__ import annotations
@@ -15,13 +14,10 @@ import datetime as dt
 import math
 import shlex
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from poise.cli.options import add_engine_args, engine_config_from_args
-
-SIM_SALT = "sim00000"  # fixed, so simulated runs are reproducible; same length as bench's
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -140,158 +136,12 @@ def prompt_lengths(tokenizer: str | None) -> Any:
     return PromptLengths(count=count)
 
 
-# ---- the bench bridge -----------------------------------------------------------------------
-def _records(result: Any) -> list[Any]:
-    from poise.bench.metrics import RequestRecord
-
-    out = []
-    for r in result.requests:
-        n = len(r.token_times)
-        rec = RequestRecord.from_token_times(
-            r.index, r.class_name, r.sent, r.token_times,
-            intended=r.intended, max_tokens=r.max_tokens, usage_prompt_tokens=r.num_prompt_tokens,
-            ok=r.ok, error=r.error, warmup=r.warmup, finish_reason=r.finish_reason,
-        )  # fmt: skip
-        if n == 0:
-            rec.end = r.finished
-        out.append(rec)
-    return out
-
-
-def _scrapes(result: Any, interval: float) -> list[Any]:
-    """The timeline sampled like a Prometheus scraper every ``interval`` virtual seconds."""
-    from poise.bench.prom import Scrape
-
-    out, preempted, i, t = [], 0.0, 0, 0.0
-    steps = result.timeline
-    end = steps[-1].end if steps else 0.0
-    last = None
-    while t <= end + interval:
-        while i < len(steps) and steps[i].end <= t:
-            last = steps[i]
-            preempted += last.num_preemptions
-            i += 1
-        if last is not None:
-            out.append(
-                Scrape(t, last.kv_cache_usage, last.num_running, last.num_waiting, preempted)
-            )
-        else:
-            out.append(Scrape(t, 0.0, 0.0, 0.0, 0.0))
-        t += interval
-    return out
-
-
-def _sim_summary(result: Any) -> dict[str, Any]:
-    """Exact step-weighted server numbers (the scrapes above only sample them)."""
-    steps = result.timeline
-    busy = sum(s.end - s.start for s in steps) or 1.0
-
-    def wmean(key: str) -> float:
-        return sum(getattr(s, key) * (s.end - s.start) for s in steps) / busy
-
-    return {
-        "steps": result.num_steps,
-        "virtual_s": round(result.duration_s, 4),
-        "busy_s": round(result.busy_s, 4),
-        "wall_s": round(result.wall_s, 3),
-        "requests_per_wall_s": round(result.requests_per_wall_s, 1),
-        "num_kv_blocks": result.num_kv_blocks,
-        "max_model_len": result.max_model_len,
-        "preemptions": result.num_preemptions,
-        "kv_usage_mean": round(wmean("kv_cache_usage"), 4) if steps else None,
-        "kv_usage_peak": max((s.kv_cache_usage for s in steps), default=None),
-        "running_mean": round(wmean("num_running"), 2) if steps else None,
-        "waiting_mean": round(wmean("num_waiting"), 2) if steps else None,
-    }
-
-
-def simulate_bench_cell(
-    cfg: Any, spec: Any, engine_config: Any, cost_model: Any, lengths: Any, salt: str | None
-) -> tuple[Any, Any]:
-    """One bench cell through the simulator: (bench CellResult, SimResult)."""
-    from poise.bench.config import cell_counts, cell_requests
-    from poise.bench.metrics import SLO
-    from poise.bench.record import build_cell
-    from poise.sim.simulator import SimCell, simulate_cell
-    from poise.sim.tokens import to_sim_requests
-
-    warmup, _ = cell_counts(cfg, spec)
-    reqs = cell_requests(cfg, spec)
-    if salt and cfg.salt_scope == "request":
-        sims = [to_sim_requests([r], lengths, salt=f"{salt}-{r.index}", num_warmup=warmup,
-                                ignore_eos=cfg.ignore_eos)[0] for r in reqs]  # fmt: skip
-    else:
-        sims = to_sim_requests(reqs, lengths, salt=salt, num_warmup=warmup, ignore_eos=True)
-    cell = SimCell(
-        sims,
-        concurrency=spec.concurrency,
-        open_loop=not spec.closed_loop,
-        duration_s=cfg.duration,
-    )
-    result = simulate_cell(engine_config, cost_model, cell, seed=cfg.seed)
-    load = {
-        "label": spec.label,
-        "mode": "closed" if spec.closed_loop else "open",
-        "concurrency": spec.concurrency,
-        "request_rate": None if spec.closed_loop else spec.request_rate,
-        "burstiness": None if spec.closed_loop else cfg.burstiness,
-        "long_prompt_ratio": spec.long_ratio,
-        "salt": salt,
-    }
-    out = build_cell(
-        load,
-        _records(result),
-        slo=SLO(cfg.slo_ttft_ms, cfg.slo_tpot_ms),
-        scrapes=_scrapes(result, cfg.scrape_interval),
-        started_at=None,
-    )
-    out.server["sim"] = _sim_summary(result)
-    return out, result
-
-
-def simulate_matrix(cfg: Any, engine_config: Any, cost_model: Any, lengths: Any) -> Any:
-    """Every cell of a BenchConfig through the simulator: an ExperimentRecord (simulated)."""
-    from poise.bench.record import ExperimentRecord
-    from poise.bench.runner import experiment_block
-
-    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    t0 = time.perf_counter()
-    run_salt = SIM_SALT if cfg.salt == "auto" else (cfg.salt or None)
-    cells, total, sim_wall = [], 0, 0.0
-    for i, spec in enumerate(cfg.cells()):
-        salt = f"{run_salt}-{i}" if run_salt and cfg.salt_scope != "run" else run_salt
-        cell, result = simulate_bench_cell(cfg, spec, engine_config, cost_model, lengths, salt)
-        cells.append(cell)
-        total += len(result.requests)
-        sim_wall += result.wall_s
-    wall = time.perf_counter() - t0
-    exp = experiment_block(cfg, cost_model.name, "poise (simulated)")
-    exp["server_args"] = engine_config.to_flat_dict()
-    exp["gpu"] = cost_model.describe().get("accelerator") or cost_model.provenance.get("device")
-    return ExperimentRecord(
-        experiment=exp,
-        cells=cells,
-        kind="simulated",
-        capabilities={"ok": True, "simulated": True},
-        provenance={
-            "command": cfg.command,
-            "tool_version": "poise-simulate 0.1",
-            "started_at": started,
-            "wall_s": round(wall, 3),  # including records and metrics
-            "simulation_wall_s": round(sim_wall, 3),  # the engine loops alone
-            "simulated_requests": total,
-            "simulated_requests_per_wall_s": round(total / sim_wall, 1) if sim_wall > 0 else None,
-            "cost_model": cost_model.describe(),
-            "config": cfg.to_dict(),
-        },
-    )
-
-
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from poise.bench.config import BenchConfig, parse_class
     from poise.bench.report import print_record
+    from poise.lab.sim_bridge import simulate_matrix
 
     try:
         engine_config = engine_config_from_args(args)

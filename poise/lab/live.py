@@ -88,8 +88,8 @@ class SimProbe:
         self.lengths = lengths
 
     def measure(self, candidate: Candidate) -> CellMetrics:
-        from poise.cli.simulate import simulate_bench_cell
         from poise.config import EngineConfig
+        from poise.lab.sim_bridge import simulate_bench_cell
 
         config = EngineConfig.from_kwargs(**{**self.base_args, **candidate.to_args()})
         cfg, spec = self.workload.bench_config("http://simulated/v1", self.cell)

@@ -19,7 +19,7 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"engine", "sched", "kv", "core", "config", "errors", "utils", "runner", "text"},
     "sim": {"sim", "engine", "sched", "kv", "core", "config", "errors", "utils", "workload"},
     "bench": {"bench", "workload", "utils", "core"},
-    "lab": {"lab", "bench", "workload", "config", "errors", "utils", "sim", "cli"},
+    "lab": {"lab", "bench", "workload", "config", "errors", "utils", "sim"},
     "text": {"text", "errors", "core", "config"},
 }
 TORCH_FREE = ("core", "kv", "sched", "engine", "sim", "bench", "workload", "lab", "text")
