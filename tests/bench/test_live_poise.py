@@ -23,8 +23,8 @@ from poise.bench.prom import ADAPTERS, map_scrape
 from poise.bench.record import TEMPLATE_METRICS, ExperimentRecord
 from poise.bench.runner import run_matrix
 
-# Starting a server (torch, tokenizer, model) takes 20-60 s on the shared 2-core machine.
-pytestmark = pytest.mark.slow
+# An acceptance test of issue 4, so it runs by default even though starting a server (torch,
+# tokenizer, model) takes 20-60 s on the shared 2-core machine.
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 12
 
