@@ -100,7 +100,9 @@ class CacheConfig:
         "KV pool budget in bytes (the CPU byte budget). Default on CPU: 1 GiB.", default=None
     )
     enable_prefix_caching: bool = _help(
-        "Reuse KV blocks of identical prompt prefixes across requests.", default=False
+        "Reuse KV blocks of identical prompt prefixes across requests (as vLLM V1 and SGLang "
+        "do by default): shared system prompts and repeated documents skip their prefill.",
+        default=True,
     )
 
     def __post_init__(self) -> None:

@@ -91,6 +91,7 @@ def test_batched_greedy_equals_transformers(kind: str, tiny_checkpoints: dict[st
         {"scheduling_policy": "fifo", "max_num_batched_tokens": 32},
         {"long_prefill_token_threshold": 8, "max_num_batched_tokens": 64},
         {"enable_prefix_caching": True, "max_num_seqs": 1},
+        {"enable_prefix_caching": False, "max_num_batched_tokens": 32},
         {"enable_chunked_prefill": False, "max_num_batched_tokens": 128},
     ],
     ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()),
@@ -106,12 +107,14 @@ def test_invariance_under_preemption(
     tiny_llama_dir: Path, llama_reference: list[list[int]]
 ) -> None:
     # 12 blocks of 8 tokens: far less than 11 requests need at once.
-    got, llm = poise_outputs(
-        tiny_llama_dir, make_prompts(), num_kv_blocks=12, block_size=8, safety_margin=0.0
-    )
-    assert llm.engine.scheduler.num_preemptions_total > 0
-    assert got == llama_reference
-    assert llm.engine.kv.num_free_blocks == 12
+    for caching in (False, True):
+        got, llm = poise_outputs(
+            tiny_llama_dir, make_prompts(), num_kv_blocks=12, block_size=8, safety_margin=0.0,
+            enable_prefix_caching=caching,
+        )  # fmt: skip
+        assert llm.engine.scheduler.num_preemptions_total > 0
+        assert got == llama_reference
+        assert llm.engine.kv.num_free_blocks == 12
 
 
 def test_invariance_under_shuffled_order(
