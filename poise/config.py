@@ -21,6 +21,7 @@ from typing import Any, Literal
 SchedulingPolicy = Literal["fifo", "prefill_first"]
 SCHEDULING_POLICIES: tuple[str, ...] = ("fifo", "prefill_first")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "auto")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu")
 
 # Other engines' / the seed's names -> ours.
 ALIASES: dict[str, str] = {
@@ -36,6 +37,7 @@ ALIASES: dict[str, str] = {
     "max_num_queued_reqs": "max_num_queued_requests",
     "max_queued_requests": "max_num_queued_requests",
     "schedule_policy": "scheduling_policy",
+    "torch_threads": "num_threads",
 }
 
 
@@ -71,9 +73,32 @@ class ModelConfig:
         "length. Longer prompts are rejected with a 400, never truncated.",
         default=None,
     )
+    attention_backend: str = _help(
+        "Paged attention implementation: auto, torch or cpu. 'cpu' is a C++ kernel (built once "
+        "with the system compiler, cached) that reads K/V in place through the block tables; "
+        "'torch' gathers blocks and calls SDPA. auto = cpu on a CPU device when the kernel "
+        "builds (float32/bfloat16), else torch.",
+        default="auto",
+    )
+    num_threads: int | None = _help(
+        "torch intra-op threads for the model (torch.set_num_threads). Default: torch's choice "
+        "(the number of cores). Fewer threads than cores helps when other processes compete "
+        "for the CPU.",
+        default=None,
+    )
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "attention_backend",
+            f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+        _require(
+            self.num_threads is None or self.num_threads > 0,
+            "num_threads",
+            f"must be > 0, got {self.num_threads}",
+        )
         _require(
             self.max_model_len is None or self.max_model_len > 0,
             "max_model_len",

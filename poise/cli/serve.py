@@ -47,15 +47,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="On SIGTERM, how long in-flight requests may run before they are aborted. "
         "(default: 30)",
     )
-    server.add_argument(
-        "--torch-threads",
-        type=int,
-        default=None,
-        metavar="N",
-        help="torch intra-op threads for the engine. On a small CPU, leave a core to the HTTP "
-        "event loop (e.g. 1 on 2 cores): oversubscribed OpenMP threads spin and stall every "
-        "step. (default: torch's, one per core)",
-    )
     add_engine_args(parser, positional_model=True)
     parser.set_defaults(func=run)
 
@@ -74,7 +65,6 @@ def run(args: argparse.Namespace) -> int:
         served_model_names=list(args.served_model_name or []),
         log_interval_s=args.log_interval,
         shutdown_grace_s=args.shutdown_grace_period,
-        torch_threads=args.torch_threads,
     )
     state = build_state_from_config(config, settings)
     return serve(state, settings)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from poise.config import EngineConfig
+from poise.model.attention import resolve_backend_name
 from poise.model.loader import LoadedModel, load_model
 from poise.runner.kv_pool import allocate_kv_caches, num_kv_blocks
 from poise.runner.model_runner import ModelRunner
@@ -37,6 +38,7 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
     dtype: str
     device: str
+    attention_backend: str
     tokenizer: Any  # a transformers tokenizer (chat_template set when known), or None
 
 
@@ -86,7 +88,10 @@ def create_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelInfo]:
     mc, cc = config.model, config.cache
     device = torch.device(mc.device)
     dtype = resolve_dtype(mc.dtype, device)
-    loaded = load_model(mc.model, dtype, device, seed=mc.seed)
+    if mc.num_threads is not None:
+        torch.set_num_threads(mc.num_threads)
+    backend = resolve_backend_name(mc.attention_backend, device, dtype)
+    loaded = load_model(mc.model, dtype, device, seed=mc.seed, attention_backend=backend)
     arch = loaded.arch
     max_model_len = resolve_max_model_len(mc.max_model_len, arch.context_length)
     loaded.model.init_rope(max_model_len)
@@ -103,6 +108,7 @@ def create_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelInfo]:
         eos_token_ids=_eos_ids(loaded, tokenizer),
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
+        attention_backend=backend,
         tokenizer=tokenizer,
     )
     return runner, info

@@ -35,8 +35,6 @@ class ServerSettings:
     log_interval_s: float = 10.0
     shutdown_grace_s: float = 30.0
     uvicorn_log_level: str = "warning"
-    # torch intra-op threads for the engine; None keeps torch's default (one per core).
-    torch_threads: int | None = None
 
 
 def build_state(
@@ -63,10 +61,6 @@ def build_state(
 def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> ServingState:
     from poise.engine.builder import build_engine  # lazy: imports torch
 
-    if settings.torch_threads:
-        import torch
-
-        torch.set_num_threads(settings.torch_threads)
     core, info = build_engine(config)
     name = info.model_name
     logger.info(

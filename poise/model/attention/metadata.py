@@ -18,6 +18,7 @@ layer as an argument: there is no global context.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,7 +58,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Backend-private per-step derived state (masks, gather indices), built once by
     # ``AttentionBackend.prepare`` and reused by every layer.
-    backend_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    backend_state: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,8 @@ transformers' ``repeat_kv`` order (query head h uses kv head h // G).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 
@@ -63,13 +65,19 @@ class TorchAttentionBackend:
             state["decode_mask"] = (cols[None, :] < meta.decode_context_lens[:, None])[
                 :, None, None, :
             ]
-        for i, chunk in enumerate(meta.prefills):
+        self._prepare_prefill_masks(meta, range(len(meta.prefills)))
+
+    @staticmethod
+    def _prepare_prefill_masks(meta: AttentionMetadata, indices: Iterable[int]) -> None:
+        """Offset-causal masks for the chunks (by index) that start after cached tokens."""
+        for i in indices:
+            chunk = meta.prefills[i]
             if chunk.start_position == 0:
                 continue
             device = meta.slot_mapping.device
             q_pos = torch.arange(chunk.query_len, device=device) + chunk.start_position
             k_pos = torch.arange(chunk.context_len, device=device)
-            state[f"prefill_mask_{i}"] = k_pos[None, :] <= q_pos[:, None]  # [n, ctx]
+            meta.backend_state[f"prefill_mask_{i}"] = k_pos[None, :] <= q_pos[:, None]
 
     def forward(
         self,

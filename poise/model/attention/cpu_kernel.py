@@ -1,0 +1,127 @@
+"""Build (once, cached) and load the C++ paged-attention kernel for CPU.
+
+Why a just-in-time build: the kernel is compiled with ``-march=native`` for the machine it runs
+on (AVX-512 where there is AVX-512), which a prebuilt wheel cannot do, and it needs only a C++
+compiler, not torch's headers, so the first build takes seconds. The shared library is cached
+under ``$POISE_KERNEL_CACHE`` (default ``~/.cache/poise/kernels``), keyed by a hash of the
+source, the flags, the compiler and the CPU, so an edit, another compiler or another machine
+sharing the home directory gets its own build. Built to a temporary name and renamed into place,
+so concurrent processes never load a half-written file.
+
+Without a compiler (or if the build fails) ``load_cpu_kernel()`` returns None, logs why once, and
+the ``auto`` attention backend falls back to the plain torch one.
+
+The library links ``libgomp.so.1``; torch has already loaded its own copy under that name, so
+the kernel shares torch's OpenMP runtime and thread count instead of starting a second pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+_ARGTYPES: list[Any] = [
+    ctypes.c_int,  # dtype: 0 float32, 1 bfloat16
+    ctypes.c_void_p,  # q
+    ctypes.c_int64,  # q token stride
+    ctypes.c_void_p,  # kv_cache
+    ctypes.c_void_p,  # tables
+    ctypes.c_int64,  # table stride
+    ctypes.c_void_p,  # row_table
+    ctypes.c_void_p,  # row_token
+    ctypes.c_void_p,  # context_len
+    ctypes.c_int,  # num_rows
+    ctypes.c_int,  # num_heads
+    ctypes.c_int,  # num_kv_heads
+    ctypes.c_int,  # head_dim
+    ctypes.c_int,  # block_size
+    ctypes.c_float,  # scale
+    ctypes.c_void_p,  # out
+    ctypes.c_int64,  # out token stride
+    ctypes.c_int,  # partition size
+    ctypes.c_int,  # threads
+]
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get("POISE_KERNEL_CACHE")
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "poise" / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and flags: a -march=native build is only valid on the same kind."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(wanted))
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        cmd = [compiler, *FLAGS, "-o", tmp, str(SOURCE)]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def load_cpu_kernel() -> ctypes.CDLL | None:
+    """The loaded kernel library, building it on first use; None when it cannot be built."""
+    if os.environ.get("POISE_DISABLE_CPU_KERNEL"):
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C++ compiler found: CPU attention uses the slower torch backend")
+        return None
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_signature()]).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"cpu_paged_attention-{key}.so"
+    try:
+        if not target.exists():
+            logger.info("building the CPU attention kernel into %s", target)
+            _build(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError) as exc:
+        logger.warning("CPU attention kernel unavailable, using the torch backend: %s", exc)
+        return None
+    fn = lib.poise_paged_attention
+    fn.argtypes = _ARGTYPES
+    fn.restype = ctypes.c_int
+    return lib

@@ -1,0 +1,430 @@
+// Paged attention for CPU: each query row reads its keys and values straight from the paged KV
+// cache through its block table. No gather copy, no padding to the longest row.
+//
+// Built at first use by cpu_kernel.py (g++ -O3 -march=native -fopenmp) and called through
+// ctypes with raw pointers, so it needs no torch headers and compiles in about a second. It
+// links the process's libgomp (the one torch loaded), so it shares torch's OpenMP threads.
+//
+// Shapes (elements, row-major):
+//   q         [T, H, HD]   token stride q_token_stride, heads contiguous (a view of qkv)
+//   kv_cache  [num_blocks, block_size, 2 * Hkv, HD]: per slot K heads then V heads
+//   tables    [num_tables, table_stride] int64 block ids
+//   rows: R query rows. Row r is the query of flat token row_token[r]; it uses block table
+//         row_table[r] and sees keys at positions 0 .. context_len[r] - 1 (causal: a decode
+//         token's context, or one query of a prefill chunk whose earlier part is cached).
+//   out       [T, H, HD]   token stride out_token_stride; only the rows' tokens are written.
+// GQA: query head h uses kv head h / (H / Hkv), as transformers' repeat_kv.
+//
+// Work split (flash-decoding): each row's context is cut into partitions of `partition_size`
+// keys; (row, partition) items run in parallel and each keeps a running max, sum and weighted
+// value sum per head; a merge pass combines a row's partitions. So one long row does not leave
+// the other thread idle, and short rows cost one item each.
+//
+// Numerics: everything in float32 (bfloat16 inputs are widened, the output rounded once to
+// nearest even), softmax with the max subtracted, exp by a polynomial accurate to ~2 ulp that
+// the compiler vectorises.
+
+#include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using bf16 = uint16_t;
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(bf16 x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void from_float(float x, float* dst) { *dst = x; }
+
+inline void from_float(float x, bf16* dst) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays a (quiet) NaN
+    *dst = static_cast<bf16>((bits >> 16) | 0x40u);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  *dst = static_cast<bf16>(bits >> 16);
+}
+
+// exp(x) for x <= 0 (scores minus their max), Cephes-style: 2^n * p(r), r in [-ln2/2, ln2/2].
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+struct Problem {
+  const void* q;
+  int64_t q_token_stride;
+  const void* kv_cache;
+  const int64_t* tables;
+  int64_t table_stride;
+  const int64_t* row_table;
+  const int64_t* row_token;
+  const int64_t* context_len;
+  int num_rows;
+  int num_heads;
+  int num_kv_heads;
+  int head_dim;
+  int block_size;
+  float scale;
+  void* out;
+  int64_t out_token_stride;
+  int partition_size;
+};
+
+#if defined(__AVX512F__)
+// exp_nonpositive on 16 lanes (same polynomial; the scalar loop does not vectorise by itself).
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+// In place: each of `rows` rows of n scores -> exp(s - max); the row max and the sum of the
+// exps are appended after the rows (at scores[rows * n + 2 * r] and [... + 1]).
+inline void softmax_rows(float* scores, int rows, int n) {
+  float* stats = scores + rows * n;
+  for (int r = 0; r < rows; ++r) {
+    float* s = scores + r * n;
+    float m = -std::numeric_limits<float>::infinity();
+    float l = 0.0f;
+#if defined(__AVX512F__)
+    __m512 mv = _mm512_set1_ps(m);
+    for (int j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+      mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, s + j));
+    }
+    m = _mm512_reduce_max_ps(mv);
+    const __m512 mb = _mm512_set1_ps(m);
+    __m512 lv = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+      const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mb));
+      _mm512_mask_storeu_ps(s + j, k, e);
+      lv = _mm512_mask_add_ps(lv, k, lv, e);
+    }
+    l = _mm512_reduce_add_ps(lv);
+#else
+    for (int j = 0; j < n; ++j) m = std::max(m, s[j]);
+    for (int j = 0; j < n; ++j) {
+      s[j] = exp_nonpositive(s[j] - m);
+      l += s[j];
+    }
+#endif
+    stats[2 * r] = m;
+    stats[2 * r + 1] = l;
+  }
+}
+
+// Scores and weighted values of NQ query heads that share one kv head, over n key slots.
+// Generic version: plain loops the compiler vectorises over the head dimension.
+template <typename T, int NQ>
+void qk_generic(const float* q_f, int hd, const T* const* slots, int n, int64_t k_offset,
+                float* scores, int scores_stride) {
+  for (int j = 0; j < n; ++j) {
+    const T* k = slots[j] + k_offset;
+    for (int i = 0; i < NQ; ++i) {
+      const float* qh = q_f + i * hd;
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int d = 0; d < hd; ++d) s += qh[d] * to_float(k[d]);
+      scores[i * scores_stride + j] = s;
+    }
+  }
+}
+
+template <typename T, int NQ>
+void pv_generic(const float* weights, int weights_stride, int hd, const T* const* slots, int n,
+                int64_t v_offset, float* acc) {
+  std::fill(acc, acc + NQ * hd, 0.0f);
+  for (int j = 0; j < n; ++j) {
+    const T* v = slots[j] + v_offset;
+    for (int i = 0; i < NQ; ++i) {
+      const float w = weights[i * weights_stride + j];
+      float* a = acc + i * hd;
+#pragma omp simd
+      for (int d = 0; d < hd; ++d) a[d] += w * to_float(v[d]);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// AVX-512 version for head_dim = 16 * NV: the NQ query rows and the accumulators stay in
+// registers for the whole loop over keys (NQ * NV + NV + NQ <= 32 zmm registers).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const bf16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+template <typename T, int NV, int NQ>
+void qk_avx512(const float* q_f, const T* const* slots, int n, int64_t k_offset, float* scores,
+               int scores_stride) {
+  __m512 q[NQ][NV];
+  for (int i = 0; i < NQ; ++i)
+    for (int v = 0; v < NV; ++v) q[i][v] = _mm512_loadu_ps(q_f + (i * NV + v) * 16);
+  for (int j = 0; j < n; ++j) {
+    const T* k = slots[j] + k_offset;
+    __m512 kv[NV];
+    for (int v = 0; v < NV; ++v) kv[v] = load16(k + v * 16);
+    for (int i = 0; i < NQ; ++i) {
+      __m512 a = _mm512_mul_ps(q[i][0], kv[0]);
+      for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(q[i][v], kv[v], a);
+      scores[i * scores_stride + j] = _mm512_reduce_add_ps(a);
+    }
+  }
+}
+
+template <typename T, int NV, int NQ>
+void pv_avx512(const float* weights, int weights_stride, const T* const* slots, int n,
+               int64_t v_offset, float* acc) {
+  __m512 a[NQ][NV];
+  for (int i = 0; i < NQ; ++i)
+    for (int v = 0; v < NV; ++v) a[i][v] = _mm512_setzero_ps();
+  for (int j = 0; j < n; ++j) {
+    const T* vrow = slots[j] + v_offset;
+    __m512 vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = load16(vrow + v * 16);
+    for (int i = 0; i < NQ; ++i) {
+      const __m512 w = _mm512_set1_ps(weights[i * weights_stride + j]);
+      for (int v = 0; v < NV; ++v) a[i][v] = _mm512_fmadd_ps(w, vv[v], a[i][v]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + (i * NV + v) * 16, a[i][v]);
+}
+#endif
+
+// Query heads [first, first + count) of one kv head, count <= 4: the fixed-count kernels.
+template <typename T, int HD_FIXED, int NQ>
+void attend_heads_fixed(const float* q_f, int hd, const T* const* slots, int n, int64_t k_offset,
+                        int64_t v_offset, float* scores, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (HD_FIXED > 0 && HD_FIXED % 16 == 0 && (HD_FIXED / 16) * (NQ + 1) + NQ <= 30) {
+    qk_avx512<T, HD_FIXED / 16, NQ>(q_f, slots, n, k_offset, scores, n);
+    softmax_rows(scores, NQ, n);
+    pv_avx512<T, HD_FIXED / 16, NQ>(scores, n, slots, n, v_offset, acc);
+    return;
+  }
+#endif
+  qk_generic<T, NQ>(q_f, hd, slots, n, k_offset, scores, n);
+  softmax_rows(scores, NQ, n);
+  pv_generic<T, NQ>(scores, n, hd, slots, n, v_offset, acc);
+}
+
+// One (row, partition): keys [begin, end) of the row. Writes per head h: the running max
+// m_out[h], the sum of exps l_out[h] and acc[h] = sum_j exp(s_j - m) v_j (unnormalised).
+// scratch holds the slot pointers, scores and stats: see run().
+template <typename T, int HD_FIXED>
+void attend_partition(const Problem& p, int row, int begin, int end, float* scores, float* q_f,
+                      const T** slots, float* acc, float* m_out, float* l_out) {
+  const int hd = HD_FIXED > 0 ? HD_FIXED : p.head_dim;
+  const int H = p.num_heads, Hkv = p.num_kv_heads, G = H / Hkv;
+  const int n = end - begin;
+  const T* q = static_cast<const T*>(p.q) + p.row_token[row] * p.q_token_stride;
+  const T* cache = static_cast<const T*>(p.kv_cache);
+  const int64_t* table = p.tables + p.row_table[row] * p.table_stride;
+  const int64_t slot_stride = static_cast<int64_t>(2 * Hkv) * hd;
+
+  // Slot pointers once per partition, walking the block table block by block (no division
+  // per key).
+  for (int pos = begin, j = 0; pos < end;) {
+    const int block = pos / p.block_size;
+    const int stop = std::min(end, (block + 1) * p.block_size);
+    const T* base = cache + table[block] * p.block_size * slot_stride;
+    for (int off = pos - block * p.block_size; pos < stop; ++pos, ++off, ++j)
+      slots[j] = base + off * slot_stride;
+  }
+  for (int h = 0; h < H; ++h)
+    for (int d = 0; d < hd; ++d) q_f[h * hd + d] = to_float(q[h * hd + d]) * p.scale;
+
+  constexpr int kMaxHeads = 4;
+  for (int g = 0; g < Hkv; ++g) {
+    const int64_t k_offset = static_cast<int64_t>(g) * hd;
+    const int64_t v_offset = static_cast<int64_t>(Hkv + g) * hd;
+    for (int i = 0; i < G; i += kMaxHeads) {
+      const int h = g * G + i;
+      const int count = std::min(kMaxHeads, G - i);
+      const float* qh = q_f + h * hd;
+      float* a = acc + h * hd;
+      switch (count) {
+        case 1:
+          attend_heads_fixed<T, HD_FIXED, 1>(qh, hd, slots, n, k_offset, v_offset, scores, a);
+          break;
+        case 2:
+          attend_heads_fixed<T, HD_FIXED, 2>(qh, hd, slots, n, k_offset, v_offset, scores, a);
+          break;
+        case 3:
+          attend_heads_fixed<T, HD_FIXED, 3>(qh, hd, slots, n, k_offset, v_offset, scores, a);
+          break;
+        default:
+          attend_heads_fixed<T, HD_FIXED, 4>(qh, hd, slots, n, k_offset, v_offset, scores, a);
+      }
+      const float* stats = scores + count * n;
+      for (int c = 0; c < count; ++c) {
+        m_out[h + c] = stats[2 * c];
+        l_out[h + c] = stats[2 * c + 1];
+      }
+    }
+  }
+}
+
+template <typename T, int HD_FIXED>
+void run(const Problem& p, int num_threads) {
+  const int H = p.num_heads;
+  const int hd = p.head_dim;
+  // Partitions start at block boundaries.
+  const int part = std::max(p.partition_size / p.block_size, 1) * p.block_size;
+  // Items: (row, first key), rows in the caller's order.
+  std::vector<int> item_row, item_begin, row_first_item(p.num_rows + 1, 0);
+  for (int r = 0; r < p.num_rows; ++r) {
+    row_first_item[r] = static_cast<int>(item_row.size());
+    const int ctx = static_cast<int>(p.context_len[r]);
+    for (int b = 0; b < ctx; b += part) {
+      item_row.push_back(r);
+      item_begin.push_back(b);
+    }
+  }
+  const int num_items = static_cast<int>(item_row.size());
+  row_first_item[p.num_rows] = num_items;
+  // Run order: partition-major (the first partition of every row, then the second ...), so
+  // rows that share prefix blocks (prefix caching) read the same keys close together in time,
+  // from L2 instead of L3 / memory.
+  std::vector<int> order;
+  order.reserve(num_items);
+  for (int k = 0; static_cast<int>(order.size()) < num_items; ++k)
+    for (int r = 0; r < p.num_rows; ++r)
+      if (row_first_item[r] + k < row_first_item[r + 1]) order.push_back(row_first_item[r] + k);
+  // Per item and head: acc [hd], m, l.
+  std::vector<float> acc(static_cast<size_t>(num_items) * H * hd);
+  std::vector<float> stats(static_cast<size_t>(num_items) * H * 2);
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    // Scores of up to 4 heads plus their stats; q rows; slot pointers of one partition.
+    std::vector<float> scores(4 * static_cast<size_t>(part) + 8), q_f(static_cast<size_t>(H) * hd);
+    std::vector<const T*> slots(part);
+#pragma omp for schedule(dynamic, 1)
+    for (int k = 0; k < num_items; ++k) {
+      const int it = order[k];
+      const int r = item_row[it];
+      const int begin = item_begin[it];
+      const int end = std::min<int>(begin + part, static_cast<int>(p.context_len[r]));
+      float* st = stats.data() + static_cast<size_t>(it) * H * 2;
+      attend_partition<T, HD_FIXED>(p, r, begin, end, scores.data(), q_f.data(), slots.data(),
+                                    acc.data() + static_cast<size_t>(it) * H * hd, st, st + H);
+    }
+    // Merge each row's partitions: out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i.
+#pragma omp for schedule(static)
+    for (int r = 0; r < p.num_rows; ++r) {
+      T* out = static_cast<T*>(p.out) + p.row_token[r] * p.out_token_stride;
+      const int first = row_first_item[r], last = row_first_item[r + 1];
+      for (int h = 0; h < H; ++h) {
+        float M = -std::numeric_limits<float>::infinity();
+        for (int it = first; it < last; ++it)
+          M = std::max(M, stats[static_cast<size_t>(it) * H * 2 + h]);
+        float denom = 0.0f;
+        float* o = q_f.data();  // reuse as the [hd] float accumulator
+        std::fill(o, o + hd, 0.0f);
+        for (int it = first; it < last; ++it) {
+          const float* st = stats.data() + static_cast<size_t>(it) * H * 2;
+          const float w = std::exp(st[h] - M);
+          denom += w * st[H + h];
+          const float* a = acc.data() + (static_cast<size_t>(it) * H + h) * hd;
+#pragma omp simd
+          for (int d = 0; d < hd; ++d) o[d] += w * a[d];
+        }
+        const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+        for (int d = 0; d < hd; ++d) from_float(o[d] * inv, out + h * hd + d);
+      }
+    }
+  }
+}
+
+template <typename T>
+void dispatch_head_dim(const Problem& p, int num_threads) {
+  switch (p.head_dim) {
+    case 64:
+      run<T, 64>(p, num_threads);
+      break;
+    case 128:
+      run<T, 128>(p, num_threads);
+      break;
+    default:
+      run<T, 0>(p, num_threads);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 = float32, 1 = bfloat16. Returns 0 on success, a negative code on bad arguments.
+int poise_paged_attention(int dtype, const void* q, int64_t q_token_stride, const void* kv_cache,
+                          const int64_t* tables, int64_t table_stride, const int64_t* row_table,
+                          const int64_t* row_token, const int64_t* context_len, int num_rows,
+                          int num_heads, int num_kv_heads, int head_dim, int block_size,
+                          float scale, void* out, int64_t out_token_stride, int partition_size,
+                          int num_threads) {
+  if (num_rows <= 0) return 0;
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0)
+    return -1;
+  const Problem p{q,         q_token_stride, kv_cache,   tables,     table_stride,
+                  row_table, row_token,      context_len, num_rows,  num_heads,
+                  num_kv_heads, head_dim,    block_size, scale,      out,
+                  out_token_stride, partition_size};
+  const int threads = std::max(num_threads, 1);
+  if (dtype == 0) {
+    dispatch_head_dim<float>(p, threads);
+  } else if (dtype == 1) {
+    dispatch_head_dim<bf16>(p, threads);
+  } else {
+    return -2;
+  }
+  return 0;
+}
+
+}  // extern "C"
