@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -200,21 +201,93 @@ inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
+// [sum(a0), sum(a1), sum(a2), sum(a3)]: four horizontal sums for the price of about one and
+// a half (interleave, add, then fold the four 128-bit lanes).
+inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  // Per 128-bit lane: [a0_0 + a0_2, a1_0 + a1_2, a0_1 + a0_3, a1_1 + a1_3], same for a2, a3.
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512d d01 = _mm512_castps_pd(s01), d23 = _mm512_castps_pd(s23);
+  // Per 128-bit lane: [a0, a1, a2, a3] summed over that lane.
+  const __m512 t = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d01, d23)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(d01, d23)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(t),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// Dot products of NQ query rows with one key: NQ vectors of 16 partial sums each.
+// float keys (or bf16 widened to float): NV fused multiply-adds per query row. With AVX512-BF16
+// and bf16 keys: NV / 2 dpbf16 instructions on the raw bf16 q and k (no widening), the scale
+// applied to the summed score instead of to q.
 template <typename T, int NV, int NQ>
-void qk_avx512(const float* q_f, const T* const* slots, int n, int64_t k_offset, float* scores,
-               int scores_stride) {
-  __m512 q[NQ][NV];
-  for (int i = 0; i < NQ; ++i)
-    for (int v = 0; v < NV; ++v) q[i][v] = _mm512_loadu_ps(q_f + (i * NV + v) * 16);
-  for (int j = 0; j < n; ++j) {
-    const T* k = slots[j] + k_offset;
-    __m512 kv[NV];
-    for (int v = 0; v < NV; ++v) kv[v] = load16(k + v * 16);
-    for (int i = 0; i < NQ; ++i) {
-      __m512 a = _mm512_mul_ps(q[i][0], kv[0]);
-      for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(q[i][v], kv[v], a);
-      scores[i * scores_stride + j] = _mm512_reduce_add_ps(a);
+struct QKRows {
+#if defined(__AVX512BF16__)
+  static constexpr bool kNativeBf16 = std::is_same_v<T, bf16> && NV % 2 == 0;
+#else
+  static constexpr bool kNativeBf16 = false;
+#endif
+  static constexpr int kRegs = kNativeBf16 ? NV / 2 : NV;
+  __m512 q[NQ][kRegs];
+  float post_scale;
+
+  QKRows(const float* q_f, const T* q_raw, float scale) {
+    if constexpr (kNativeBf16) {
+      for (int i = 0; i < NQ; ++i)
+        for (int v = 0; v < kRegs; ++v)
+          q[i][v] = _mm512_castsi512_ps(_mm512_loadu_si512(q_raw + (i * NV + 2 * v) * 16));
+      post_scale = scale;
+    } else {
+      (void)q_raw;
+      for (int i = 0; i < NQ; ++i)
+        for (int v = 0; v < NV; ++v) q[i][v] = _mm512_loadu_ps(q_f + (i * NV + v) * 16);
+      post_scale = 1.0f;  // q_f is pre-scaled
     }
+  }
+
+  inline void partials(const T* k, __m512* out) const {
+    if constexpr (kNativeBf16) {
+#if defined(__AVX512BF16__)
+      __m512bh kv[kRegs];
+      for (int v = 0; v < kRegs; ++v)
+        kv[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + v * 32));
+      for (int i = 0; i < NQ; ++i) {
+        __m512 a = _mm512_setzero_ps();
+        for (int v = 0; v < kRegs; ++v)
+          a = _mm512_dpbf16_ps(a, reinterpret_cast<__m512bh>(q[i][v]), kv[v]);
+        out[i] = a;
+      }
+#endif
+    } else {
+      __m512 kv[NV];
+      for (int v = 0; v < NV; ++v) kv[v] = load16(k + v * 16);
+      for (int i = 0; i < NQ; ++i) {
+        __m512 a = _mm512_mul_ps(q[i][0], kv[0]);
+        for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(q[i][v], kv[v], a);
+        out[i] = a;
+      }
+    }
+  }
+};
+
+template <typename T, int NV, int NQ>
+void qk_avx512(const float* q_f, const T* q_raw, float scale, const T* const* slots, int n,
+               int64_t k_offset, float* scores, int scores_stride) {
+  const QKRows<T, NV, NQ> rows(q_f, q_raw, scale);
+  const __m128 post = _mm_set1_ps(rows.post_scale);
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m512 a[4][NQ];
+    for (int t = 0; t < 4; ++t) rows.partials(slots[j + t] + k_offset, a[t]);
+    for (int i = 0; i < NQ; ++i)
+      _mm_storeu_ps(scores + i * scores_stride + j,
+                    _mm_mul_ps(hsum4(a[0][i], a[1][i], a[2][i], a[3][i]), post));
+  }
+  for (; j < n; ++j) {
+    __m512 a[NQ];
+    rows.partials(slots[j] + k_offset, a);
+    for (int i = 0; i < NQ; ++i)
+      scores[i * scores_stride + j] = _mm512_reduce_add_ps(a[i]) * rows.post_scale;
   }
 }
 
@@ -239,17 +312,21 @@ void pv_avx512(const float* weights, int weights_stride, const T* const* slots, 
 #endif
 
 // Query heads [first, first + count) of one kv head, count <= 4: the fixed-count kernels.
+// q_f: the NQ query rows in float, pre-scaled; q_raw: the same rows as stored (unscaled).
 template <typename T, int HD_FIXED, int NQ>
-void attend_heads_fixed(const float* q_f, int hd, const T* const* slots, int n, int64_t k_offset,
-                        int64_t v_offset, float* scores, float* acc) {
+void attend_heads_fixed(const float* q_f, const T* q_raw, float scale, int hd,
+                        const T* const* slots, int n, int64_t k_offset, int64_t v_offset,
+                        float* scores, float* acc) {
 #if defined(__AVX512F__)
   if constexpr (HD_FIXED > 0 && HD_FIXED % 16 == 0 && (HD_FIXED / 16) * (NQ + 1) + NQ <= 30) {
-    qk_avx512<T, HD_FIXED / 16, NQ>(q_f, slots, n, k_offset, scores, n);
+    qk_avx512<T, HD_FIXED / 16, NQ>(q_f, q_raw, scale, slots, n, k_offset, scores, n);
     softmax_rows(scores, NQ, n);
     pv_avx512<T, HD_FIXED / 16, NQ>(scores, n, slots, n, v_offset, acc);
     return;
   }
 #endif
+  (void)q_raw;
+  (void)scale;
   qk_generic<T, NQ>(q_f, hd, slots, n, k_offset, scores, n);
   softmax_rows(scores, NQ, n);
   pv_generic<T, NQ>(scores, n, hd, slots, n, v_offset, acc);
@@ -292,16 +369,20 @@ void attend_partition(const Problem& p, int row, int begin, int end, float* scor
       float* a = acc + h * hd;
       switch (count) {
         case 1:
-          attend_heads_fixed<T, HD_FIXED, 1>(qh, hd, slots, n, k_offset, v_offset, scores, a);
+          attend_heads_fixed<T, HD_FIXED, 1>(qh, q + h * hd, p.scale, hd, slots, n, k_offset,
+                                             v_offset, scores, a);
           break;
         case 2:
-          attend_heads_fixed<T, HD_FIXED, 2>(qh, hd, slots, n, k_offset, v_offset, scores, a);
+          attend_heads_fixed<T, HD_FIXED, 2>(qh, q + h * hd, p.scale, hd, slots, n, k_offset,
+                                             v_offset, scores, a);
           break;
         case 3:
-          attend_heads_fixed<T, HD_FIXED, 3>(qh, hd, slots, n, k_offset, v_offset, scores, a);
+          attend_heads_fixed<T, HD_FIXED, 3>(qh, q + h * hd, p.scale, hd, slots, n, k_offset,
+                                             v_offset, scores, a);
           break;
         default:
-          attend_heads_fixed<T, HD_FIXED, 4>(qh, hd, slots, n, k_offset, v_offset, scores, a);
+          attend_heads_fixed<T, HD_FIXED, 4>(qh, q + h * hd, p.scale, hd, slots, n, k_offset,
+                                             v_offset, scores, a);
       }
       const float* stats = scores + count * n;
       for (int c = 0; c < count; ++c) {
