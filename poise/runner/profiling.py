@@ -36,6 +36,8 @@ class GridPoint:
     batch: int  # decode requests
     context: int  # each decode request's context length (its position + 1)
     skew: int = 0  # when set, the first decode request's context instead (a mixed batch)
+    # Decode requests share their blocks but the last (identical prompts, prefix caching).
+    shared: bool = False
 
 
 GRIDS: dict[str, dict[str, tuple[int, ...]]] = {
@@ -80,6 +82,9 @@ def build_grid(
     for b in g["batch"][1:]:
         # One long context among short ones: sum of contexts != batch x the longest.
         raw.append(GridPoint(0, 0, b, g["context"][0], skew=ctx_max))
+        # Requests sharing one long prefix: the same arithmetic, a fraction of the KV traffic.
+        for c in g["context"][1:]:
+            raw.append(GridPoint(0, 0, b, c, shared=True))
     for n in g["prefill"][1::2]:
         for b in g["batch"][1::2]:
             raw.append(GridPoint(n, 0, b, ctx_mid))
@@ -105,7 +110,7 @@ def _shrink(
     if batch and context < 1:
         return None
     skew = min(p.skew, max_len - 1, capacity - (batch - 1) * context) if p.skew and batch else 0
-    return GridPoint(max(prefill, 0), max(start, 0), max(batch, 0), context, max(skew, 0))
+    return GridPoint(max(prefill, 0), max(start, 0), max(batch, 0), context, max(skew, 0), p.shared)
 
 
 def make_output(
@@ -123,9 +128,14 @@ def make_output(
         return ids
 
     scheduled = []
+    shared_prefix = table(p.context - 1) if p.shared and p.batch else []
     for i in range(p.batch):
         pos = (p.skew if i == 0 and p.skew else p.context) - 1
-        scheduled.append(ScheduledRequest(f"d{i}", [7], pos, table(pos + 1), True, params, 1, pos))
+        if p.shared:  # the common full blocks, then a block of its own
+            blocks = shared_prefix[: pos // block_size] + table(block_size)
+        else:
+            blocks = table(pos + 1)
+        scheduled.append(ScheduledRequest(f"d{i}", [7], pos, blocks, True, params, 1, pos))
     if p.prefill:
         end = p.prefill_start + p.prefill
         sample = p.prefill_start == 0

@@ -16,6 +16,7 @@ immutable after construction.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,12 @@ FEATURES: tuple[str, ...] = (
     "seqs",  # per scheduled request: block tables, metadata, per-sequence attention calls
     "sampled",  # LM head + sampler per sampled position
     "prefill_attn",  # (query, key) pairs of multi-token chunks: causal attention work
-    "decode_ctx",  # KV tokens read by single-token (decode) steps
+    "decode_ctx",  # KV tokens read by single-token (decode) steps: attention arithmetic
+    # decode KV tokens counted once however many requests share their blocks (prefix caching):
+    # the memory traffic. The CPU kernel reads a shared block once per step for all the rows
+    # that share it (from cache), so a batch of identical long prompts costs less than
+    # decode_ctx alone says.
+    "decode_unique_ctx",
     # decode requests x the longest decode context: what a batched decode attention that pads
     # every request's KV to the longest one (poise's torch reference backend) really reads
     "decode_padded",
@@ -60,10 +66,15 @@ class StepShape:
     kv_tokens: int = 0
     # The longest context among single-token requests.
     decode_max_ctx: int = 0
+    # decode_ctx_tokens scaled by (distinct blocks / blocks) over the decode requests' block
+    # tables: their context with blocks shared between requests counted once.
+    decode_unique_ctx_tokens: int = 0
 
     @classmethod
     def from_output(cls, out: SchedulerOutput) -> StepShape:
         tokens = seqs = sampled = pf_tokens = dec_seqs = pairs = dec_ctx = kv = dec_max = 0
+        distinct: set[int] = set()
+        num_blocks = 0
         for sr in out.scheduled:
             n = len(sr.token_ids)
             start = sr.start_position
@@ -76,10 +87,13 @@ class StepShape:
                 dec_seqs += 1
                 dec_ctx += start + 1
                 dec_max = max(dec_max, start + 1)
+                distinct.update(sr.block_ids)
+                num_blocks += len(sr.block_ids)
             else:
                 pf_tokens += n
                 pairs += n * start + n * (n + 1) // 2
-        return cls(tokens, seqs, sampled, pf_tokens, dec_seqs, pairs, dec_ctx, kv, dec_max)
+        unique = round(dec_ctx * len(distinct) / num_blocks) if num_blocks else dec_ctx
+        return cls(tokens, seqs, sampled, pf_tokens, dec_seqs, pairs, dec_ctx, kv, dec_max, unique)
 
     def features(self, knee: float | None = None) -> tuple[float, ...]:
         """Values in ``FEATURES`` order; ``decode_padded_excess`` is 0 without a knee."""
@@ -91,6 +105,7 @@ class StepShape:
             float(self.num_sampled),
             float(self.prefill_attn_pairs),
             float(self.decode_ctx_tokens),
+            float(self.decode_unique_ctx_tokens),
             float(padded),
             max(0.0, padded - knee) if knee is not None else 0.0,
         )
@@ -106,11 +121,15 @@ class StepShape:
             "decode_ctx_tokens": self.decode_ctx_tokens,
             "kv_tokens": self.kv_tokens,
             "decode_max_ctx": self.decode_max_ctx,
+            "decode_unique_ctx_tokens": self.decode_unique_ctx_tokens,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepShape:
-        return cls(**{k: int(d.get(k, 0)) for k in cls.__dataclass_fields__})
+        shape = cls(**{k: int(d.get(k, 0)) for k in cls.__dataclass_fields__})
+        if "decode_unique_ctx_tokens" not in d:  # a profile from before this feature
+            shape = dataclasses.replace(shape, decode_unique_ctx_tokens=shape.decode_ctx_tokens)
+        return shape
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,14 @@ from poise.sim.roofline import RooflineCostModel
 from poise.sim.shapes import builtin_shapes, load_shape
 
 
-def _sr(rid: str, n: int, start: int, sample: bool = True) -> ScheduledRequest:
+def _sr(
+    rid: str, n: int, start: int, sample: bool = True, blocks: list[int] | None = None
+) -> ScheduledRequest:
     return ScheduledRequest(
         request_id=rid,
         token_ids=[5] * n,
         start_position=start,
-        block_ids=[0],
+        block_ids=blocks if blocks is not None else [0],
         sample=sample,
         sampling_params=SamplingParams(),
         output_index=0,
@@ -38,6 +40,27 @@ def test_step_shape_from_output() -> None:
     assert s.kv_tokens == 100 + 10 + 14
     assert s.decode_max_ctx == 100 and s.features()[-2] == 2 * 100
     assert s.features()[-1] == 0.0 and s.features(knee=150)[-1] == 50
+
+
+def test_step_shape_counts_shared_decode_blocks_once() -> None:
+    # Three decodes at context 64 (4 blocks of 16): two share their first 3 blocks (a cached
+    # prefix), one has its own. 12 block reads, 9 distinct blocks.
+    out = SchedulerOutput(
+        step_id=0,
+        scheduled=[
+            _sr("a", 1, 63, blocks=[1, 2, 3, 10]),
+            _sr("b", 1, 63, blocks=[1, 2, 3, 11]),
+            _sr("c", 1, 63, blocks=[20, 21, 22, 23]),
+            _sr("p", 8, 0, blocks=[1, 2, 3]),  # a prefill chunk does not count
+        ],
+    )
+    s = StepShape.from_output(out)
+    assert s.decode_ctx_tokens == 3 * 64
+    assert s.decode_unique_ctx_tokens == 3 * 64 * 9 // 12
+    assert StepShape.from_dict(s.to_dict()) == s
+    # Profiles written before the feature: every decode token counted as its own.
+    old = {k: v for k, v in s.to_dict().items() if k != "decode_unique_ctx_tokens"}
+    assert StepShape.from_dict(old).decode_unique_ctx_tokens == 3 * 64
 
 
 def test_shipped_shapes_have_known_sizes() -> None:

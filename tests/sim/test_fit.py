@@ -25,6 +25,7 @@ TRUE = {
     "sampled": 6e-5,
     "prefill_attn": 2e-8,
     "decode_ctx": 4e-7,
+    "decode_unique_ctx": 1.5e-7,
     "decode_padded": 1e-7,
     "decode_padded_excess": 0.0,
 }
@@ -43,7 +44,9 @@ def _grid() -> list[StepShape]:
                 ctx = max(ctx, 32)
                 start = ctx if prefill and batch % 2 else 0
                 pairs = prefill * start + prefill * (prefill + 1) // 2 if prefill else 0
-                shapes.append(
+                # Decodes with distinct contexts, and (long contexts) sharing one prefix.
+                uniques = [total] + ([longest + 16 * batch] if ctx >= 256 and batch >= 4 else [])
+                shapes += [
                     StepShape(
                         num_tokens=prefill + batch,
                         num_seqs=batch + (1 if prefill else 0),
@@ -54,8 +57,10 @@ def _grid() -> list[StepShape]:
                         decode_ctx_tokens=total,
                         kv_tokens=total + start + prefill,
                         decode_max_ctx=longest + 1 if batch else 0,
+                        decode_unique_ctx_tokens=unique,
                     )
-                )
+                    for unique in uniques
+                ]
     return shapes
 
 
@@ -95,6 +100,9 @@ def test_fit_recovers_coefficients_under_noise() -> None:
     assert both == pytest.approx(TRUE["seqs"] + TRUE["sampled"], rel=0.15)
     assert coef["decode_padded"] == pytest.approx(TRUE["decode_padded"], rel=0.2)
     assert coef["prefill_attn"] == pytest.approx(TRUE["prefill_attn"], rel=0.15)
+    # Arithmetic (every context token) and traffic (shared blocks once) come apart.
+    assert coef["decode_ctx"] == pytest.approx(TRUE["decode_ctx"], rel=0.15)
+    assert coef["decode_unique_ctx"] == pytest.approx(TRUE["decode_unique_ctx"], rel=0.3)
     assert q.mape < 0.03
 
 

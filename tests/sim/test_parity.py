@@ -96,4 +96,7 @@ def test_profiling_grid_runs_on_the_real_runner(tiny_dir: Path) -> None:
         shape = StepShape.from_output(out)
         assert t > 0 and shape.num_tokens == out.num_prefill_tokens + out.num_decode_tokens
         assert all(max(sr.block_ids) < 64 for sr in out.scheduled)
+    # Shared-prefix points exist, and their decodes really share blocks.
+    shared = [StepShape.from_output(o) for o, _ in measured if o.scheduled[0].request_id == "d0"]
+    assert any(s.decode_unique_ctx_tokens < s.decode_ctx_tokens for s in shared)
     assert measure_engine_overhead(cfg, runner, info, num_requests=3, max_tokens=3) >= 0

@@ -97,9 +97,8 @@ def _build(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
-@functools.cache
-def load_cpu_kernel() -> ctypes.CDLL | None:
-    """The loaded kernel library, building it on first use; None when it cannot be built."""
+def build_cpu_kernel() -> Path | None:
+    """Path of the built library, building it when not cached; None when it cannot be built."""
     if os.environ.get("POISE_DISABLE_CPU_KERNEL"):
         return None
     compiler = _compiler()
@@ -113,15 +112,36 @@ def load_cpu_kernel() -> ctypes.CDLL | None:
         "\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_signature()]).encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"cpu_paged_attention-{key}.so"
-    try:
-        if not target.exists():
-            logger.info("building the CPU attention kernel into %s", target)
+    if not target.exists():
+        logger.info("building the CPU attention kernel into %s", target)
+        try:
             _build(compiler, target)
+        except (OSError, RuntimeError) as exc:
+            logger.warning("CPU attention kernel unavailable, using the torch backend: %s", exc)
+            return None
+    return target
+
+
+@functools.cache
+def load_cpu_kernel() -> ctypes.CDLL | None:
+    """The loaded kernel library, building it on first use; None when it cannot be built."""
+    import torch  # noqa: F401  (first: the library must bind to torch's libgomp)
+
+    target = build_cpu_kernel()
+    if target is None:
+        return None
+    try:
         lib = ctypes.CDLL(str(target))
-    except (OSError, RuntimeError) as exc:
+    except OSError as exc:
         logger.warning("CPU attention kernel unavailable, using the torch backend: %s", exc)
         return None
     fn = lib.poise_paged_attention
     fn.argtypes = _ARGTYPES
     fn.restype = ctypes.c_int
     return lib
+
+
+if __name__ == "__main__":  # `python -m poise.model.attention.cpu_kernel`: build ahead of time
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built = build_cpu_kernel()
+    print(built if built is not None else "CPU attention kernel not built (see above)")
