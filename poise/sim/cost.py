@@ -49,6 +49,14 @@ FEATURES: tuple[str, ...] = (
 )
 
 
+# A prefill chunk of at most this many tokens that starts after cached tokens (a prefix-cache
+# hit, a recompute's tail) is attended query by query, each query reading the cached context
+# like a decode (the CPU kernel's rule: CpuPagedAttentionBackend.MAX_KERNEL_CHUNK, which a test
+# keeps equal). Its work is decode-like, n x context, not a blocked prefill's: counting it in
+# prefill_attn underestimated a 15-token hit on a 3.4k-token prefix 4x.
+CACHED_CHUNK_ROWS_MAX = 64
+
+
 @dataclass(frozen=True)
 class StepShape:
     """What the time of one step depends on, computed from a ``SchedulerOutput``."""
@@ -58,9 +66,11 @@ class StepShape:
     num_sampled: int = 0
     num_prefill_tokens: int = 0
     num_decode_seqs: int = 0
-    # Sum over multi-token chunks of n*start + n*(n+1)/2: query/key pairs under a causal mask.
+    # Sum over multi-token chunks of n*start + n*(n+1)/2: query/key pairs under a causal mask
+    # (chunks attended like decodes, see CACHED_CHUNK_ROWS_MAX, count in decode_ctx_tokens).
     prefill_attn_pairs: int = 0
-    # Sum over single-token requests of the context each one attends to (start + 1).
+    # Sum over single-token requests of the context each one attends to (start + 1), plus the
+    # query/key pairs of decode-like chunks.
     decode_ctx_tokens: int = 0
     # Sum over all requests of start + n: KV tokens resident for the batch after the step.
     kv_tokens: int = 0
@@ -83,15 +93,23 @@ class StepShape:
             kv += start + n
             if sr.sample:
                 sampled += 1
+            chunk_pairs = n * start + n * (n + 1) // 2
             if n == 1:
                 dec_seqs += 1
                 dec_ctx += start + 1
                 dec_max = max(dec_max, start + 1)
                 distinct.update(sr.block_ids)
                 num_blocks += len(sr.block_ids)
+                continue
+            pf_tokens += n
+            if start > 0 and n <= CACHED_CHUNK_ROWS_MAX:
+                # Attended query by query through the cache, like n decodes of one request
+                # (see CACHED_CHUNK_ROWS_MAX): decode arithmetic, its blocks read once.
+                dec_ctx += chunk_pairs
+                distinct.update(sr.block_ids)
+                num_blocks += n * len(sr.block_ids)
             else:
-                pf_tokens += n
-                pairs += n * start + n * (n + 1) // 2
+                pairs += chunk_pairs
         unique = round(dec_ctx * len(distinct) / num_blocks) if num_blocks else dec_ctx
         return cls(tokens, seqs, sampled, pf_tokens, dec_seqs, pairs, dec_ctx, kv, dec_max, unique)
 

@@ -30,14 +30,14 @@ def _sr(
 def test_step_shape_from_output() -> None:
     out = SchedulerOutput(
         step_id=0,
-        scheduled=[_sr("a", 1, 99), _sr("b", 1, 9), _sr("c", 4, 10, sample=False)],
+        scheduled=[_sr("a", 1, 99), _sr("b", 1, 9), _sr("c", 100, 10, sample=False)],
     )
     s = StepShape.from_output(out)
-    assert (s.num_tokens, s.num_seqs, s.num_sampled) == (6, 3, 2)
+    assert (s.num_tokens, s.num_seqs, s.num_sampled) == (102, 3, 2)
     assert s.num_decode_seqs == 2 and s.decode_ctx_tokens == 100 + 10
-    assert s.num_prefill_tokens == 4
-    assert s.prefill_attn_pairs == 4 * 10 + 4 * 5 // 2
-    assert s.kv_tokens == 100 + 10 + 14
+    assert s.num_prefill_tokens == 100
+    assert s.prefill_attn_pairs == 100 * 10 + 100 * 101 // 2
+    assert s.kv_tokens == 100 + 10 + 110
     assert s.decode_max_ctx == 100 and s.features()[-2] == 2 * 100
     assert s.features()[-1] == 0.0 and s.features(knee=150)[-1] == 50
 
@@ -166,3 +166,29 @@ def test_fixed_cost_model() -> None:
     m = FixedCostModel(step_s=0.01, per_token_s=0.001)
     assert m.step_time(_prefill(10)) == pytest.approx(0.02)
     assert m.num_kv_blocks(EngineConfig.from_kwargs(kv_cache_memory_bytes=16 * 1024 * 10)) == 10
+
+
+def test_short_chunk_after_cached_tokens_counts_as_decode_work() -> None:
+    from poise.sim.cost import CACHED_CHUNK_ROWS_MAX
+
+    # A 15-token prefix-cache hit on a 3360-token context: 15 queries, each reading the
+    # context (3361 .. 3375 keys), its 211 blocks read once.
+    hit = _sr("hit", 15, 3360, blocks=list(range(211)))
+    fresh = _sr("fresh", 100, 0, blocks=list(range(300, 307)))
+    s = StepShape.from_output(SchedulerOutput(step_id=0, scheduled=[hit, fresh]))
+    pairs = 15 * 3360 + 15 * 16 // 2
+    assert s.decode_ctx_tokens == pairs and s.num_decode_seqs == 0
+    assert s.decode_unique_ctx_tokens == round(pairs / 15)
+    assert s.prefill_attn_pairs == 100 * 101 // 2 and s.num_prefill_tokens == 115
+    # A longer chunk after cached tokens is a blocked prefill again.
+    big = _sr("big", CACHED_CHUNK_ROWS_MAX + 1, 3360, blocks=list(range(215)))
+    s = StepShape.from_output(SchedulerOutput(step_id=0, scheduled=[big]))
+    assert s.decode_ctx_tokens == 0 and s.prefill_attn_pairs > 0
+
+
+def test_cached_chunk_rule_matches_the_cpu_kernel() -> None:
+    pytest.importorskip("torch")
+    from poise.model.attention.cpu import CpuPagedAttentionBackend
+    from poise.sim.cost import CACHED_CHUNK_ROWS_MAX
+
+    assert CpuPagedAttentionBackend.MAX_KERNEL_CHUNK == CACHED_CHUNK_ROWS_MAX
