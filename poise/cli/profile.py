@@ -157,8 +157,9 @@ def run(args: argparse.Namespace) -> int:
 
     def progress(i: int, n: int, p: Any, t: float) -> None:
         print(
-            f"  [{i:>3}/{n}] prefill {p.prefill:>5} @ {p.prefill_start:>5}  decode {p.batch:>3}"
-            f" x ctx {p.context:>5}: {t * 1000:9.2f} ms",
+            f"  [{i:>3}/{n}] prefill {p.chunks:>2} x {p.prefill:>5} @ {p.prefill_start:>5}"
+            f"  decode {p.batch:>3} x ctx {p.context:>5}{' shared' if p.shared else ''}:"
+            f" {t * 1000:9.2f} ms",
             file=sys.stderr,
         )
 

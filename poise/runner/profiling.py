@@ -38,6 +38,9 @@ class GridPoint:
     skew: int = 0  # when set, the first decode request's context instead (a mixed batch)
     # Decode requests share their blocks but the last (identical prompts, prefix caching).
     shared: bool = False
+    # Prefill chunks of ``prefill`` tokens each at ``prefill_start``, one request each (a burst
+    # of prefix-cache hits: many small chunks after cached tokens, as a closed loop's new wave).
+    chunks: int = 1
 
 
 GRIDS: dict[str, dict[str, tuple[int, ...]]] = {
@@ -88,6 +91,12 @@ def build_grid(
     for n in g["prefill"][1::2]:
         for b in g["batch"][1::2]:
             raw.append(GridPoint(n, 0, b, ctx_mid))
+    # Bursts of prefix-cache hits beside decodes: many short chunks after a short cached
+    # prefix, and a few after a long one shared by all (per-request costs, row-wise attention).
+    for k in (8, 24):
+        raw.append(GridPoint(16, 48, g["batch"][1], ctx_mid, chunks=k))
+    for k in (4, 8):
+        raw.append(GridPoint(16, ctx_max, g["batch"][1], ctx_mid, shared=True, chunks=k))
     out: list[GridPoint] = []
     for p in raw:
         q = _shrink(p, max_tokens, max_seqs, capacity_tokens, max_len)
@@ -99,18 +108,22 @@ def build_grid(
 def _shrink(
     p: GridPoint, max_tokens: int, max_seqs: int, capacity: int, max_len: int
 ) -> GridPoint | None:
-    batch = min(p.batch, max_seqs - (1 if p.prefill else 0), max(0, max_tokens - p.prefill))
-    prefill = min(p.prefill, max_tokens - batch, max_len - 1)
+    chunks = min(p.chunks, max_seqs, max(1, max_tokens // max(1, p.prefill))) if p.prefill else 1
+    n_prefill_seqs = chunks if p.prefill else 0
+    batch = min(p.batch, max_seqs - n_prefill_seqs, max(0, max_tokens - p.prefill * n_prefill_seqs))
+    prefill = min(p.prefill, (max_tokens - batch) // max(1, n_prefill_seqs), max_len - 1)
     if batch <= 0 and prefill <= 0:
         return None
-    # Context of each decode and the chunk's start: within max_len and a fair share of the pool.
-    share = capacity // max(1, batch + (1 if prefill else 0))
+    # Context of each decode and the chunks' start: within max_len and a fair share of the pool.
+    share = capacity // max(1, batch + n_prefill_seqs)
     context = min(p.context, max_len - 1, share) if batch else 0
     start = min(p.prefill_start, max_len - 1 - prefill, max(0, share - prefill)) if prefill else 0
     if batch and context < 1:
         return None
     skew = min(p.skew, max_len - 1, capacity - (batch - 1) * context) if p.skew and batch else 0
-    return GridPoint(max(prefill, 0), max(start, 0), max(batch, 0), context, max(skew, 0), p.shared)
+    return GridPoint(
+        max(prefill, 0), max(start, 0), max(batch, 0), context, max(skew, 0), p.shared, chunks
+    )
 
 
 def make_output(
@@ -140,12 +153,21 @@ def make_output(
         end = p.prefill_start + p.prefill
         sample = p.prefill_start == 0
         tokens = [11 + (j % 97) for j in range(p.prefill)]
-        scheduled.append(
-            ScheduledRequest("p", tokens, p.prefill_start, table(end), sample, params, 0, end)
-        )
+        # Shared chunks: the cached start's full blocks are common (identical prompts).
+        common = table(p.prefill_start) if p.shared and p.chunks > 1 else []
+        full = p.prefill_start // block_size
+        for k in range(p.chunks):
+            if common:
+                blocks = common[:full] + table(end - full * block_size)
+            else:
+                blocks = table(end)
+            rid = "p" if p.chunks == 1 else f"p{k}"
+            scheduled.append(
+                ScheduledRequest(rid, tokens, p.prefill_start, blocks, sample, params, 0, end)
+            )
     out = SchedulerOutput(step_id=step_id, scheduled=scheduled)
     out.num_decode_tokens = p.batch
-    out.num_prefill_tokens = p.prefill
+    out.num_prefill_tokens = p.prefill * (p.chunks if p.prefill else 0)
     return out
 
 

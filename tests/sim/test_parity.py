@@ -99,4 +99,7 @@ def test_profiling_grid_runs_on_the_real_runner(tiny_dir: Path) -> None:
     # Shared-prefix points exist, and their decodes really share blocks.
     shared = [StepShape.from_output(o) for o, _ in measured if o.scheduled[0].request_id == "d0"]
     assert any(s.decode_unique_ctx_tokens < s.decode_ctx_tokens for s in shared)
+    # Bursts of prefix-cache hits: several chunks after cached tokens in one step.
+    bursts = [o for o, _ in measured if sum(len(r.token_ids) > 1 for r in o.scheduled) > 1]
+    assert bursts and all(r.start_position > 0 for r in bursts[0].scheduled if r.token_ids[1:])
     assert measure_engine_overhead(cfg, runner, info, num_requests=3, max_tokens=3) >= 0
