@@ -6,6 +6,7 @@ Kept separate from ``core.py`` so that importing the engine never imports torch;
 
 from __future__ import annotations
 
+import gc
 from typing import TYPE_CHECKING
 
 from poise.config import EngineConfig
@@ -29,4 +30,19 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> tuple[Engi
         eos_token_ids=info.eos_token_ids,
         clock=clock,
     )
+    freeze_startup_heap()
     return engine, info
+
+
+def freeze_startup_heap() -> None:
+    """Move everything alive now (model, tokenizer, imported modules) out of the cyclic GC.
+
+    Why: the engine allocates many short-lived objects per step, which triggers Python's
+    generation-2 collections, and each one traverses every object alive, including the
+    hundreds of thousands made at startup that never die. Measured on the seed mix (concurrency
+    16, 1 thread, one run each): the same 9-chunk prefill step took 297-372 ms with the default
+    GC and 299-323 ms with the startup heap frozen, TTFT p95 373 -> 324 ms. vLLM tunes its GC the
+    same way. Objects are still freed by reference counting; only cycle detection skips them.
+    """
+    gc.collect()
+    gc.freeze()
