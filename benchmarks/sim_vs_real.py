@@ -168,11 +168,32 @@ def calibrate(a: argparse.Namespace, engine: list[str], out: Path) -> tuple[floa
         a.threads, out / "calibration-sim.log")  # fmt: skip
     r, s = overall(out / "calibration-real.yaml")[0], overall(sim)[0]
     # Decode steps dominate TPOT: their ratio is how much slower steps run now, in the server,
-    # than the profile says. What TTFT has beyond its scaled prefill is the request's way in.
+    # than the profile says.
     scale = r["tpot_ms"]["p50"] / s["tpot_ms"]["p50"]
-    req = max(0.0, (r["ttft_ms"]["p50"] - scale * s["ttft_ms"]["p50"]) / 1000)
+    req = request_overhead(out / "calibration-real.requests.jsonl")
     print(f"calibration: time scale {scale:.3f}, request overhead {req * 1000:.1f} ms")
     return req, scale
+
+
+def request_overhead(requests_jsonl: Path) -> float:
+    """Median seconds from sending a request to its response headers, at concurrency 1.
+
+    poise sends headers once the engine has taken the request; an idle engine takes it at once,
+    so this is the request's way in (client, HTTP, template, tokenization). Measured directly
+    rather than as "TTFT minus simulated prefill": that residual goes to 0 whenever the time
+    scale overshoots, and a closed-loop request that reaches the engine at the very instant the
+    previous one finished joins the step already under way instead of waiting for the next one,
+    which takes a whole step off every simulated TTFT.
+    """
+    gaps = []
+    for line in requests_jsonl.read_text().splitlines():
+        rec = json.loads(line)
+        if not rec.get("warmup") and rec.get("header") is not None:
+            gaps.append(rec["header"] - rec["start"])
+    if not gaps:
+        raise RuntimeError(f"{requests_jsonl}: no response header times to calibrate from")
+    gaps.sort()
+    return gaps[len(gaps) // 2]
 
 
 def compare(real: Path, sim: Path, tolerance: float) -> tuple[list[dict[str, Any]], bool]:
