@@ -99,3 +99,31 @@ def test_cpu_backend_rejects_non_contiguous_cache() -> None:
     strided = cache.transpose(1, 2).contiguous().transpose(1, 2)
     with pytest.raises(ValueError, match="contiguous"):
         backend.forward(qkv[:, :9], qkv[:, 9:], strided, meta, 0.125)
+
+
+def test_backend_resolution() -> None:
+    from poise.model.attention import resolve_backend_name
+
+    cpu = torch.device("cpu")
+    assert resolve_backend_name("auto", cpu, torch.bfloat16) == "cpu"
+    assert resolve_backend_name("auto", cpu, torch.float16) == "torch"  # no fp16 kernel
+    assert resolve_backend_name("torch", cpu, torch.bfloat16) == "torch"
+    with pytest.raises(ValueError, match="attention_backend"):
+        resolve_backend_name("cpu", cpu, torch.float16)
+    with pytest.raises(ValueError, match="attention_backend"):
+        resolve_backend_name("flash", cpu, torch.float32)
+
+
+def test_auto_falls_back_to_torch_without_the_kernel() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from poise.model.attention import resolve_backend_name; "
+        "print(resolve_backend_name('auto', torch.device('cpu'), torch.bfloat16))"
+    )
+    env = {**__import__("os").environ, "POISE_DISABLE_CPU_KERNEL": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert out.stdout.strip() == "torch"
