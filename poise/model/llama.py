@@ -50,10 +50,15 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, via torch's fused kernel (normalises in float32 internally).
+    """x / rms(x) * weight, via torch's fused kernel, with transformers' roundings.
 
-    In float32 this is bit-identical to transformers' RMSNorm on the shapes we test; in
-    bfloat16 it differs by at most one bf16 ulp (transformers rounds before the weight).
+    float32: one fused call, bit-identical to transformers' RMSNorm on the shapes we test.
+    bfloat16 / float16: normalise in float32, round to the model dtype, THEN multiply by the
+    weight in the model dtype, as transformers does. Why not one fused call: it rounds once,
+    after the weight, which is at most one ulp away per element but drifts over 60 norms; on
+    SmolLM2 in bf16 the last logits moved by up to 1.25 and "What is the capital of France?"
+    turned from "The capital of France is Paris." into a tie broken the other way. With
+    transformers' order the bf16 logits are bit-identical to transformers' (4 chat prompts).
     """
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -62,7 +67,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return normed.to(x.dtype) * self.weight
 
 
 class Attention(nn.Module):
