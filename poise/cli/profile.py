@@ -45,7 +45,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="Timed runs per grid point.")
     parser.add_argument("--warmup", type=int, default=1, help="Untimed runs per grid point.")
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch threads (default: torch's choice)."
+        "--threads",
+        dest="num_threads",
+        type=int,
+        default=None,
+        help="Same as the engine flag --num-threads: torch threads (default: torch's choice).",
     )
     parser.add_argument(
         "--clock",
@@ -135,8 +139,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"poise profile: error: {exc}", file=sys.stderr)
         return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if config.model.num_threads:
+        torch.set_num_threads(config.model.num_threads)
     if args.clock == "cpu" and torch.get_num_threads() != 1:
         print("poise profile: error: --clock cpu needs --threads 1", file=sys.stderr)
         return 2
