@@ -31,7 +31,6 @@ _REGISTRY: dict[str, type[AttentionBackend]] = {
     "torch": TorchAttentionBackend,
     "cpu": CpuPagedAttentionBackend,
 }
-BACKEND_CHOICES = ("auto", "torch", "cpu")
 
 
 def register_backend(name: str, cls: type[AttentionBackend]) -> None:
@@ -66,7 +65,6 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype) ->
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
-    "BACKEND_CHOICES",
     "CpuPagedAttentionBackend",
     "PrefillChunk",
     "TorchAttentionBackend",
