@@ -160,8 +160,9 @@ def measure_calibration(a: argparse.Namespace, base: str, out: Path) -> None:
          "-o", str(out / "calibration-real.yaml")], a.threads, out / "calibration-bench.log")  # fmt: skip
 
 
-def calibrate(a: argparse.Namespace, engine: list[str], out: Path) -> tuple[float, float]:
-    """(request overhead s, time scale): the measured calibration cell against its simulation."""
+def calibrate(a: argparse.Namespace, engine: list[str], out: Path) -> tuple[float, float, float]:
+    """(request overhead s, time scale, step jitter CV): the measured calibration cell against
+    its simulation."""
     cal = [*CALIBRATION, "--max-tokens", str(a.calibration_tokens)]
     sim = out / f"calibration-sim-{a.profile.stem}.yaml"
     run([*POISE, "simulate", "--profile", str(a.profile), *cal, "-o", str(sim), *engine],
@@ -171,8 +172,27 @@ def calibrate(a: argparse.Namespace, engine: list[str], out: Path) -> tuple[floa
     # than the profile says.
     scale = r["tpot_ms"]["p50"] / s["tpot_ms"]["p50"]
     req = request_overhead(out / "calibration-real.requests.jsonl")
-    print(f"calibration: time scale {scale:.3f}, request overhead {req * 1000:.1f} ms")
-    return req, scale
+    cv = step_jitter(out / "calibration-real.requests.jsonl")
+    print(f"calibration: time scale {scale:.3f}, request overhead {req * 1000:.1f} ms, "
+          f"step jitter CV {cv:.3f}")  # fmt: skip
+    return req, scale, cv
+
+
+def step_jitter(requests_jsonl: Path) -> float:
+    """Coefficient of variation of the inter-token gaps at concurrency 1 (after the first two
+    tokens): steps of one shape, so their spread is the machine's, not the model's."""
+    gaps: list[float] = []
+    for line in requests_jsonl.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("warmup"):
+            continue
+        times = [t for t, chars in zip(rec["events"], rec["event_chars"], strict=False) if chars]
+        gaps += [b - a for a, b in zip(times[1:], times[2:], strict=False)]
+    if len(gaps) < 2:
+        return 0.0
+    mean = sum(gaps) / len(gaps)
+    var = sum((g - mean) ** 2 for g in gaps) / len(gaps)
+    return var**0.5 / mean if mean > 0 else 0.0
 
 
 def request_overhead(requests_jsonl: Path) -> float:
@@ -305,7 +325,7 @@ def main() -> int:
             (out / "server-cpu-share.json").write_text(json.dumps(shares))
         finally:
             stop_server(proc)
-    req_s, scale = calibrate(a, engine, out) if a.calibrate else (0.0, 1.0)
+    req_s, scale, cv = calibrate(a, engine, out) if a.calibrate else (0.0, 1.0, 0.0)
     share_file = out / "server-cpu-share.json"
     if share_file.exists():
         shares = {int(k): v for k, v in json.loads(share_file.read_text()).items()}
@@ -314,14 +334,15 @@ def main() -> int:
     if a.calibrate:
         variants["calibrated"] = (
             f"sim-calibrated-{tag}",
-            ["--request-overhead-ms", f"{req_s * 1000:.3f}", "--time-scale", f"{scale:.4f}"],
-        )
+            ["--request-overhead-ms", f"{req_s * 1000:.3f}", "--time-scale", f"{scale:.4f}",
+             "--step-jitter", f"{cv:.4f}"],
+        )  # fmt: skip
     if a.calibrate and shares and all(c in shares for c in concs):
         # A cpu-clock profile scaled by the CPU share the server measurably got in each cell
         # (OS accounting, not latencies): the machine's contention, not the model, differs.
         variants["measured CPU share"] = (
             f"sim-share-{tag}",
-            ["--request-overhead-ms", f"{req_s * 1000:.3f}"],
+            ["--request-overhead-ms", f"{req_s * 1000:.3f}", "--step-jitter", f"{cv:.4f}"],
         )
     for name, (stem, extra) in variants.items():
         for c in concs:
@@ -332,7 +353,8 @@ def main() -> int:
                 a.threads, out / f"{stem}-c{c}.log")  # fmt: skip
     report: dict[str, Any] = {"out_dir": str(out), "profile": str(a.profile),
                               "commit": os.environ.get("POISE_COMMIT") or _commit(),
-                              "calibration": {"request_overhead_s": req_s, "time_scale": scale},
+                              "calibration": {"request_overhead_s": req_s, "time_scale": scale,
+                                              "step_jitter_cv": cv},
                               "server_cpu_share": shares,
                               "loads": {c: load_for(c) for c in concs}, "engine": engine,
                               "threads": a.threads}  # fmt: skip

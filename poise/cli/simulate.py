@@ -50,6 +50,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--time-scale", type=float, default=1.0,
         help="Multiply every modelled step time (the machine is busier now than when profiled).",
     )  # fmt: skip
+    g.add_argument(
+        "--step-jitter", type=float, default=0.0, metavar="CV",
+        help="Spread of real step times around the model (coefficient of variation, e.g. 0.15): "
+        "each step gets a seeded lognormal factor of mean 1. 0 (default): deterministic steps.",
+    )  # fmt: skip
     _add_workload_args(parser)
     add_engine_args(parser)
     parser.set_defaults(func=run)
@@ -91,7 +96,11 @@ def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
     step = None if args.step_overhead_ms is None else args.step_overhead_ms / 1000
     if args.profile:
         return load_profile(
-            args.profile, request_overhead_s=req, step_overhead_s=step, time_scale=args.time_scale
+            args.profile,
+            request_overhead_s=req,
+            step_overhead_s=step,
+            time_scale=args.time_scale,
+            step_jitter_cv=args.step_jitter,
         )
     if not args.accelerator:
         raise ValueError("cost model: give --profile FILE (see `poise profile`) or --accelerator")
@@ -100,6 +109,7 @@ def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
         "request_overhead_s": req or 0.0,
         "step_overhead_s": step or 0.0,
         "time_scale": args.time_scale,
+        "step_jitter_cv": args.step_jitter,
     }
     if args.compute_efficiency is not None:
         kw["compute_efficiency"] = args.compute_efficiency

@@ -161,6 +161,9 @@ class CostModel:
     runner-only profile does not see: scheduling, streaming, detokenization).
     ``time_scale`` multiplies every step's modelled time: a machine slower (busier) now than
     when it was profiled, calibrated from one measured load point.
+    ``step_jitter_cv`` is the spread of real step times around the model (coefficient of
+    variation; the simulator draws a seeded lognormal factor per step, see SimExecutor). 0
+    keeps the simulation deterministic step for step.
     """
 
     name: str = "cost-model"
@@ -171,6 +174,7 @@ class CostModel:
     request_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     time_scale: float = 1.0
+    step_jitter_cv: float = 0.0
     provenance: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def step_time(self, shape: StepShape) -> float:
@@ -206,6 +210,7 @@ class CostModel:
             "request_overhead_s": self.request_overhead_s,
             "step_overhead_s": self.step_overhead_s,
             "time_scale": self.time_scale,
+            "step_jitter_cv": self.step_jitter_cv,
             "provenance": self.provenance,
         }
 

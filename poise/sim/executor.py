@@ -9,12 +9,20 @@ request a sampled output length by setting its ``max_tokens``.
 ``RecordingExecutor`` wraps any executor (the real ``ModelRunner`` or a ``SimExecutor``) and
 logs each step's decisions, which is how the parity test compares the two.
 
-Invariants: the clock only moves forward, by exactly ``cost_model.time_for(output)`` per step;
-the token returned is never an EOS id, so EOS never ends a simulated request.
+With ``cost_model.step_jitter_cv`` > 0 each step's time is multiplied by a lognormal factor of
+mean 1 and that coefficient of variation, drawn from ``random.Random(seed)``: a real CPU's
+steps of identical shape do not take identical times, and in a closed loop a deterministic
+simulator keeps every wave of requests in lockstep, so its TTFT p95 collapses onto its p50.
+
+Invariants: the clock only moves forward, by exactly ``cost_model.time_for(output)`` per step
+(times the jitter factor when jitter is on; the same factors for the same seed); the token
+returned is never an EOS id, so EOS never ends a simulated request.
 """
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass, field
 
 from poise.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -33,10 +41,18 @@ def pick_token_id(eos_token_ids: tuple[int, ...] | frozenset[int], vocab_size: i
 
 class SimExecutor:
     def __init__(
-        self, cost_model: CostModel, clock: VirtualClock, token_id: int | None = None
+        self,
+        cost_model: CostModel,
+        clock: VirtualClock,
+        token_id: int | None = None,
+        seed: int = 0,
     ) -> None:
         self.cost_model = cost_model
         self.clock = clock
+        cv = cost_model.step_jitter_cv
+        # Lognormal with mean 1: sigma^2 = ln(1 + cv^2), mu = -sigma^2 / 2.
+        self._sigma = math.sqrt(math.log1p(cv * cv)) if cv > 0 else 0.0
+        self._rng = random.Random(f"step-jitter|{seed}")
         self.token_id = (
             pick_token_id(cost_model.eos_token_ids, cost_model.vocab_size)
             if token_id is None
@@ -47,6 +63,8 @@ class SimExecutor:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         dt = self.cost_model.time_for(scheduler_output)
+        if self._sigma > 0:
+            dt *= math.exp(self._rng.gauss(-self._sigma * self._sigma / 2, self._sigma))
         self.clock.advance(dt)
         self.num_steps += 1
         self.busy_s += dt

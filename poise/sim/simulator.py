@@ -325,7 +325,7 @@ def simulate_cell(
     step's ``StepDecision``.
     """
     clock = VirtualClock(0.0)
-    sim = SimExecutor(cost_model, clock)
+    sim = SimExecutor(cost_model, clock, seed=seed)
     executor: Executor = RecordingExecutor(sim) if record_decisions else sim
     num_blocks = cost_model.num_kv_blocks(engine_config)
     engine = EngineCore(
