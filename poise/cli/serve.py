@@ -47,6 +47,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="On SIGTERM, how long in-flight requests may run before they are aborted. "
         "(default: 30)",
     )
+    server.add_argument(
+        "--step-trace",
+        default=None,
+        metavar="FILE",
+        help="Write every engine step (its batch shape, wall and CPU time of the forward) to "
+        "FILE as JSON lines: to check a `poise profile` cost model against real traffic. "
+        "(default: off)",
+    )
     add_engine_args(parser, positional_model=True)
     parser.set_defaults(func=run)
 
@@ -65,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         served_model_names=list(args.served_model_name or []),
         log_interval_s=args.log_interval,
         shutdown_grace_s=args.shutdown_grace_period,
+        step_trace=args.step_trace,
     )
     state = build_state_from_config(config, settings)
     return serve(state, settings)

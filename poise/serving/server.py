@@ -35,6 +35,8 @@ class ServerSettings:
     log_interval_s: float = 10.0
     shutdown_grace_s: float = 30.0
     uvicorn_log_level: str = "warning"
+    # A JSON-lines step trace (poise.sim.trace): each engine step's shape and duration.
+    step_trace: str | None = None
 
 
 def build_state(
@@ -63,6 +65,9 @@ def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> S
 
     core, info = build_engine(config)
     name = info.model_name
+    if settings.step_trace:
+        install_step_trace(core, settings.step_trace, model=name, dtype=str(info.dtype),
+                           device=str(info.device), num_threads=config.model.num_threads)  # fmt: skip
     logger.info(
         "model %s: vocab %d, max_model_len %d, %d KV blocks of %d tokens, %s on %s",
         name, info.vocab_size, core.max_model_len, info.num_kv_blocks, info.block_size,
@@ -77,6 +82,15 @@ def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> S
         max_num_queued_requests=config.scheduler.max_num_queued_requests,
         log_interval_s=settings.log_interval_s,
     )
+
+
+def install_step_trace(core: Any, path: str, **provenance: Any) -> None:
+    """Wrap the engine's executor so that every step is written to ``path`` (a step trace)."""
+    from poise.sim.trace import StepTraceWriter, TracingExecutor
+
+    writer = StepTraceWriter(path, source="poise serve", **provenance)
+    core.executor = TracingExecutor(core.executor, writer)
+    logger.info("step trace: writing every engine step to %s", path)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -36,7 +36,7 @@ def server(
         str(tiny_model_dir), "--served-model-name", "tiny", "--dtype", "float32",
         "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64",
         "--max-num-batched-tokens", "1024", "--kv-cache-memory-bytes", "32MiB",
-        "--log-interval", "1",
+        "--log-interval", "1", "--step-trace", str(log.parent / "steps.jsonl"),
     ]  # fmt: skip
     proc = ServerProcess(args, log).wait_ready()
     yield proc
@@ -57,6 +57,30 @@ def test_info_endpoints(server: ServerProcess, client: openai.OpenAI) -> None:
     for path in ("/health", "/ready", "/version"):
         assert httpx.get(server.base_url + path).status_code == 200
     assert "poise:num_requests_running" in _metrics(server)
+
+
+def test_step_trace_records_each_step_of_a_request(
+    server: ServerProcess, client: openai.OpenAI, smol_tokenizer: Any
+) -> None:
+    from poise.sim.trace import read_trace
+
+    path = server.log_path.parent / "steps.jsonl"
+    _, before = read_trace(path)
+    client.completions.create(
+        model="tiny", prompt="step trace " * 7, max_tokens=5, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    n_prompt = len(smol_tokenizer.encode("step trace " * 7))
+    header, after = read_trace(path)
+    new = after[len(before) :]
+    assert header["source"] == "poise serve" and header["model"]
+    # One prefill step that samples the first token, then one decode step per further token.
+    assert [(s.shape.num_prefill_tokens, s.shape.num_decode_seqs) for s in new] == [
+        (n_prompt, 0), (0, 1), (0, 1), (0, 1), (0, 1)
+    ]  # fmt: skip
+    assert [s.shape.decode_ctx_tokens for s in new[1:]] == [n_prompt + i for i in range(1, 5)]
+    assert all(s.cpu_s is not None and 0 < s.cpu_s <= s.wall_s + 0.002 for s in new)
+    assert all(a.start_s < b.start_s for a, b in zip(new, new[1:], strict=False))
 
 
 def test_chat_stream_and_non_stream_agree_and_usage_is_real(
