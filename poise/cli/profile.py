@@ -71,6 +71,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Fit a profile's stored samples again (no measuring) and write it to -o "
         "(default: in place).",
     )
+    parser.add_argument(
+        "--merge",
+        metavar="PROFILE",
+        nargs="+",
+        default=None,
+        help="Merge profiles of the same grid measured at different times (median time per "
+        "shape, then refit) and write the result to -o: a profile of the whole window.",
+    )
     add_engine_args(parser, positional_model=True)
     parser.set_defaults(func=run)
 
@@ -124,9 +132,30 @@ def _provenance(args: argparse.Namespace, info: Any, grid: str, threads: int) ->
     }
 
 
+def merge(paths: list[str], output: str | None) -> int:
+    import json
+
+    from poise.sim.fit import merge_profiles, save_profile
+
+    if not output:
+        print("poise profile: error: --merge needs -o OUTPUT", file=sys.stderr)
+        return 2
+    try:
+        record = merge_profiles([json.loads(Path(p).read_text()) for p in paths])
+    except (OSError, ValueError) as exc:
+        print(f"poise profile: error: {exc}", file=sys.stderr)
+        return 2
+    out = save_profile(record, output)
+    _print_summary(record["coefficients"], record["fit"], float(record["step_overhead_s"]))
+    print(f"profile: {out} (merged from {len(paths)})")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.refit:
         return refit(args.refit, args.output)
+    if args.merge:
+        return merge(args.merge, args.output)
     import torch
 
     from poise.runner.factory import create_model_runner

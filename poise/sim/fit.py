@@ -201,6 +201,52 @@ def save_profile(record: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
+def merge_profiles(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One profile from several measurements of the same grid (e.g. taken before, between and
+    after the loads they will be compared with): each sample's time is the median over the
+    profiles that measured that shape, then the model is fitted again.
+
+    Why: on a shared machine the speed drifts by tens of percent over minutes; profiles taken
+    across a run's whole window describe that window, one taken at its start does not.
+    """
+    if not records:
+        raise ValueError("merge: no profiles given")
+    first = records[0]
+    for rec in records:
+        if rec.get("kind") != PROFILE_KIND:
+            raise ValueError("merge: not a profile record")
+        for key in ("model", "vocab_size", "kv_bytes_per_token"):
+            if rec.get(key) != first.get(key):
+                raise ValueError(f"merge: profiles differ in {key!r}")
+    times: dict[tuple[tuple[str, int], ...], list[float]] = {}
+    for rec in records:
+        for d in rec["samples"]:
+            shape = StepShape.from_dict(d)
+            times.setdefault(tuple(sorted(shape.to_dict().items())), []).append(float(d["time_s"]))
+    samples = [(StepShape(**dict(key)), _median(ts)) for key, ts in times.items()]
+    coefficients, fit, knee = fit_with_knee(samples)
+    merged = dict(first)
+    merged.update(
+        coefficients=coefficients,
+        features=list(coefficients),
+        fit=fit.to_dict(),
+        decode_padded_knee=knee,
+        step_overhead_s=_median([float(r.get("step_overhead_s", 0.0)) for r in records]),
+        samples=[{**s.to_dict(), "time_s": t} for s, t in samples],
+    )
+    merged["provenance"] = {
+        **first.get("provenance", {}),
+        "merged_from": [r.get("provenance", {}).get("created") for r in records],
+    }
+    return merged
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
 def load_profile(
     path: str | Path,
     *,

@@ -13,6 +13,7 @@ from poise.sim.fit import (
     fit_with_knee,
     least_squares,
     load_profile,
+    merge_profiles,
     profile_record,
     save_profile,
     solve,
@@ -156,3 +157,42 @@ def test_profile_file_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-d
     assert model.num_kv_blocks(config) == (1 << 24) // (16 * 4096)
     assert model.max_model_len(EngineConfig.from_kwargs(max_model_len=4096)) == 2048
     assert model.eos_token_ids == (2,)
+
+
+def _record(samples: list[tuple[StepShape, float]], created: str) -> dict[str, object]:
+    coef, q = fit_step_costs(samples)
+    return profile_record(
+        model="tiny", coefficients=coef, fit=q, samples=samples, vocab_size=1000,
+        max_model_len=2048, kv_bytes_per_token=4096, provenance={"created": created},
+    )  # fmt: skip
+
+
+def test_merge_takes_the_median_time_of_each_shape_and_refits() -> None:
+    rng = random.Random(7)
+    grid = list(dict.fromkeys(_grid()))  # distinct shapes
+    # Three profiles of a drifting machine: 0.8x, 1.0x and 1.5x slow, each with noise; one of
+    # them also misses a shape. The merge is the 1.0x machine, within the noise.
+    records = [
+        _record([(s, _truth(s) * f * rng.uniform(0.99, 1.01)) for s in grid[k:]], f"t{k}")
+        for k, f in ((0, 0.8), (1, 1.0), (0, 1.5))
+    ]
+    merged = merge_profiles(records)
+    assert len(merged["samples"]) == len(grid)
+    times = {StepShape.from_dict(d): d["time_s"] for d in merged["samples"]}
+    assert times[grid[5]] == pytest.approx(_truth(grid[5]), rel=0.02)
+    # The shape only two profiles measured: the mean of its two times (0.8x and 1.5x).
+    assert times[grid[0]] == pytest.approx(_truth(grid[0]) * 1.15, rel=0.02)
+    assert merged["fit"]["mape"] < 0.05
+    assert merged["provenance"]["merged_from"] == ["t0", "t1", "t0"]
+    for s in grid[1::7]:
+        pred = sum(
+            merged["coefficients"][f] * x for f, x in zip(FEATURES, s.features(), strict=True)
+        )
+        assert pred == pytest.approx(_truth(s), rel=0.1)
+
+
+def test_merge_refuses_profiles_of_different_models() -> None:
+    a = _record([(s, _truth(s)) for s in _grid()], "a")
+    b = {**a, "kv_bytes_per_token": 8192}
+    with pytest.raises(ValueError, match="kv_bytes_per_token"):
+        merge_profiles([a, b])
