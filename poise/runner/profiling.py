@@ -97,6 +97,11 @@ def build_grid(
         raw.append(GridPoint(16, 48, g["batch"][1], ctx_mid, chunks=k))
     for k in (4, 8):
         raw.append(GridPoint(16, ctx_max, g["batch"][1], ctx_mid, shared=True, chunks=k))
+    # A chat prompt whose system prompt is cached: one short chunk after a block or two, alone
+    # and beside decodes (the first step of most requests under prefix caching). Small chunks
+    # cost more per token than big ones, which a grid of whole prompts and bursts misses.
+    raw.append(GridPoint(48, 16, 0, 0))
+    raw.append(GridPoint(32, 32, g["batch"][1], ctx_mid, chunks=2))
     out: list[GridPoint] = []
     for p in raw:
         q = _shrink(p, max_tokens, max_seqs, capacity_tokens, max_len)

@@ -14,7 +14,8 @@ answers that the Prometheus histograms cannot:
   loop) or run slow (CPU time itself inflated: a busy core, a cold cache).
 
 File format: a first line ``{"kind": "poise-step-trace", "version": 1, ...provenance}``,
-then one object per step: ``start_s`` (seconds since the trace opened), ``wall_s``,
+a line ``{"clock_origin_s": T}`` (where ``start_s`` 0 is on the tracing clock; ``read_trace``
+folds it into the header), then one object per step: ``start_s`` (seconds since the trace opened), ``wall_s``,
 ``cpu_s`` (absent for simulated traces) and the ``StepShape`` fields.
 
 Invariants: tracing never changes what the inner executor returns; a step is written after it
@@ -57,6 +58,11 @@ class StepTraceWriter:
         self._f.write(json.dumps({"kind": TRACE_KIND, "version": TRACE_VERSION, **provenance}))
         self._f.write("\n")
 
+    def note_origin(self, origin: float) -> None:
+        """Record where ``start_s`` 0 is on the tracing clock (a line of its own)."""
+        if self._f is not None:
+            self._f.write(json.dumps({"clock_origin_s": origin}) + "\n")
+
     def write(self, start_s: float, wall_s: float, cpu_s: float | None, shape: StepShape) -> None:
         if self._f is None:
             return
@@ -92,6 +98,9 @@ class TracingExecutor:
         self.clock = clock
         self.cpu_clock = cpu_clock
         self._origin = clock()
+        # The origin on the clock itself: with the default clock (CLOCK_MONOTONIC, shared by
+        # every process on the host) a client's timestamps can be placed on the trace.
+        writer.note_origin(self._origin)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         shape = StepShape.from_output(scheduler_output)
@@ -117,6 +126,9 @@ def read_trace(path: str | Path) -> tuple[dict[str, Any], list[TracedStep]]:
         if not line.strip():
             continue
         d = json.loads(line)
+        if "clock_origin_s" in d:
+            header.setdefault("clock_origin_s", d["clock_origin_s"])
+            continue
         steps.append(
             TracedStep(
                 start_s=float(d["start_s"]),

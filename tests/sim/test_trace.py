@@ -56,7 +56,7 @@ def test_trace_has_every_step_and_does_not_change_decisions(tmp_path: Path) -> N
     assert recorder.decisions == untraced.decisions
 
     header, steps = read_trace(path)
-    assert header["source"] == "test"
+    assert header["source"] == "test" and header["clock_origin_s"] == 0.0
     assert len(steps) == len(recorder.decisions) > 10
     for step, decision in zip(steps, recorder.decisions, strict=True):
         assert step.shape.num_tokens == sum(n for _, _, n in decision.scheduled)
