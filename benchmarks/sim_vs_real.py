@@ -299,6 +299,42 @@ def spread_table(real: dict[int, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def by_class(paths: list[Path]) -> dict[str, dict[str, float]]:
+    """Per request class: admission (send to response headers: the way in plus the wait for
+    the step under way) and TTFT, p50 in ms, over the measured requests of ``paths``."""
+    from poise.bench.metrics import derive, percentile
+
+    out: dict[str, dict[str, list[float]]] = {}
+    for p in paths:
+        for r in records_of(p):
+            if r.warmup or not r.ok:
+                continue
+            d = out.setdefault(r.class_name, {"header": [], "ttft": []})
+            if r.header is not None:
+                d["header"].append((r.header - r.start) * 1000)
+            ttft = derive(r).ttft
+            if ttft is not None:
+                d["ttft"].append(ttft * 1000)
+    return {
+        cls: {k: percentile(v, 50) or float("nan") for k, v in d.items()} | {"n": len(d["ttft"])}
+        for cls, d in sorted(out.items())
+    }
+
+
+def class_table(title: str, rows: dict[int, tuple[dict[str, Any], dict[str, Any]]]) -> str:
+    lines = [f"### {title}", "",
+             "| c | class | n | admission p50 real / sim (ms) | TTFT p50 real / sim (ms) |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for c, (real, sim) in rows.items():
+        for cls, r in real.items():
+            s = sim.get(cls, {})
+            lines.append(
+                f"| {c} | {cls} | {r['n']} | {r['header']:.0f} / {s.get('header', float('nan')):.0f}"
+                f" | {r['ttft']:.0f} / {s.get('ttft', float('nan')):.0f} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -491,6 +527,14 @@ def main() -> int:
         report[name] = {"rows": rows, "within_tolerance": ok, "sim_requests_per_wall_s": speeds,
                         "flags": extra}  # fmt: skip
         md += [table(f"{name}: {'PASS' if ok else 'FAIL'} at ±{a.tolerance:.0%}", rows), ""]
+        if tag == "trace":
+            classes = {
+                c: (by_class([out / f"real-c{c}-r{r}.yaml" for r in rounds]),
+                    by_class([out / f"sim-{tag}-{a.profile.stem}-c{c}.yaml"]))
+                for c in concs
+            }  # fmt: skip
+            report[name]["by_class"] = classes
+            md += [class_table(f"{name}, by request class", classes), ""]
         if not name.startswith("diagnostic"):
             all_ok = all_ok and ok
     report["wall_s"] = round(time.monotonic() - t0, 1)

@@ -30,6 +30,9 @@ def _records(result: Any) -> list[Any]:
         )  # fmt: skip
         if n == 0:
             rec.end = r.finished
+        # poise serve sends response headers when the engine takes a request, at a step
+        # boundary; the simulated equivalent is the start of its first step.
+        rec.header = r.first_scheduled
         out.append(rec)
     return out
 

@@ -54,7 +54,15 @@ def test_simulate_cli_writes_a_simulated_record(tmp_path: Path) -> None:
         assert ov["num_ok"] == 24 and ov["ttft_ms"]["p50"] > 2.0
         assert c["server"]["sim"]["steps"] > 0
     assert rec["provenance"]["simulated_requests"] == (4 + 24) + (8 + 24)  # warmup = concurrency
-    assert (tmp_path / "sim.requests.jsonl").exists()
+    # Each simulated request carries a header time (when the engine took it, as poise serve
+    # sends headers): after the send plus the request overhead, no later than its first token.
+    import json
+
+    lines = (tmp_path / "sim.requests.jsonl").read_text().splitlines()
+    recs = [json.loads(line) for line in lines]
+    assert recs and all(
+        r["start"] + 0.002 - 1e-9 <= r["header"] <= r["events"][0] for r in recs
+    )
 
 
 def test_simulate_cli_needs_a_cost_model(capsys: pytest.CaptureFixture[str]) -> None:
