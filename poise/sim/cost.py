@@ -161,11 +161,10 @@ class CostModel:
     runner-only profile does not see: scheduling, streaming, detokenization).
     ``time_scale`` multiplies every step's modelled time: a machine slower (busier) now than
     when it was profiled, calibrated from one measured load point.
-    ``prefill_chunk_overhead_s`` is added per prefill chunk (a scheduled request with more than
-    one token) in a step: in the engine a request's first step costs more than the profile's
-    hand-built chunk of the same shape (measured from step traces: ~5-8 ms per chunk on this
-    CPU, whether the step has 1 chunk or 25), calibrated from a concurrency-1 cell's prefill
-    steps, which carry exactly one chunk each.
+    ``prefill_step_scale`` multiplies (on top of ``time_scale``) the time of steps that carry
+    prefill chunks: on a busy CPU a new request's first step runs slower against the profile
+    than the decode steps around it (measured: +8-10 %, from the step trace of a
+    concurrency-1 cell, whose prefill steps are exactly those).
     ``step_jitter_cv`` is the spread of real step times around the model (coefficient of
     variation; the simulator draws a seeded lognormal factor per step, see SimExecutor). 0
     keeps the simulation deterministic step for step.
@@ -179,7 +178,7 @@ class CostModel:
     request_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     time_scale: float = 1.0
-    prefill_chunk_overhead_s: float = 0.0
+    prefill_step_scale: float = 1.0
     step_jitter_cv: float = 0.0
     provenance: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -188,12 +187,10 @@ class CostModel:
 
     def time_for(self, out: SchedulerOutput) -> float:
         shape = StepShape.from_output(out)
-        chunks = shape.num_seqs - shape.num_decode_seqs
-        return (
-            self.time_scale * self.step_time(shape)
-            + self.step_overhead_s
-            + chunks * self.prefill_chunk_overhead_s
-        )
+        t = self.step_time(shape)
+        if shape.num_prefill_tokens:
+            t *= self.prefill_step_scale
+        return self.time_scale * t + self.step_overhead_s
 
     def kv_budget_bytes(self, config: EngineConfig) -> int:
         """Bytes the KV pool may take (the runner's rule on CPU: an explicit budget or 1 GiB)."""
@@ -221,7 +218,7 @@ class CostModel:
             "request_overhead_s": self.request_overhead_s,
             "step_overhead_s": self.step_overhead_s,
             "time_scale": self.time_scale,
-            "prefill_chunk_overhead_s": self.prefill_chunk_overhead_s,
+            "prefill_step_scale": self.prefill_step_scale,
             "step_jitter_cv": self.step_jitter_cv,
             "provenance": self.provenance,
         }
