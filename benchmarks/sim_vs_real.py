@@ -19,9 +19,8 @@ the run is built so that the profile and the measurements see the same machine:
    predictions for the same steps: how fast the machine really was under each load.
 4. Simulations of the same matrix (as many measured requests as all rounds together):
    *profile only*; *calibrated*, with the request overhead (median response-header latency at
-   c=1), the step jitter (CV of the c=1 inter-token gaps) and a time scale from the c=1 cell:
-   its TPOT ratio, its step-trace ratio, or the step trace split into a decode-step scale and
-   a factor for prefill steps on top. Calibration never reads a compared cell. A
+   c=1), the step jitter (CV of the c=1 inter-token gaps) and a time scale from the c=1 cell,
+   either its TPOT ratio or its step-trace ratio. Calibration never reads a compared cell. A
    last variant, marked *diagnostic*, scales each cell by its own step-trace ratio: not a
    prediction, but what is left of the error once step times are right (the scheduling and
    queueing part).
@@ -482,33 +481,18 @@ def main() -> int:
         real_cal, sim_cal = pooled_metrics(cal_paths), pooled_metrics([cal_sim])
         tpot_scale = real_cal["p50_tpot_ms"] / sim_cal["p50_tpot_ms"]
         trace_scale = speed["cal"]["ratio"]
-        # The same c=1 steps split in two: decode steps set the time scale, the prefill steps
-        # (every request's first) their own factor on top.
-        cal_steps = trace_steps(trace, spans["cal"])
-        decode_ratio = predicted_vs_measured(
-            model, [x for x in cal_steps if not x.shape.num_prefill_tokens]
-        ).ratio
-        prefill_ratio = predicted_vs_measured(
-            model, [x for x in cal_steps if x.shape.num_prefill_tokens]
-        ).ratio
-        prefill_scale = prefill_ratio / decode_ratio
         common = ["--request-overhead-ms", f"{req_s * 1000:.3f}", "--step-jitter", f"{cv:.4f}"]
         variants += [
             ("calibrated (c=1 TPOT scale)", "tpot", [*common, "--time-scale", f"{tpot_scale:.4f}"]),
             ("calibrated (c=1 step-trace scale)", "trace",
              [*common, "--time-scale", f"{trace_scale:.4f}"]),
-            ("calibrated (c=1 step trace: decode scale, prefill-step scale)", "split",
-             [*common, "--time-scale", f"{decode_ratio:.4f}",
-              "--prefill-step-scale", f"{prefill_scale:.4f}"]),
         ]  # fmt: skip
         report["calibration"] = {
             "request_overhead_s": req_s, "step_jitter_cv": cv, "tpot_scale": tpot_scale,
-            "trace_scale": trace_scale, "decode_scale": decode_ratio,
-            "prefill_step_scale": prefill_scale, "real_c1": real_cal, "sim_c1": sim_cal,
+            "trace_scale": trace_scale, "real_c1": real_cal, "sim_c1": sim_cal,
         }  # fmt: skip
         print(f"calibration: request overhead {req_s * 1000:.1f} ms, step jitter CV {cv:.3f}, "
-              f"time scale {tpot_scale:.3f} (TPOT) / {trace_scale:.3f} (step trace; decode "
-              f"{decode_ratio:.3f}, prefill steps x{prefill_scale:.3f})")  # fmt: skip
+              f"time scale {tpot_scale:.3f} (TPOT) / {trace_scale:.3f} (step trace)")  # fmt: skip
         # Not a prediction: each cell simulated with its own measured step-time ratio. What is
         # left is the scheduler-and-queueing part of the error, with step times made right.
         variants.append(("diagnostic: each cell's own step-trace scale", "oracle", common))
@@ -543,7 +527,7 @@ def main() -> int:
         report[name] = {"rows": rows, "within_tolerance": ok, "sim_requests_per_wall_s": speeds,
                         "flags": extra}  # fmt: skip
         md += [table(f"{name}: {'PASS' if ok else 'FAIL'} at ±{a.tolerance:.0%}", rows), ""]
-        if tag == "split":
+        if tag == "trace":
             classes = {
                 c: (by_class([out / f"real-c{c}-r{r}.yaml" for r in rounds]),
                     by_class([out / f"sim-{tag}-{a.profile.stem}-c{c}.yaml"]))

@@ -51,11 +51,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Multiply every modelled step time (the machine is busier now than when profiled).",
     )  # fmt: skip
     g.add_argument(
-        "--prefill-step-scale", type=float, default=1.0,
-        help="Multiply, on top of --time-scale, the steps that carry prefill chunks (a new "
-        "request's first step runs slower than the decodes around it on a busy CPU).",
-    )  # fmt: skip
-    g.add_argument(
         "--step-jitter", type=float, default=0.0, metavar="CV",
         help="Spread of real step times around the model (coefficient of variation, e.g. 0.15): "
         "each step gets a seeded lognormal factor of mean 1. 0 (default): deterministic steps.",
@@ -105,7 +100,6 @@ def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
             request_overhead_s=req,
             step_overhead_s=step,
             time_scale=args.time_scale,
-            prefill_step_scale=args.prefill_step_scale,
             step_jitter_cv=args.step_jitter,
         )
     if not args.accelerator:
@@ -115,7 +109,6 @@ def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
         "request_overhead_s": req or 0.0,
         "step_overhead_s": step or 0.0,
         "time_scale": args.time_scale,
-        "prefill_step_scale": args.prefill_step_scale,
         "step_jitter_cv": args.step_jitter,
     }
     if args.compute_efficiency is not None:

@@ -161,10 +161,6 @@ class CostModel:
     runner-only profile does not see: scheduling, streaming, detokenization).
     ``time_scale`` multiplies every step's modelled time: a machine slower (busier) now than
     when it was profiled, calibrated from one measured load point.
-    ``prefill_step_scale`` multiplies (on top of ``time_scale``) the time of steps that carry
-    prefill chunks: on a busy CPU a new request's first step runs slower against the profile
-    than the decode steps around it (measured: +8-10 %, from the step trace of a
-    concurrency-1 cell, whose prefill steps are exactly those).
     ``step_jitter_cv`` is the spread of real step times around the model (coefficient of
     variation; the simulator draws a seeded lognormal factor per step, see SimExecutor). 0
     keeps the simulation deterministic step for step.
@@ -178,7 +174,6 @@ class CostModel:
     request_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     time_scale: float = 1.0
-    prefill_step_scale: float = 1.0
     step_jitter_cv: float = 0.0
     provenance: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -186,10 +181,7 @@ class CostModel:
         raise NotImplementedError
 
     def time_for(self, out: SchedulerOutput) -> float:
-        shape = StepShape.from_output(out)
-        t = self.step_time(shape)
-        if shape.num_prefill_tokens:
-            t *= self.prefill_step_scale
+        t = self.step_time(StepShape.from_output(out))
         return self.time_scale * t + self.step_overhead_s
 
     def kv_budget_bytes(self, config: EngineConfig) -> int:
@@ -218,7 +210,6 @@ class CostModel:
             "request_overhead_s": self.request_overhead_s,
             "step_overhead_s": self.step_overhead_s,
             "time_scale": self.time_scale,
-            "prefill_step_scale": self.prefill_step_scale,
             "step_jitter_cv": self.step_jitter_cv,
             "provenance": self.provenance,
         }

@@ -253,7 +253,6 @@ def load_profile(
     request_overhead_s: float | None = None,
     step_overhead_s: float | None = None,
     time_scale: float = 1.0,
-    prefill_step_scale: float = 1.0,
     step_jitter_cv: float = 0.0,
 ) -> LinearCostModel:
     """A ``LinearCostModel`` from a profile file; the overhead terms can be overridden."""
@@ -274,7 +273,6 @@ def load_profile(
         request_overhead_s=float(req),
         step_overhead_s=float(step),
         time_scale=time_scale,
-        prefill_step_scale=prefill_step_scale,
         step_jitter_cv=step_jitter_cv,
         provenance={**data.get("provenance", {}), "profile_file": str(path), "fit": data["fit"]},
     )

@@ -192,16 +192,3 @@ def test_cached_chunk_rule_matches_the_cpu_kernel() -> None:
     from poise.sim.cost import CACHED_CHUNK_ROWS_MAX
 
     assert CpuPagedAttentionBackend.MAX_KERNEL_CHUNK == CACHED_CHUNK_ROWS_MAX
-
-
-def test_scales_apply_to_every_step_and_prefill_scale_to_prefill_steps_only() -> None:
-    import dataclasses
-
-    base = FixedCostModel(step_s=0.01, per_token_s=0.001, step_overhead_s=0.002)
-    scaled = dataclasses.replace(base, time_scale=1.5, prefill_step_scale=1.2)
-    decode = SchedulerOutput(step_id=0, scheduled=[_sr("a", 1, 50), _sr("b", 1, 9)])
-    mixed = SchedulerOutput(step_id=1, scheduled=[_sr("a", 1, 50), _sr("c", 30, 0)])
-    assert base.time_for(decode) == pytest.approx(0.012 + 0.002)
-    assert scaled.time_for(decode) == pytest.approx(1.5 * 0.012 + 0.002)
-    assert scaled.time_for(mixed) == pytest.approx(1.5 * 1.2 * (0.01 + 0.031) + 0.002)
-    assert scaled.describe()["prefill_step_scale"] == 1.2
