@@ -176,10 +176,31 @@ def _add_record_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true")
 
 
+def workload_fields(args: argparse.Namespace, concurrency: Any) -> dict[str, Any]:
+    """The BenchConfig fields that describe the load and the workload, from the flags that
+    `poise bench` and `poise simulate` share (so both read them the same way)."""
+    from poise.bench.config import parse_class
+
+    return {
+        "concurrency": concurrency,
+        "request_rate": args.request_rate or (math.inf,),
+        "burstiness": args.burstiness,
+        "long_ratio": args.long_ratio,
+        "max_tokens": args.max_tokens,
+        "classes": tuple(parse_class(c, args.max_tokens) for c in args.classes),
+        "jsonl": args.jsonl,
+        "num_requests": args.num_requests,
+        "duration": args.duration,
+        "warmup": args.warmup,
+        "salt": None if args.salt in ("none", "") else args.salt,
+        "salt_scope": args.salt_scope,
+    }
+
+
 def config_from_args(args: argparse.Namespace) -> Any:
     import yaml
 
-    from poise.bench.config import BenchConfig, parse_class
+    from poise.bench.config import BenchConfig
 
     server_args = {}
     for item in args.server_arg:
@@ -188,25 +209,13 @@ def config_from_args(args: argparse.Namespace) -> Any:
     rates = args.request_rate or (math.inf,)
     closed = any(math.isinf(r) for r in rates)
     concurrency = args.concurrency if args.concurrency is not None else ((8,) if closed else ())
-    salt = None if args.salt in ("none", "") else args.salt
     return BenchConfig(
         base_url=args.base_url,
         model=args.model,
         api_key=args.api_key,
-        concurrency=concurrency,
-        request_rate=rates,
-        burstiness=args.burstiness,
-        long_ratio=args.long_ratio,
-        max_tokens=args.max_tokens,
-        classes=tuple(parse_class(c, args.max_tokens) for c in args.classes),
-        jsonl=args.jsonl,
-        num_requests=args.num_requests,
-        duration=args.duration,
-        warmup=args.warmup,
+        **workload_fields(args, concurrency),
         timeout_s=args.timeout,
         seed=args.seed,
-        salt=salt,
-        salt_scope=args.salt_scope,
         ignore_eos=not args.no_ignore_eos,
         temperature=args.temperature,
         slo_ttft_ms=args.slo_ttft_ms[0],

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import math
 import shlex
 import sys
 from pathlib import Path
@@ -149,30 +148,19 @@ def prompt_lengths(tokenizer: str | None) -> Any:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from poise.bench.config import BenchConfig, parse_class
+    from poise.bench.config import BenchConfig
     from poise.bench.report import print_record
+    from poise.cli.bench import workload_fields
     from poise.lab.sim_bridge import simulate_matrix
 
     try:
         engine_config = engine_config_from_args(args)
         cost_model = cost_model_from_args(args, engine_config)
-        salt = None if args.salt in ("none", "") else args.salt
         cfg = BenchConfig(
             base_url="simulated://",
             model=cost_model.name,
-            concurrency=args.concurrency,
-            request_rate=args.request_rate or (math.inf,),
-            burstiness=args.burstiness,
-            long_ratio=args.long_ratio,
-            max_tokens=args.max_tokens,
-            classes=tuple(parse_class(c, args.max_tokens) for c in args.classes),
-            jsonl=args.jsonl,
-            num_requests=args.num_requests,
-            duration=args.duration,
-            warmup=args.warmup,
+            **workload_fields(args, args.concurrency),
             seed=engine_config.model.seed,
-            salt=salt,
-            salt_scope=args.salt_scope,
             slo_ttft_ms=args.slo_ttft_ms,
             slo_tpot_ms=args.slo_tpot_ms,
             scrape=False,

@@ -15,8 +15,8 @@ answers that the Prometheus histograms cannot:
 
 File format: a first line ``{"kind": "poise-step-trace", "version": 1, ...provenance}``,
 a line ``{"clock_origin_s": T}`` (where ``start_s`` 0 is on the tracing clock; ``read_trace``
-folds it into the header), then one object per step: ``start_s`` (seconds since the trace opened), ``wall_s``,
-``cpu_s`` (absent for simulated traces) and the ``StepShape`` fields.
+folds it into the header), then one object per step: ``start_s`` (seconds since the trace
+opened), ``wall_s``, ``cpu_s`` (absent for simulated traces) and the ``StepShape`` fields.
 
 Invariants: tracing never changes what the inner executor returns; a step is written after it
 ran (a step that raised is not written); lines are flushed as written, so a trace of a server
