@@ -226,6 +226,15 @@ def step_jitter(paths: list[Path]) -> float:
     return var**0.5 / mean if mean > 0 else 0.0
 
 
+def request_overhead_cv(paths: list[Path]) -> float:
+    """Coefficient of variation of the response-header latency at concurrency 1."""
+    gaps = [r.header - r.start for p in paths for r in records_of(p)
+            if not r.warmup and r.header is not None]  # fmt: skip
+    if len(gaps) < 2:
+        return 0.0
+    return statistics.pstdev(gaps) / statistics.mean(gaps)
+
+
 def request_overhead(paths: list[Path]) -> float:
     """Median seconds from sending a request to its response headers, at concurrency 1.
 
@@ -507,17 +516,21 @@ def main() -> int:
         real_cal, sim_cal = pooled_metrics(cal_paths), pooled_metrics([cal_sim])
         tpot_scale = real_cal["p50_tpot_ms"] / sim_cal["p50_tpot_ms"]
         trace_scale = speed["cal"]["ratio"]
-        common = ["--request-overhead-ms", f"{req_s * 1000:.3f}", "--step-jitter", f"{cv:.4f}"]
+        req_cv = request_overhead_cv(cal_paths)
+        common = ["--request-overhead-ms", f"{req_s * 1000:.3f}", "--step-jitter", f"{cv:.4f}",
+                  "--request-overhead-cv", f"{req_cv:.4f}"]  # fmt: skip
         variants += [
             ("calibrated (c=1 TPOT scale)", "tpot", [*common, "--time-scale", f"{tpot_scale:.4f}"]),
             ("calibrated (c=1 step-trace scale)", "trace",
              [*common, "--time-scale", f"{trace_scale:.4f}"]),
         ]  # fmt: skip
         report["calibration"] = {
-            "request_overhead_s": req_s, "step_jitter_cv": cv, "tpot_scale": tpot_scale,
-            "trace_scale": trace_scale, "real_c1": real_cal, "sim_c1": sim_cal,
+            "request_overhead_s": req_s, "request_overhead_cv": req_cv, "step_jitter_cv": cv,
+            "tpot_scale": tpot_scale, "trace_scale": trace_scale, "real_c1": real_cal,
+            "sim_c1": sim_cal,
         }  # fmt: skip
-        print(f"calibration: request overhead {req_s * 1000:.1f} ms, step jitter CV {cv:.3f}, "
+        print(f"calibration: request overhead {req_s * 1000:.1f} ms (CV {req_cv:.2f}), "
+              f"step jitter CV {cv:.3f}, "
               f"time scale {tpot_scale:.3f} (TPOT) / {trace_scale:.3f} (step trace)")  # fmt: skip
         # Not a prediction: each cell simulated with its own measured step-time ratio. What is
         # left is the scheduler-and-queueing part of the error, with step times made right.

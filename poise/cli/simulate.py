@@ -42,6 +42,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Per-request time before the engine sees it (HTTP, template, tokenize).",
     )  # fmt: skip
     g.add_argument(
+        "--request-overhead-cv", type=float, default=0.0, metavar="CV",
+        help="Spread of the request overhead (coefficient of variation; seeded lognormal): "
+        "requests sent together reach the engine in a random order. (default: 0)",
+    )  # fmt: skip
+    g.add_argument(
         "--step-overhead-ms", type=float, default=None,
         help="Per-step engine-loop time outside the forward (default: the profile's).",
     )  # fmt: skip
@@ -99,6 +104,7 @@ def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
             request_overhead_s=req,
             step_overhead_s=step,
             time_scale=args.time_scale,
+            request_overhead_cv=args.request_overhead_cv,
             step_jitter_cv=args.step_jitter,
         )
     if not args.accelerator:
@@ -108,6 +114,7 @@ def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
         "request_overhead_s": req or 0.0,
         "step_overhead_s": step or 0.0,
         "time_scale": args.time_scale,
+        "request_overhead_cv": args.request_overhead_cv,
         "step_jitter_cv": args.step_jitter,
     }
     if args.compute_efficiency is not None:

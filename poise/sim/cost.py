@@ -157,6 +157,8 @@ class CostModel:
     ``request_overhead_s`` is time a request spends before the engine sees it (HTTP parsing,
     chat template, tokenization in the server); the simulator delays each arrival into the
     engine by it while still measuring TTFT from the client's send time.
+    ``request_overhead_cv`` spreads that overhead per request (a seeded lognormal draw of
+    mean ``request_overhead_s``; 0: every request takes exactly the mean).
     ``step_overhead_s`` is added to every step (engine-loop work around the forward that a
     runner-only profile does not see: scheduling, streaming, detokenization).
     ``time_scale`` multiplies every step's modelled time: a machine slower (busier) now than
@@ -172,6 +174,7 @@ class CostModel:
     eos_token_ids: tuple[int, ...] = ()
     kv_bytes_per_token: int = 0
     request_overhead_s: float = 0.0
+    request_overhead_cv: float = 0.0
     step_overhead_s: float = 0.0
     time_scale: float = 1.0
     step_jitter_cv: float = 0.0
@@ -208,6 +211,7 @@ class CostModel:
             "kind": type(self).__name__,
             "name": self.name,
             "request_overhead_s": self.request_overhead_s,
+            "request_overhead_cv": self.request_overhead_cv,
             "step_overhead_s": self.step_overhead_s,
             "time_scale": self.time_scale,
             "step_jitter_cv": self.step_jitter_cv,

@@ -13,6 +13,10 @@ Client model (mirrors ``poise bench``):
   scheduled time).
 A request reaches the engine ``cost_model.request_overhead_s`` after it is sent (HTTP,
 template, tokenization); every latency is measured from the send time, as the client does.
+With ``cost_model.request_overhead_cv`` > 0 each request's overhead is a seeded lognormal draw
+of that mean and spread: requests sent together (a closed loop's start, a wave) then reach the
+engine in a random order, as they do a real server, and the scheduler's first decisions, which
+set the closed loop's waves for the rest of the cell, vary from run to run.
 
 Invariants: deterministic for a given (config, cost model, cell, seed): no wall clock, no
 unseeded randomness, no dict-order dependence beyond insertion order; the engine code is not
@@ -22,6 +26,7 @@ modified or subclassed.
 from __future__ import annotations
 
 import heapq
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -137,10 +142,19 @@ class _Driver:
     """The client side of a cell plus the engine loop; one instance per ``simulate_cell``."""
 
     def __init__(
-        self, engine: EngineCore, clock: VirtualClock, cell: SimCell, overhead: float, seed: int
+        self,
+        engine: EngineCore,
+        clock: VirtualClock,
+        cell: SimCell,
+        overhead: float,
+        seed: int,
+        overhead_cv: float = 0.0,
     ) -> None:
         self.engine, self.clock, self.cell, self.overhead = engine, clock, cell, overhead
         self.seed = seed
+        # Lognormal with mean ``overhead``: sigma^2 = ln(1 + cv^2), mu = -sigma^2 / 2.
+        self._overhead_sigma = math.sqrt(math.log1p(overhead_cv**2)) if overhead_cv > 0 else 0.0
+        self._overhead_rng = random.Random(f"request-overhead|{seed}")
         self.vocab = engine.vocab_size or 32000
         self.todo = list(cell.requests)  # not yet sent, in order
         self.todo.reverse()  # pop() from the end = next in order
@@ -164,7 +178,11 @@ class _Driver:
         )
         self.in_flight += 1
         self._seq += 1
-        heapq.heappush(self.inbox, (t + self.overhead, self._seq, res, req))
+        overhead = self.overhead
+        if self._overhead_sigma > 0:
+            sigma = self._overhead_sigma
+            overhead *= math.exp(self._overhead_rng.gauss(-sigma * sigma / 2, sigma))
+        heapq.heappush(self.inbox, (t + overhead, self._seq, res, req))
 
     def send_due(self, now: float, on_time: bool = False) -> None:
         """Closed loop: fill free streams; open loop: send arrivals due by ``now``.
@@ -296,6 +314,7 @@ def drive(
     *,
     overhead_s: float = 0.0,
     seed: int = 0,
+    overhead_cv: float = 0.0,
 ) -> tuple[list[SimRequestResult], list[SimStep], float]:
     """Run ``cell`` through any engine on ``clock``: the client loop and the engine loop.
 
@@ -303,7 +322,7 @@ def drive(
     moves, which keeps a closed loop's decisions comparable step for step (the parity test).
     Returns (results by index, timeline, wall seconds).
     """
-    driver = _Driver(engine, clock, cell, overhead_s, seed)
+    driver = _Driver(engine, clock, cell, overhead_s, seed, overhead_cv)
     t0 = time.perf_counter()
     driver.run()
     wall = time.perf_counter() - t0
@@ -338,7 +357,12 @@ def simulate_cell(
         clock=clock,
     )
     results, timeline, wall = drive(
-        engine, clock, cell, overhead_s=cost_model.request_overhead_s, seed=seed
+        engine,
+        clock,
+        cell,
+        overhead_s=cost_model.request_overhead_s,
+        seed=seed,
+        overhead_cv=cost_model.request_overhead_cv,
     )
     first = min((r.sent for r in results), default=0.0)
     last = max((r.finished or r.sent for r in results), default=0.0)

@@ -60,9 +60,7 @@ def test_simulate_cli_writes_a_simulated_record(tmp_path: Path) -> None:
 
     lines = (tmp_path / "sim.requests.jsonl").read_text().splitlines()
     recs = [json.loads(line) for line in lines]
-    assert recs and all(
-        r["start"] + 0.002 - 1e-9 <= r["header"] <= r["events"][0] for r in recs
-    )
+    assert recs and all(r["start"] + 0.002 - 1e-9 <= r["header"] <= r["events"][0] for r in recs)
 
 
 def test_simulate_cli_needs_a_cost_model(capsys: pytest.CaptureFixture[str]) -> None:
