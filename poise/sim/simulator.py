@@ -15,8 +15,9 @@ A request reaches the engine ``cost_model.request_overhead_s`` after it is sent 
 template, tokenization); every latency is measured from the send time, as the client does.
 With ``cost_model.request_overhead_cv`` > 0 each request's overhead is a seeded lognormal draw
 of that mean and spread: requests sent together (a closed loop's start, a wave) then reach the
-engine in a random order, as they do a real server, and the scheduler's first decisions, which
-set the closed loop's waves for the rest of the cell, vary from run to run.
+engine in a seeded random order, so the scheduler's first decisions, which set the closed
+loop's waves for the rest of the cell, vary from seed to seed. (poise serve itself tokenizes
+on one thread in arrival order; modelling that queue is open, see docs/simulator.md.)
 
 Invariants: deterministic for a given (config, cost model, cell, seed): no wall clock, no
 unseeded randomness, no dict-order dependence beyond insertion order; the engine code is not
