@@ -219,20 +219,24 @@ def step_jitter(paths: list[Path]) -> float:
                 continue
             times = [t for t, chars in zip(rec.events, rec.event_chars, strict=False) if chars]
             gaps += [b - a for a, b in zip(times[1:], times[2:], strict=False)]
-    if len(gaps) < 2:
+    return coefficient_of_variation(gaps)
+
+
+def coefficient_of_variation(xs: list[float]) -> float:
+    if len(xs) < 2 or statistics.mean(xs) <= 0:
         return 0.0
-    mean = sum(gaps) / len(gaps)
-    var = sum((g - mean) ** 2 for g in gaps) / len(gaps)
-    return var**0.5 / mean if mean > 0 else 0.0
+    return statistics.pstdev(xs) / statistics.mean(xs)
+
+
+def header_latencies(paths: list[Path]) -> list[float]:
+    """Seconds from sending each measured request to its response headers."""
+    return [r.header - r.start for p in paths for r in records_of(p)
+            if not r.warmup and r.header is not None]  # fmt: skip
 
 
 def request_overhead_cv(paths: list[Path]) -> float:
     """Coefficient of variation of the response-header latency at concurrency 1."""
-    gaps = [r.header - r.start for p in paths for r in records_of(p)
-            if not r.warmup and r.header is not None]  # fmt: skip
-    if len(gaps) < 2:
-        return 0.0
-    return statistics.pstdev(gaps) / statistics.mean(gaps)
+    return coefficient_of_variation(header_latencies(paths))
 
 
 def request_overhead(paths: list[Path]) -> float:
@@ -245,10 +249,7 @@ def request_overhead(paths: list[Path]) -> float:
     previous one finished joins the step already under way instead of waiting for the next one,
     which takes a whole step off every simulated TTFT.
     """
-    gaps = sorted(
-        r.header - r.start for p in paths for r in records_of(p)
-        if not r.warmup and r.header is not None
-    )  # fmt: skip
+    gaps = sorted(header_latencies(paths))
     if not gaps:
         raise RuntimeError("calibration: no response header times to calibrate from")
     return gaps[len(gaps) // 2]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,7 +224,7 @@ def merge_profiles(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for d in rec["samples"]:
             shape = StepShape.from_dict(d)
             times.setdefault(tuple(sorted(shape.to_dict().items())), []).append(float(d["time_s"]))
-    samples = [(StepShape(**dict(key)), _median(ts)) for key, ts in times.items()]
+    samples = [(StepShape(**dict(key)), statistics.median(ts)) for key, ts in times.items()]
     coefficients, fit, knee = fit_with_knee(samples)
     merged = dict(first)
     merged.update(
@@ -231,7 +232,7 @@ def merge_profiles(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         features=list(coefficients),
         fit=fit.to_dict(),
         decode_padded_knee=knee,
-        step_overhead_s=_median([float(r.get("step_overhead_s", 0.0)) for r in records]),
+        step_overhead_s=statistics.median([float(r.get("step_overhead_s", 0.0)) for r in records]),
         samples=[{**s.to_dict(), "time_s": t} for s, t in samples],
     )
     merged["provenance"] = {
@@ -239,12 +240,6 @@ def merge_profiles(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "merged_from": [r.get("provenance", {}).get("created") for r in records],
     }
     return merged
-
-
-def _median(xs: Sequence[float]) -> float:
-    s = sorted(xs)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
 def load_profile(
