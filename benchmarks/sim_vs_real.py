@@ -524,6 +524,10 @@ def main() -> int:
             ("calibrated (c=1 TPOT scale)", "tpot", [*common, "--time-scale", f"{tpot_scale:.4f}"]),
             ("calibrated (c=1 step-trace scale)", "trace",
              [*common, "--time-scale", f"{trace_scale:.4f}"]),
+            # The server's way in as it is: one tokenizer thread, in send order.
+            ("calibrated (c=1 step-trace scale, FIFO way in)", "fifo",
+             ["--request-overhead-ms", f"{req_s * 1000:.3f}", "--step-jitter", f"{cv:.4f}",
+              "--way-in-workers", "1", "--time-scale", f"{trace_scale:.4f}"]),
         ]  # fmt: skip
         report["calibration"] = {
             "request_overhead_s": req_s, "request_overhead_cv": req_cv, "step_jitter_cv": cv,
@@ -575,7 +579,7 @@ def main() -> int:
             }  # fmt: skip
             report[name]["by_class"] = classes
             md += [class_table(f"{name}, by request class", classes), ""]
-        if a.sim_seeds > 1 and tag in ("tpot", "trace"):
+        if a.sim_seeds > 1 and tag in ("tpot", "trace", "fifo"):
             # The simulator is stochastic (step jitter, which requests are LONG): its prediction
             # is a distribution. Seed 0 above is one draw; the median over seeds is the point
             # estimate, the band says how far one run of this size can fall from it.

@@ -47,6 +47,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "requests sent together reach the engine in a random order. (default: 0)",
     )  # fmt: skip
     g.add_argument(
+        "--way-in-workers", type=int, default=0, metavar="N",
+        help="Requests prepared at once by the server (poise serve: 1, its tokenizer thread); "
+        "others queue in send order. 0 (default): no queue.",
+    )  # fmt: skip
+    g.add_argument(
         "--step-overhead-ms", type=float, default=None,
         help="Per-step engine-loop time outside the forward (default: the profile's).",
     )  # fmt: skip
@@ -105,6 +110,7 @@ def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
             step_overhead_s=step,
             time_scale=args.time_scale,
             request_overhead_cv=args.request_overhead_cv,
+            way_in_workers=args.way_in_workers,
             step_jitter_cv=args.step_jitter,
         )
     if not args.accelerator:
@@ -115,6 +121,7 @@ def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
         "step_overhead_s": step or 0.0,
         "time_scale": args.time_scale,
         "request_overhead_cv": args.request_overhead_cv,
+        "way_in_workers": args.way_in_workers,
         "step_jitter_cv": args.step_jitter,
     }
     if args.compute_efficiency is not None:

@@ -159,6 +159,9 @@ class CostModel:
     engine by it while still measuring TTFT from the client's send time.
     ``request_overhead_cv`` spreads that overhead per request (a seeded lognormal draw of
     mean ``request_overhead_s``; 0: every request takes exactly the mean).
+    ``way_in_workers``: how many requests the server prepares at once (poise serve tokenizes on
+    one thread); requests then queue for a worker in send order, each holding it for its
+    overhead. 0: no queue, every request is delayed independently.
     ``step_overhead_s`` is added to every step (engine-loop work around the forward that a
     runner-only profile does not see: scheduling, streaming, detokenization).
     ``time_scale`` multiplies every step's modelled time: a machine slower (busier) now than
@@ -175,6 +178,7 @@ class CostModel:
     kv_bytes_per_token: int = 0
     request_overhead_s: float = 0.0
     request_overhead_cv: float = 0.0
+    way_in_workers: int = 0
     step_overhead_s: float = 0.0
     time_scale: float = 1.0
     step_jitter_cv: float = 0.0
@@ -212,6 +216,7 @@ class CostModel:
             "name": self.name,
             "request_overhead_s": self.request_overhead_s,
             "request_overhead_cv": self.request_overhead_cv,
+            "way_in_workers": self.way_in_workers,
             "step_overhead_s": self.step_overhead_s,
             "time_scale": self.time_scale,
             "step_jitter_cv": self.step_jitter_cv,

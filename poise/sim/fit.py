@@ -249,6 +249,7 @@ def load_profile(
     step_overhead_s: float | None = None,
     time_scale: float = 1.0,
     request_overhead_cv: float = 0.0,
+    way_in_workers: int = 0,
     step_jitter_cv: float = 0.0,
 ) -> LinearCostModel:
     """A ``LinearCostModel`` from a profile file; the overhead terms can be overridden."""
@@ -268,6 +269,7 @@ def load_profile(
         default_kv_budget_bytes=int(data.get("kv_budget_bytes", DEFAULT_CPU_KV_BYTES)),
         request_overhead_s=float(req),
         request_overhead_cv=request_overhead_cv,
+        way_in_workers=way_in_workers,
         step_overhead_s=float(step),
         time_scale=time_scale,
         step_jitter_cv=step_jitter_cv,

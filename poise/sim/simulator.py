@@ -16,8 +16,10 @@ template, tokenization); every latency is measured from the send time, as the cl
 With ``cost_model.request_overhead_cv`` > 0 each request's overhead is a seeded lognormal draw
 of that mean and spread: requests sent together (a closed loop's start, a wave) then reach the
 engine in a seeded random order, so the scheduler's first decisions, which set the closed
-loop's waves for the rest of the cell, vary from seed to seed. (poise serve itself tokenizes
-on one thread in arrival order; modelling that queue is open, see docs/simulator.md.)
+loop's waves for the rest of the cell, vary from seed to seed. With
+``cost_model.way_in_workers`` > 0 requests instead queue, in send order, for that many
+workers, each holding one for its overhead: poise serve tokenizes on one thread, so a burst
+reaches its engine one request after another.
 
 Invariants: deterministic for a given (config, cost model, cell, seed): no wall clock, no
 unseeded randomness, no dict-order dependence beyond insertion order; the engine code is not
@@ -150,12 +152,15 @@ class _Driver:
         overhead: float,
         seed: int,
         overhead_cv: float = 0.0,
+        way_in_workers: int = 0,
     ) -> None:
         self.engine, self.clock, self.cell, self.overhead = engine, clock, cell, overhead
         self.seed = seed
         # Lognormal with mean ``overhead``: sigma^2 = ln(1 + cv^2), mu = -sigma^2 / 2.
         self._overhead_sigma = math.sqrt(math.log1p(overhead_cv**2)) if overhead_cv > 0 else 0.0
         self._overhead_rng = random.Random(f"request-overhead|{seed}")
+        # When each way-in worker is free again (a min-heap); empty: no queue.
+        self._workers: list[float] = [0.0] * way_in_workers
         self.vocab = engine.vocab_size or 32000
         self.todo = list(cell.requests)  # not yet sent, in order
         self.todo.reverse()  # pop() from the end = next in order
@@ -183,7 +188,11 @@ class _Driver:
         if self._overhead_sigma > 0:
             sigma = self._overhead_sigma
             overhead *= math.exp(self._overhead_rng.gauss(-sigma * sigma / 2, sigma))
-        heapq.heappush(self.inbox, (t + overhead, self._seq, res, req))
+        start = t
+        if self._workers:  # wait for the first free worker, which is busy until we are done
+            start = max(t, heapq.heappop(self._workers))
+            heapq.heappush(self._workers, start + overhead)
+        heapq.heappush(self.inbox, (start + overhead, self._seq, res, req))
 
     def send_due(self, now: float, on_time: bool = False) -> None:
         """Closed loop: fill free streams; open loop: send arrivals due by ``now``.
@@ -316,6 +325,7 @@ def drive(
     overhead_s: float = 0.0,
     seed: int = 0,
     overhead_cv: float = 0.0,
+    way_in_workers: int = 0,
 ) -> tuple[list[SimRequestResult], list[SimStep], float]:
     """Run ``cell`` through any engine on ``clock``: the client loop and the engine loop.
 
@@ -323,7 +333,7 @@ def drive(
     moves, which keeps a closed loop's decisions comparable step for step (the parity test).
     Returns (results by index, timeline, wall seconds).
     """
-    driver = _Driver(engine, clock, cell, overhead_s, seed, overhead_cv)
+    driver = _Driver(engine, clock, cell, overhead_s, seed, overhead_cv, way_in_workers)
     t0 = time.perf_counter()
     driver.run()
     wall = time.perf_counter() - t0
@@ -364,6 +374,7 @@ def simulate_cell(
         overhead_s=cost_model.request_overhead_s,
         seed=seed,
         overhead_cv=cost_model.request_overhead_cv,
+        way_in_workers=cost_model.way_in_workers,
     )
     first = min((r.sent for r in results), default=0.0)
     last = max((r.finished or r.sent for r in results), default=0.0)

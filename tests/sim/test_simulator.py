@@ -172,3 +172,25 @@ def test_request_overhead_spread_is_seeded_and_reorders_simultaneous_arrivals() 
     assert order(spread, 3) == order(spread, 3)
     assert any(order(spread, s) != list(range(8)) for s in range(4))
     assert all(t >= 0.005 - 1e-9 for t in first_scheduled(fixed, 0))
+
+
+def test_one_way_in_worker_admits_a_burst_one_request_after_another() -> None:
+    import dataclasses
+
+    # Eight requests sent at t=0 with a 30 ms overhead: independently they all reach the engine
+    # at 30 ms; through one worker at 30, 60, ..., 240 ms, in send order.
+    reqs = [SimRequest(i, 10, 4, prompt_key=f"p{i}") for i in range(8)]
+    cell = SimCell(reqs, concurrency=8)
+    parallel = dataclasses.replace(COST, request_overhead_s=0.03)
+    fifo = dataclasses.replace(parallel, way_in_workers=1)
+
+    def firsts(cost: FixedCostModel) -> list[float]:
+        res = simulate_cell(_config(), cost, cell)
+        return [r.first_scheduled or 0.0 for r in sorted(res.requests, key=lambda r: r.index)]
+
+    assert max(firsts(parallel)) < 0.03 + COST.step_s + 1e-9
+    queued = firsts(fifo)
+    assert queued == sorted(queued)  # in send order
+    for i, t in enumerate(queued):
+        assert 0.03 * (i + 1) - 1e-9 <= t  # never before its turn at the worker
+    assert queued[-1] >= 0.24 - 1e-9
