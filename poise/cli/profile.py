@@ -265,7 +265,8 @@ def _print_summary(coef: dict[str, float], fit: dict[str, float], overhead: floa
     units = {"const": "ms/step", "tokens": "ms/token", "seqs": "ms/request",
              "sampled": "ms/sampled", "prefill_attn": "ms/1k pairs", "decode_ctx": "ms/1k ctx",
              "decode_unique_ctx": "ms/1k unique ctx",
-             "decode_padded": "ms/1k padded ctx", "decode_padded_excess": "ms/1k past knee"}  # fmt: skip
+             "decode_padded": "ms/1k padded ctx", "decode_padded_excess": "ms/1k past knee",
+             "prefill_chunks": "ms/chunk"}  # fmt: skip
     for name, value in coef.items():
         per_k = ("prefill_attn", "decode_ctx", "decode_unique_ctx", "decode_padded",
                  "decode_padded_excess")  # fmt: skip

@@ -7,7 +7,7 @@ import pytest
 from poise.config import EngineConfig
 from poise.core import SamplingParams, ScheduledRequest, SchedulerOutput
 from poise.sim.accelerators import ACCELERATORS, get_accelerator
-from poise.sim.cost import FixedCostModel, StepShape
+from poise.sim.cost import FEATURES, FixedCostModel, StepShape
 from poise.sim.roofline import RooflineCostModel
 from poise.sim.shapes import builtin_shapes, load_shape
 
@@ -38,8 +38,11 @@ def test_step_shape_from_output() -> None:
     assert s.num_prefill_tokens == 100
     assert s.prefill_attn_pairs == 100 * 10 + 100 * 101 // 2
     assert s.kv_tokens == 100 + 10 + 110
-    assert s.decode_max_ctx == 100 and s.features()[-2] == 2 * 100
-    assert s.features()[-1] == 0.0 and s.features(knee=150)[-1] == 50
+    feats = dict(zip(FEATURES, s.features(), strict=True))
+    assert s.decode_max_ctx == 100 and feats["decode_padded"] == 2 * 100
+    assert feats["decode_padded_excess"] == 0.0
+    assert dict(zip(FEATURES, s.features(knee=150), strict=True))["decode_padded_excess"] == 50
+    assert feats["prefill_chunks"] == 1  # the one multi-token chunk
 
 
 def test_step_shape_counts_shared_decode_blocks_once() -> None:

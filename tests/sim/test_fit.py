@@ -29,6 +29,7 @@ TRUE = {
     "decode_unique_ctx": 1.5e-7,
     "decode_padded": 1e-7,
     "decode_padded_excess": 0.0,
+    "prefill_chunks": 2e-3,
 }
 
 
@@ -62,6 +63,23 @@ def _grid() -> list[StepShape]:
                     )
                     for unique in uniques
                 ]
+    # Bursts of prefix-cache hits beside decodes: k short chunks after 48 cached tokens.
+    for k in (2, 4, 8, 24):
+        for batch in (4, 16):
+            ctx = batch * 257 + k * 16 * 56
+            shapes.append(
+                StepShape(
+                    num_tokens=16 * k + batch,
+                    num_seqs=k + batch,
+                    num_sampled=batch + (k if batch == 4 else 0),
+                    num_prefill_tokens=16 * k,
+                    num_decode_seqs=batch,
+                    decode_ctx_tokens=ctx,
+                    kv_tokens=ctx,
+                    decode_max_ctx=257,
+                    decode_unique_ctx_tokens=ctx,
+                )
+            )
     return shapes
 
 
@@ -104,6 +122,8 @@ def test_fit_recovers_coefficients_under_noise() -> None:
     # Arithmetic (every context token) and traffic (shared blocks once) come apart.
     assert coef["decode_ctx"] == pytest.approx(TRUE["decode_ctx"], rel=0.15)
     assert coef["decode_unique_ctx"] == pytest.approx(TRUE["decode_unique_ctx"], rel=0.3)
+    # A chunk's own cost, apart from its tokens and its request: the bursts pin it.
+    assert coef["prefill_chunks"] == pytest.approx(TRUE["prefill_chunks"], rel=0.15)
     assert q.mape < 0.03
 
 
