@@ -52,6 +52,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "others queue in send order. 0 (default): no queue.",
     )  # fmt: skip
     g.add_argument(
+        "--way-in-us-per-token", type=float, default=0.0, metavar="US",
+        help="How long a request holds a way-in worker, per prompt token, in microseconds (the "
+        "serial part of the request overhead: chat template and tokenization). (default: 0)",
+    )  # fmt: skip
+    g.add_argument(
         "--step-overhead-ms", type=float, default=None,
         help="Per-step engine-loop time outside the forward (default: the profile's).",
     )  # fmt: skip
@@ -111,6 +116,7 @@ def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
             time_scale=args.time_scale,
             request_overhead_cv=args.request_overhead_cv,
             way_in_workers=args.way_in_workers,
+            way_in_s_per_token=args.way_in_us_per_token * 1e-6,
             step_jitter_cv=args.step_jitter,
         )
     if not args.accelerator:
@@ -122,6 +128,7 @@ def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
         "time_scale": args.time_scale,
         "request_overhead_cv": args.request_overhead_cv,
         "way_in_workers": args.way_in_workers,
+        "way_in_s_per_token": args.way_in_us_per_token * 1e-6,
         "step_jitter_cv": args.step_jitter,
     }
     if args.compute_efficiency is not None:

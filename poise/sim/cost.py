@@ -165,9 +165,12 @@ class CostModel:
     engine by it while still measuring TTFT from the client's send time.
     ``request_overhead_cv`` spreads that overhead per request (a seeded lognormal draw of
     mean ``request_overhead_s``; 0: every request takes exactly the mean).
-    ``way_in_workers``: how many requests the server prepares at once (poise serve tokenizes on
-    one thread); requests then queue for a worker in send order, each holding it for its
-    overhead. 0: no queue, every request is delayed independently.
+    ``way_in_workers``: how many requests the server prepares at once (poise serve renders the
+    chat template and tokenizes on one thread); requests then queue for a worker in send order.
+    ``way_in_s_per_token``: how long one holds a worker, per prompt token (the serial part of
+    the request overhead; the rest, client and HTTP, overlaps between requests). A burst of
+    requests thus reaches the engine one after another, in send order, long prompts taking
+    longer. 0 workers: no queue, every request is delayed independently.
     ``step_overhead_s`` is added to every step (engine-loop work around the forward that a
     runner-only profile does not see: scheduling, streaming, detokenization).
     ``time_scale`` multiplies every step's modelled time: a machine slower (busier) now than
@@ -185,6 +188,7 @@ class CostModel:
     request_overhead_s: float = 0.0
     request_overhead_cv: float = 0.0
     way_in_workers: int = 0
+    way_in_s_per_token: float = 0.0
     step_overhead_s: float = 0.0
     time_scale: float = 1.0
     step_jitter_cv: float = 0.0
@@ -223,6 +227,7 @@ class CostModel:
             "request_overhead_s": self.request_overhead_s,
             "request_overhead_cv": self.request_overhead_cv,
             "way_in_workers": self.way_in_workers,
+            "way_in_s_per_token": self.way_in_s_per_token,
             "step_overhead_s": self.step_overhead_s,
             "time_scale": self.time_scale,
             "step_jitter_cv": self.step_jitter_cv,

@@ -250,6 +250,7 @@ def load_profile(
     time_scale: float = 1.0,
     request_overhead_cv: float = 0.0,
     way_in_workers: int = 0,
+    way_in_s_per_token: float = 0.0,
     step_jitter_cv: float = 0.0,
 ) -> LinearCostModel:
     """A ``LinearCostModel`` from a profile file; the overhead terms can be overridden."""
@@ -270,6 +271,7 @@ def load_profile(
         request_overhead_s=float(req),
         request_overhead_cv=request_overhead_cv,
         way_in_workers=way_in_workers,
+        way_in_s_per_token=way_in_s_per_token,
         step_overhead_s=float(step),
         time_scale=time_scale,
         step_jitter_cv=step_jitter_cv,

@@ -17,9 +17,11 @@ With ``cost_model.request_overhead_cv`` > 0 each request's overhead is a seeded 
 of that mean and spread: requests sent together (a closed loop's start, a wave) then reach the
 engine in a seeded random order, so the scheduler's first decisions, which set the closed
 loop's waves for the rest of the cell, vary from seed to seed. With
-``cost_model.way_in_workers`` > 0 requests instead queue, in send order, for that many
-workers, each holding one for its overhead: poise serve tokenizes on one thread, so a burst
-reaches its engine one request after another.
+``cost_model.way_in_workers`` > 0 the serial part of the overhead (``way_in_s_per_token`` x
+prompt tokens: poise serve renders the chat template and tokenizes on one thread) is served
+by that many workers in send order, after the rest of the overhead: a burst reaches the
+engine in send order, spaced by its prompts' tokenization, which is what sets a closed
+loop's first waves on the real server (docs/simulator.md, run H).
 
 Invariants: deterministic for a given (config, cost model, cell, seed): no wall clock, no
 unseeded randomness, no dict-order dependence beyond insertion order; the engine code is not
@@ -153,6 +155,7 @@ class _Driver:
         seed: int,
         overhead_cv: float = 0.0,
         way_in_workers: int = 0,
+        way_in_s_per_token: float = 0.0,
     ) -> None:
         self.engine, self.clock, self.cell, self.overhead = engine, clock, cell, overhead
         self.seed = seed
@@ -161,6 +164,7 @@ class _Driver:
         self._overhead_rng = random.Random(f"request-overhead|{seed}")
         # When each way-in worker is free again (a min-heap); empty: no queue.
         self._workers: list[float] = [0.0] * way_in_workers
+        self._way_in_s_per_token = way_in_s_per_token
         self.vocab = engine.vocab_size or 32000
         self.todo = list(cell.requests)  # not yet sent, in order
         self.todo.reverse()  # pop() from the end = next in order
@@ -188,11 +192,15 @@ class _Driver:
         if self._overhead_sigma > 0:
             sigma = self._overhead_sigma
             overhead *= math.exp(self._overhead_rng.gauss(-sigma * sigma / 2, sigma))
-        start = t
-        if self._workers:  # wait for the first free worker, which is busy until we are done
-            start = max(t, heapq.heappop(self._workers))
-            heapq.heappush(self._workers, start + overhead)
-        heapq.heappush(self.inbox, (start + overhead, self._seq, res, req))
+        arrival = t + overhead
+        if self._workers:
+            # The serial part holds the first free worker; the rest of the overhead (client,
+            # HTTP) runs before it, overlapped with other requests. Alone: t + overhead.
+            service = min(overhead, self._way_in_s_per_token * req.prompt_len)
+            start = max(t + overhead - service, heapq.heappop(self._workers))
+            arrival = start + service
+            heapq.heappush(self._workers, arrival)
+        heapq.heappush(self.inbox, (arrival, self._seq, res, req))
 
     def send_due(self, now: float, on_time: bool = False) -> None:
         """Closed loop: fill free streams; open loop: send arrivals due by ``now``.
@@ -326,6 +334,7 @@ def drive(
     seed: int = 0,
     overhead_cv: float = 0.0,
     way_in_workers: int = 0,
+    way_in_s_per_token: float = 0.0,
 ) -> tuple[list[SimRequestResult], list[SimStep], float]:
     """Run ``cell`` through any engine on ``clock``: the client loop and the engine loop.
 
@@ -333,7 +342,9 @@ def drive(
     moves, which keeps a closed loop's decisions comparable step for step (the parity test).
     Returns (results by index, timeline, wall seconds).
     """
-    driver = _Driver(engine, clock, cell, overhead_s, seed, overhead_cv, way_in_workers)
+    driver = _Driver(
+        engine, clock, cell, overhead_s, seed, overhead_cv, way_in_workers, way_in_s_per_token
+    )
     t0 = time.perf_counter()
     driver.run()
     wall = time.perf_counter() - t0
@@ -375,6 +386,7 @@ def simulate_cell(
         seed=seed,
         overhead_cv=cost_model.request_overhead_cv,
         way_in_workers=cost_model.way_in_workers,
+        way_in_s_per_token=cost_model.way_in_s_per_token,
     )
     first = min((r.sent for r in results), default=0.0)
     last = max((r.finished or r.sent for r in results), default=0.0)

@@ -174,15 +174,17 @@ def test_request_overhead_spread_is_seeded_and_reorders_simultaneous_arrivals() 
     assert all(t >= 0.005 - 1e-9 for t in first_scheduled(fixed, 0))
 
 
-def test_one_way_in_worker_admits_a_burst_one_request_after_another() -> None:
+def test_one_way_in_worker_admits_a_burst_in_send_order_spaced_by_tokenization() -> None:
     import dataclasses
 
-    # Eight requests sent at t=0 with a 30 ms overhead: independently they all reach the engine
-    # at 30 ms; through one worker at 30, 60, ..., 240 ms, in send order.
-    reqs = [SimRequest(i, 10, 4, prompt_key=f"p{i}") for i in range(8)]
+    # Eight requests sent at t=0, 30 ms of overhead each. Independently they all reach the
+    # engine at 30 ms. Through one worker holding each for 2 ms per prompt token (10 tokens:
+    # 20 ms, 5 tokens: 10 ms), after the parallel rest of the overhead: 30, 40, 60, 70, ...
+    lens = [10, 5] * 4
+    reqs = [SimRequest(i, n, 4, prompt_key=f"p{i}") for i, n in enumerate(lens)]
     cell = SimCell(reqs, concurrency=8)
     parallel = dataclasses.replace(COST, request_overhead_s=0.03)
-    fifo = dataclasses.replace(parallel, way_in_workers=1)
+    fifo = dataclasses.replace(parallel, way_in_workers=1, way_in_s_per_token=0.002)
 
     def firsts(cost: FixedCostModel) -> list[float]:
         res = simulate_cell(_config(), cost, cell)
@@ -191,6 +193,10 @@ def test_one_way_in_worker_admits_a_burst_one_request_after_another() -> None:
     assert max(firsts(parallel)) < 0.03 + COST.step_s + 1e-9
     queued = firsts(fifo)
     assert queued == sorted(queued)  # in send order
-    for i, t in enumerate(queued):
-        assert 0.03 * (i + 1) - 1e-9 <= t  # never before its turn at the worker
-    assert queued[-1] >= 0.24 - 1e-9
+    arrivals = [0.03, 0.04, 0.06, 0.07, 0.09, 0.10, 0.12, 0.13]
+    for t, arrival in zip(queued, arrivals, strict=True):
+        assert arrival - 1e-9 <= t < arrival + COST.step_s + 1e-9  # the first step after it
+    # Alone, a request arrives after exactly its overhead: what the c=1 calibration measures.
+    alone = SimCell([SimRequest(0, 10, 4)], concurrency=1)
+    res = simulate_cell(_config(), fifo, alone)
+    assert res.requests[0].first_scheduled == pytest.approx(0.03)
