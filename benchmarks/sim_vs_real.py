@@ -225,6 +225,20 @@ def step_jitter(paths: list[Path]) -> float:
     return coefficient_of_variation(gaps)
 
 
+def trace_step_jitter(model: Any, trace: Path, spans: list[tuple[int, int]]) -> float:
+    """Spread of the server's own step times around the model: the CV of measured / predicted
+    over each span's steps (one round of a cell, so the drift between rounds, which the time
+    scale carries, stays out), the median over spans. The client's inter-token gaps overstate
+    it 2-3x: a detokenizer that holds a token back merges two steps into one gap."""
+    per_span = []
+    for span in spans:
+        steps = trace_steps(trace, [span])
+        per_span.append(coefficient_of_variation(
+            [s.wall_s / model.step_time(s.shape) for s in steps if model.step_time(s.shape) > 0]
+        ))  # fmt: skip
+    return statistics.median(per_span) if per_span else 0.0
+
+
 def coefficient_of_variation(xs: list[float]) -> float:
     if len(xs) < 2 or statistics.mean(xs) <= 0:
         return 0.0
@@ -550,26 +564,34 @@ def main() -> int:
         trace_scale = speed["cal"]["ratio"]
         req_cv = request_overhead_cv(cal_paths)
         way_in_us = way_in_us_per_token(engine)
-        overhead = ["--request-overhead-ms", f"{req_s * 1000:.3f}", "--step-jitter", f"{cv:.4f}"]
+        trace_cv = trace_step_jitter(model, trace, spans["cal"])
+        overhead = ["--request-overhead-ms", f"{req_s * 1000:.3f}"]
         # poise serve's way in as it is: the client and HTTP part of the overhead overlaps,
         # the chat template and tokenization run on one thread, in arrival order.
-        common = [*overhead, "--way-in-workers", "1", "--way-in-us-per-token", f"{way_in_us:.3f}"]
+        way_in = ["--way-in-workers", "1", "--way-in-us-per-token", f"{way_in_us:.3f}"]
+        # From the c=1 cell's step trace: time scale and step jitter.
+        common = [*overhead, *way_in, "--step-jitter", f"{trace_cv:.4f}"]
         variants += [
             (PRIMARY, "trace", [*common, "--time-scale", f"{trace_scale:.4f}"]),
-            ("calibrated (c=1 TPOT scale)", "tpot", [*common, "--time-scale", f"{tpot_scale:.4f}"]),
+            # From the c=1 cell's client records only (no trace): TPOT ratio and gap spread.
+            ("calibrated (c=1 TPOT scale, client gaps' jitter)", "tpot",
+             [*overhead, *way_in, "--step-jitter", f"{cv:.4f}",
+              "--time-scale", f"{tpot_scale:.4f}"]),
             # The way in of the previous protocol: each request delayed on its own by a draw of
             # the c=1 overhead's spread, so a burst reaches the engine in a random order.
             ("calibrated (c=1 step-trace scale), independent way in", "random",
              [*overhead, "--request-overhead-cv", f"{req_cv:.4f}",
-              "--time-scale", f"{trace_scale:.4f}"]),
+              "--step-jitter", f"{trace_cv:.4f}", "--time-scale", f"{trace_scale:.4f}"]),
         ]  # fmt: skip
         report["calibration"] = {
             "request_overhead_s": req_s, "request_overhead_cv": req_cv, "step_jitter_cv": cv,
+            "trace_step_jitter_cv": trace_cv,
             "way_in_us_per_token": way_in_us, "tpot_scale": tpot_scale,
             "trace_scale": trace_scale, "real_c1": real_cal, "sim_c1": sim_cal,
         }  # fmt: skip
         print(f"calibration: request overhead {req_s * 1000:.1f} ms (CV {req_cv:.2f}), "
-              f"way in {way_in_us:.2f} us/token on one thread, step jitter CV {cv:.3f}, "
+              f"way in {way_in_us:.2f} us/token on one thread, step jitter CV {cv:.3f} "
+              f"(client gaps) / {trace_cv:.3f} (step trace), "
               f"time scale {tpot_scale:.3f} (TPOT) / {trace_scale:.3f} (step trace)")  # fmt: skip
         # Not a prediction: each cell simulated with its own measured step-time ratio. What is
         # left is the scheduler-and-queueing part of the error, with step times made right.
