@@ -41,6 +41,9 @@ class GridPoint:
     # Prefill chunks of ``prefill`` tokens each at ``prefill_start``, one request each (a burst
     # of prefix-cache hits: many small chunks after cached tokens, as a closed loop's new wave).
     chunks: int = 1
+    # The chunk ends its prompt, so it samples (a prefix-cache hit's remainder); a chunk at 0
+    # is a whole prompt and always samples, a later chunk of a long prompt does not.
+    last_chunk: bool = False
 
 
 GRIDS: dict[str, dict[str, tuple[int, ...]]] = {
@@ -94,14 +97,16 @@ def build_grid(
     # Bursts of prefix-cache hits beside decodes: many short chunks after a short cached
     # prefix, and a few after a long one shared by all (per-request costs, row-wise attention).
     for k in (8, 24):
-        raw.append(GridPoint(16, 48, g["batch"][1], ctx_mid, chunks=k))
+        raw.append(GridPoint(16, 48, g["batch"][1], ctx_mid, chunks=k, last_chunk=True))
     for k in (4, 8):
-        raw.append(GridPoint(16, ctx_max, g["batch"][1], ctx_mid, shared=True, chunks=k))
+        raw.append(
+            GridPoint(16, ctx_max, g["batch"][1], ctx_mid, shared=True, chunks=k, last_chunk=True)
+        )
     # A chat prompt whose system prompt is cached: one short chunk after a block or two, alone
     # and beside decodes (the first step of most requests under prefix caching). Small chunks
     # cost more per token than big ones, which a grid of whole prompts and bursts misses.
-    raw.append(GridPoint(48, 16, 0, 0))
-    raw.append(GridPoint(32, 32, g["batch"][1], ctx_mid, chunks=2))
+    raw.append(GridPoint(48, 16, 0, 0, last_chunk=True))
+    raw.append(GridPoint(32, 32, g["batch"][1], ctx_mid, chunks=2, last_chunk=True))
     out: list[GridPoint] = []
     for p in raw:
         q = _shrink(p, max_tokens, max_seqs, capacity_tokens, max_len)
@@ -127,7 +132,14 @@ def _shrink(
         return None
     skew = min(p.skew, max_len - 1, capacity - (batch - 1) * context) if p.skew and batch else 0
     return GridPoint(
-        max(prefill, 0), max(start, 0), max(batch, 0), context, max(skew, 0), p.shared, chunks
+        max(prefill, 0),
+        max(start, 0),
+        max(batch, 0),
+        context,
+        max(skew, 0),
+        p.shared,
+        chunks,
+        p.last_chunk,
     )
 
 
@@ -156,7 +168,7 @@ def make_output(
         scheduled.append(ScheduledRequest(f"d{i}", [7], pos, blocks, True, params, 1, pos))
     if p.prefill:
         end = p.prefill_start + p.prefill
-        sample = p.prefill_start == 0
+        sample = p.prefill_start == 0 or p.last_chunk
         tokens = [11 + (j % 97) for j in range(p.prefill)]
         # Shared chunks: the cached start's full blocks are common (identical prompts).
         common = table(p.prefill_start) if p.shared and p.chunks > 1 else []

@@ -102,6 +102,11 @@ def test_profiling_grid_runs_on_the_real_runner(tiny_dir: Path) -> None:
     # Bursts of prefix-cache hits: several chunks after cached tokens in one step.
     bursts = [o for o, _ in measured if sum(len(r.token_ids) > 1 for r in o.scheduled) > 1]
     assert bursts and all(r.start_position > 0 for r in bursts[0].scheduled if r.token_ids[1:])
+    # ...which end their prompts, so they sample, as a new wave's hits do on the server.
+    assert all(r.sample for o in bursts for r in o.scheduled)
+    # A long prompt's later chunk (alone, after its first chunk) does not sample.
+    later = [o.scheduled[0] for o, _ in measured if len(o.scheduled) == 1]
+    assert any(s.start_position > 0 and len(s.token_ids) > 1 and not s.sample for s in later)
     # A lone short chunk after a cached block (a chat prompt whose system prompt is cached).
     lone = [o.scheduled for o, _ in measured if len(o.scheduled) == 1]
     assert any(0 < s[0].start_position <= 32 and len(s[0].token_ids) > 1 for s in lone)
