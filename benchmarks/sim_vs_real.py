@@ -191,7 +191,7 @@ def overall(path: Path) -> list[dict[str, Any]]:
 
 
 CALIBRATION = ["--concurrency", "1", "--long-ratio", "0"]
-CAL_REQUESTS, CAL_WARMUP = 4, 1
+CAL_REQUESTS, CAL_WARMUP = 8, 1
 
 
 def records_of(path: Path) -> list[Any]:
@@ -516,8 +516,11 @@ def main() -> int:
     if a.reuse is None:
         proc = None
         try:
-            for r in rounds:
-                if a.profile is None:
+            # With --calibrate a last c=1 cell closes the window, so every round's cells are
+            # bracketed by a c=1 cell before and one after (the next round's).
+            for r in range(a.rounds + 1 if a.calibrate else a.rounds):
+                last = r == a.rounds
+                if a.profile is None and not last:
                     profile_slice(r)
                 if proc is None:
                     proc, base = start_server([*engine, "--step-trace", str(trace)], a.threads,
@@ -525,7 +528,8 @@ def main() -> int:
                 cells: list[tuple[str, list[str]]] = []
                 if a.calibrate:
                     cells.append(("cal", cal_for(1)))
-                cells += [(f"c{c}", load_for(c, a.requests_per_stream)) for c in concs]
+                if not last:
+                    cells += [(f"c{c}", load_for(c, a.requests_per_stream)) for c in concs]
                 for name, load in cells:
                     first, cpu0, w0 = count_steps(trace), cpu_seconds(proc.pid), time.monotonic()
                     run([*POISE, "bench", "--base-url", base + "/v1", *load, "--no-progress",
@@ -574,24 +578,32 @@ def main() -> int:
         "real": real,
     }  # fmt: skip
     # Each round is simulated as it was measured (its requests, its warm-up, a fresh closed
-    # loop) with the calibration of its own c=1 cell, and the rounds are pooled like the real
-    # ones: the machine's speed moves between rounds (the c=1 step-trace ratio 1.04-1.38 in
-    # one run), and a real cell's TTFT distribution pools those speeds.
+    # loop) with the calibration of the c=1 cells around it, and the rounds are pooled like
+    # the real ones: the machine's speed moves between rounds (the c=1 step-trace ratio
+    # 1.04-1.38 in one run), and a real cell's TTFT distribution pools those speeds.
     Flags = Callable[[int, int], list[str]]  # (concurrency, round) -> simulate flags
     variants: list[tuple[str, str, Flags, int]] = [("profile only", "plain", lambda c, r: [], 1)]
     if a.calibrate:
-        cal_paths = [out / f"real-cal-r{r}.yaml" for r in rounds]
+        # Every c=1 cell: one per round and one closing the window (runs from before it: none).
+        cal_paths = [out / f"real-cal-r{r}.yaml" for r in range(len(spans["cal"]))]
         req_s = request_overhead(cal_paths)
         cal_sim = out / f"calibration-sim-{a.profile.stem}.yaml"
         simulate_in_process(["--profile", str(a.profile), *cal_for(a.rounds), "-o", str(cal_sim),
                              *engine], out / "calibration-sim.log")  # fmt: skip
         real_cal, sim_cal = pooled_metrics(cal_paths), pooled_metrics([cal_sim])
-        tpot_scales = [
-            pooled_metrics([p])["p50_tpot_ms"] / sim_cal["p50_tpot_ms"] for p in cal_paths
-        ]
-        gap_cvs = [step_jitter([p]) for p in cal_paths]
-        trace_scales = speed_rounds["cal"]
-        trace_cvs = [trace_step_jitter(model, trace, [sp]) for sp in spans["cal"]]
+
+        # Round r's cells ran between c=1 cells r and r+1: each calibration value is the mean of
+        # the two (the machine drifts within minutes; one short c=1 cell was up to 20 % off the
+        # cells after it). Without the closing cell the last round uses its own.
+        def bracket(xs: list[float]) -> list[float]:
+            return [statistics.mean(xs[r : r + 2]) for r in rounds]
+
+        tpot_scales = bracket(
+            [pooled_metrics([p])["p50_tpot_ms"] / sim_cal["p50_tpot_ms"] for p in cal_paths]
+        )
+        gap_cvs = bracket([step_jitter([p]) for p in cal_paths])
+        trace_scales = bracket(speed_rounds["cal"])
+        trace_cvs = bracket([trace_step_jitter(model, trace, [sp]) for sp in spans["cal"]])
         req_cv = request_overhead_cv(cal_paths)
         way_in_us = way_in_us_per_token(engine)
         overhead = ["--request-overhead-ms", f"{req_s * 1000:.3f}"]
