@@ -21,7 +21,7 @@ loop's waves for the rest of the cell, vary from seed to seed. With
 prompt tokens: poise serve renders the chat template and tokenizes on one thread) is served
 by that many workers in send order, after the rest of the overhead: a burst reaches the
 engine in send order, spaced by its prompts' tokenization, which is what sets a closed
-loop's first waves on the real server (docs/simulator.md, run H).
+loop's first waves on the real server (docs/simulator.md, Client model).
 
 Invariants: deterministic for a given (config, cost model, cell, seed): no wall clock, no
 unseeded randomness, no dict-order dependence beyond insertion order; the engine code is not
