@@ -194,6 +194,16 @@ class CostModel:
     step_jitter_cv: float = 0.0
     provenance: dict[str, Any] = field(default_factory=dict, compare=False)
 
+    def __post_init__(self) -> None:
+        # Negative overheads, spreads or workers would move requests back in time or silently
+        # switch a model off; a scale of 0 would make every step free.
+        for name in ("request_overhead_s", "request_overhead_cv", "way_in_s_per_token",
+                     "step_overhead_s", "step_jitter_cv", "way_in_workers"):  # fmt: skip
+            if getattr(self, name) < 0:
+                raise ValueError(f"cost model: {name} must be >= 0, got {getattr(self, name)}")
+        if self.time_scale <= 0:
+            raise ValueError(f"cost model: time_scale must be > 0, got {self.time_scale}")
+
     def step_time(self, shape: StepShape) -> float:
         raise NotImplementedError
 
@@ -262,6 +272,7 @@ class LinearCostModel(CostModel):
     default_kv_budget_bytes: int = DEFAULT_CPU_KV_BYTES
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         unknown = set(self.coefficients) - set(FEATURES)
         if unknown:
             raise ValueError(f"coefficients: unknown features {sorted(unknown)}")

@@ -47,6 +47,7 @@ class RooflineCostModel(CostModel):
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.shape is None or self.accelerator is None:
             raise ValueError("roofline: needs a model shape and an accelerator")
         if not 0 < self.compute_efficiency <= 1 or not 0 < self.bandwidth_efficiency <= 1:
