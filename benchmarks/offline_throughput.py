@@ -52,8 +52,9 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from poise.checkpoint import embedded_gguf_path  # noqa: E402
 from poise.core.sampling_params import SamplingParams  # noqa: E402
-from poise.text import apply_chat_template, default_gguf_path, load_tokenizer  # noqa: E402
+from poise.text import apply_chat_template, load_tokenizer  # noqa: E402
 from poise.workload import LONG_PROMPT, SHORT_PROMPT, long_positions  # noqa: E402
 
 ENGINES = ("poise", "generate_batch", "static")
@@ -99,7 +100,7 @@ def load_hf_model(dtype: str) -> Any:
     gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
     load_gguf_checkpoint = gguf_utils.load_gguf_checkpoint
 
-    gguf = default_gguf_path()
+    gguf = embedded_gguf_path()
     config = AutoConfig.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, local_files_only=True
     )

@@ -300,16 +300,13 @@ def way_in_us_per_token(engine: list[str], repeats: int = 20) -> float:
     request (chat template + tokenization, the serial part of its way in), timed here with the
     server's own functions on the seed prompts. A machine fact, not fitted to any cell."""
     from poise.cli.options import add_engine_args, engine_config_from_args
-    from poise.model.registry import default_model_path
-    from poise.runner.factory import load_tokenizer
-    from poise.text.tokenizer import apply_chat_template
+    from poise.text.tokenizer import apply_chat_template, load_tokenizer
     from poise.workload import seed_classes
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     config = engine_config_from_args(parser.parse_args(engine))
-    source = config.model.tokenizer or config.model.model or str(default_model_path())
-    tok = load_tokenizer(source.removeprefix("dummy:"))
+    tok = load_tokenizer(config.model.tokenizer or config.model.model)
     seconds = tokens = 0.0
     for cls in seed_classes():
         messages = [{"role": "user", "content": cls.prompt or ""}]

@@ -158,8 +158,9 @@ def run(args: argparse.Namespace) -> int:
         return merge(args.merge, args.output)
     import torch
 
+    from poise.engine.overhead import measure_engine_overhead
     from poise.runner.factory import create_model_runner
-    from poise.runner.profiling import build_grid, measure_engine_overhead, measure_grid
+    from poise.runner.profiling import CLOCKS, build_grid, measure_grid
     from poise.sim.cost import StepShape
     from poise.sim.fit import fit_with_knee, profile_record, save_profile
 
@@ -211,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     overhead = (
         0.0
         if args.no_engine_overhead
-        else measure_engine_overhead(config, runner, info, clock=args.clock)
+        else measure_engine_overhead(config, runner, info, tick=CLOCKS[args.clock])
     )
     kv_per_token = _kv_bytes_per_token(runner, info)
     record = profile_record(

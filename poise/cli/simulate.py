@@ -33,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--model-shape",
         help="Roofline: a shipped shape (Qwen2.5-7B-Instruct, Llama-3.1-8B-Instruct, "
-        "SmolLM2-135M-Instruct) or a config.json / model dir (default: --model's, else SmolLM2).",
+        "SmolLM2-135M-Instruct), a config.json, a model dir or a .gguf (default: --model's, "
+        "else SmolLM2).",
     )
     g.add_argument("--compute-efficiency", type=float, default=None, help="Roofline MFU (0.5).")
     g.add_argument("--bandwidth-efficiency", type=float, default=None, help="Roofline (0.8).")
@@ -121,7 +122,9 @@ def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
         )
     if not args.accelerator:
         raise ValueError("cost model: give --profile FILE (see `poise profile`) or --accelerator")
-    shape = args.model_shape or _shape_of(config.model.model)
+    # The embedded model's shape ships as a config.json; any other model string is described
+    # from its own files (checkpoint.resolve_model), never silently replaced.
+    shape = args.model_shape or config.model.model or "SmolLM2-135M-Instruct"
     kw: dict[str, Any] = {
         "request_overhead_s": req or 0.0,
         "step_overhead_s": step or 0.0,
@@ -139,29 +142,17 @@ def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
     return RooflineCostModel.build(shape, args.accelerator, dtype=dtype, **kw)
 
 
-def _shape_of(model: str | None) -> str:
-    if model:
-        path = Path(model.removeprefix("dummy:"))
-        if path.is_dir() and (path / "config.json").exists():
-            return str(path)
-        if path.suffix == ".json" and path.exists():
-            return str(path)
-    return "SmolLM2-135M-Instruct"
-
-
 def prompt_lengths(tokenizer: str | None) -> Any:
     from poise.sim.tokens import PromptLengths
 
     if not tokenizer:
         return PromptLengths()
-    from poise.runner.factory import load_tokenizer
+    from poise.text.tokenizer import apply_chat_template, load_tokenizer
 
     tok = load_tokenizer(tokenizer)
 
-    def count(text: str) -> int:
-        msgs = [{"role": "user", "content": text}]
-        rendered = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        return len(tok(rendered, add_special_tokens=False)["input_ids"])
+    def count(text: str) -> int:  # what the server feeds the engine for a chat request
+        return len(apply_chat_template(tok, [{"role": "user", "content": text}]))
 
     return PromptLengths(count=count)
 

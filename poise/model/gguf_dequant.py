@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
-from poise.model.gguf_file import GGUFFile, TensorInfo
+from poise.checkpoint.gguf_file import GGUFFile, TensorInfo
 
 
 def _blocks(raw: torch.Tensor, block_bytes: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from poise.model.arch import ArchConfig
+from poise.checkpoint.arch import ArchConfig
 from poise.model.attention import AttentionBackend, AttentionMetadata, get_backend
 from poise.model.rope import RotaryEmbedding, apply_rope
 

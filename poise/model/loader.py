@@ -1,5 +1,5 @@
 """Model loading entry point: HF directory, GGUF file, ``dummy:`` random weights, or the
-embedded default (model=None).
+embedded default (model=None); what a model string names is ``checkpoint.resolve_model``'s call.
 
 All loaders build the module on the meta device (no memory, no init cost), materialise it
 with ``to_empty`` directly in the target dtype/device, then copy each checkpoint tensor into
@@ -9,20 +9,16 @@ knows max_model_len.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
-from poise.model.arch import ArchConfig
+from poise.checkpoint.arch import ArchConfig
+from poise.checkpoint.source import ModelSource, resolve_model
 from poise.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
-
-DUMMY_PREFIX = "dummy:"
 
 
 @dataclass
@@ -58,12 +54,6 @@ def check_complete(model: LlamaForCausalLM, loaded: set[str], source: str) -> No
         raise ValueError(f"model: {source} lacks weights {sorted(missing)[:5]}...")
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    with open(path) as f:
-        data: dict[str, Any] = json.load(f)
-    return data
-
-
 def load_model(
     model: str | None,
     dtype: torch.dtype,
@@ -71,25 +61,16 @@ def load_model(
     seed: int = 0,
     attention_backend: str = "torch",
 ) -> LoadedModel:
-    """Dispatch on the model string (see ModelConfig.model)."""
-    if model is None:
-        from poise.model.registry import default_model_path
-
-        model = str(default_model_path())
-    if model.startswith(DUMMY_PREFIX):
+    """Load what the model string names (see ModelConfig.model)."""
+    source: ModelSource = resolve_model(model)
+    if source.kind == "dummy":
         from poise.model.loader_dummy import load_dummy
 
-        return load_dummy(model[len(DUMMY_PREFIX) :], dtype, device, seed, attention_backend)
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+        return load_dummy(source, dtype, device, seed, attention_backend)
+    if source.kind == "gguf":
         from poise.model.loader_gguf import load_gguf
 
-        return load_gguf(path, dtype, device, attention_backend)
-    if path.is_dir() and (path / "config.json").exists():
-        from poise.model.loader_hf import load_hf_dir
+        return load_gguf(source, dtype, device, attention_backend)
+    from poise.model.loader_hf import load_hf_dir
 
-        return load_hf_dir(path, dtype, device, attention_backend)
-    raise ValueError(
-        f"model: {model!r} is neither a HF directory with config.json, a .gguf file, "
-        "nor 'dummy:<config.json>'"
-    )
+    return load_hf_dir(source, dtype, device, attention_backend)

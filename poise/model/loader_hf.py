@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from poise.model.arch import arch_from_hf_config
-from poise.model.loader import LoadedModel, check_complete, empty_model, read_json
+from poise.checkpoint.source import ModelSource, describe, read_json
+from poise.model.loader import LoadedModel, check_complete, empty_model
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -40,21 +40,18 @@ def _eos_from_generation_config(path: Path) -> frozenset[int]:
     return frozenset([value] if isinstance(value, int) else value)
 
 
-def has_tokenizer(path: Path) -> bool:
-    return any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
-
-
 def load_hf_dir(
-    path: Path, dtype: torch.dtype, device: torch.device, attention_backend: str = "torch"
+    source: ModelSource, dtype: torch.dtype, device: torch.device, attention_backend: str = "torch"
 ) -> LoadedModel:
-    arch = arch_from_hf_config(read_json(path / "config.json"))
+    path = source.path
+    arch = describe(source)
     model = empty_model(arch, dtype, device, attention_backend)
     loaded = model.load_weights(iter_safetensors(safetensors_files(path), dtype))
     check_complete(model, loaded, str(path))
     return LoadedModel(
         model=model,
         arch=arch,
-        name=path.name,
-        tokenizer_source=str(path) if has_tokenizer(path) else None,
+        name=source.name,
+        tokenizer_source=source.tokenizer_source(),
         extra_eos_token_ids=_eos_from_generation_config(path),
     )

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from poise.model.arch import RopeConfig
+from poise.checkpoint.arch import RopeConfig
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

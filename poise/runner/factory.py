@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from poise.model.attention import resolve_backend_name
 from poise.model.loader import LoadedModel, load_model
 from poise.runner.kv_pool import allocate_kv_caches, num_kv_blocks
 from poise.runner.model_runner import ModelRunner
+from poise.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -63,20 +63,6 @@ def resolve_max_model_len(requested: int | None, context_length: int) -> int:
     return min(requested, context_length)
 
 
-def load_tokenizer(source: str | None) -> Any:
-    """A transformers tokenizer from a directory or a .gguf file; None when there is none."""
-    if source is None:
-        return None
-    path = Path(source)
-    if path.suffix == ".gguf":
-        from poise.model.gguf_tokenizer import tokenizer_from_gguf
-
-        return tokenizer_from_gguf(path)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-
-
 def _eos_ids(loaded: LoadedModel, tokenizer: Any) -> frozenset[int]:
     ids = set(loaded.arch.eos_token_ids) | set(loaded.extra_eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -97,7 +83,8 @@ def create_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelInfo]:
     loaded.model.init_rope(max_model_len)
     blocks = num_kv_blocks(cc, config.scheduler, arch, dtype, device)
     caches = allocate_kv_caches(arch, blocks, cc.block_size, dtype, device)
-    tokenizer = load_tokenizer(mc.tokenizer or loaded.tokenizer_source)
+    tokenizer_source = mc.tokenizer or loaded.tokenizer_source
+    tokenizer = load_tokenizer(tokenizer_source) if tokenizer_source else None
     runner = ModelRunner(loaded.model, caches, cc.block_size, device, seed=mc.seed)
     info = ModelInfo(
         model_name=loaded.name,

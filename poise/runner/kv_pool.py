@@ -19,8 +19,8 @@ import logging
 
 import torch
 
+from poise.checkpoint.arch import ArchConfig
 from poise.config import CacheConfig, SchedulerConfig
-from poise.model.arch import ArchConfig
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ decode at position 2000 needs no earlier prefill: it reads whatever the pool hol
 costs the same time as real context. Each point runs ``warmup`` times unmeasured, then
 ``repeats`` times; the median is kept.
 
-``measure_engine_overhead`` runs a short real EngineCore workload and reports how much each step
-costs beyond the runner's ``execute`` (scheduling, bookkeeping): the profile's step overhead.
+The engine's own share of a step (``engine/overhead.py``) is measured beside this, by the CLI:
+the runner imports nothing of the engine, which imports the runner (lazily) to build one.
 
 Invariants: block ids handed to the runner are always inside the pool; shapes never exceed the
 engine limits given (token budget, request cap, pool size, max_model_len).
@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from poise.config import EngineConfig
 from poise.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from poise.core.sampling_params import SamplingParams
 
@@ -224,53 +223,3 @@ def measure_grid(
             if progress is not None and rep == warmup + repeats - 1:
                 progress(i + 1, len(points), points[i], statistics.median(times[i]))
     return [(out, statistics.median(ts)) for out, ts in zip(outs, times, strict=True)]
-
-
-class _TimedExecutor:
-    """Wraps the runner to time its ``execute`` inside engine steps."""
-
-    def __init__(self, inner: object, tick: Callable[[], float]) -> None:
-        self.inner = inner
-        self.tick = tick
-        self.times: list[float] = []
-
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        t0 = self.tick()
-        result = self.inner.execute(scheduler_output)  # type: ignore[attr-defined]
-        self.times.append(self.tick() - t0)
-        return result
-
-
-def measure_engine_overhead(
-    config: EngineConfig,
-    runner: object,
-    info: object,
-    num_requests: int = 8,
-    max_tokens: int = 12,
-    clock: str = "wall",
-) -> float:
-    """Median seconds per engine step spent outside ``runner.execute`` (scheduler, updates)."""
-    from poise.engine.core import EngineCore
-
-    tick = CLOCKS[clock]
-    timed = _TimedExecutor(runner, tick)
-    engine = EngineCore(
-        config,
-        timed,
-        num_kv_blocks=info.num_kv_blocks,  # type: ignore[attr-defined]
-        max_model_len=info.max_model_len,  # type: ignore[attr-defined]
-        vocab_size=info.vocab_size,  # type: ignore[attr-defined]
-        eos_token_ids=info.eos_token_ids,  # type: ignore[attr-defined]
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i in range(num_requests):
-        engine.add_request(f"o{i}", [11 + (i + j) % 50 for j in range(24)], params)
-    overheads = []
-    while engine.has_unfinished_requests():
-        n_before = len(timed.times)
-        t0 = tick()
-        engine.step()
-        total = tick() - t0
-        if len(timed.times) > n_before:
-            overheads.append(max(0.0, total - timed.times[-1]))
-    return statistics.median(overheads) if overheads else 0.0

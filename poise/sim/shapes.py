@@ -1,4 +1,5 @@
-"""Model shapes: the handful of numbers a cost model needs, read from a Hugging Face config.json.
+"""Model shapes: the handful of numbers a cost model needs, taken from the shared model
+description (``poise.checkpoint``: config.json or GGUF metadata, parsed as the runner parses it).
 
 A ``ModelShape`` is enough to count parameters, FLOPs per token, weight bytes and KV-cache bytes
 per token for a Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, SmolLM2): attention with
@@ -10,10 +11,12 @@ counted but are < 0.1 % of the total); FLOPs count one multiply-add as two FLOPs
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from poise.checkpoint.arch import ArchConfig, arch_from_hf_config
+from poise.checkpoint.source import DUMMY_PREFIX, ModelSource, describe, read_json
 
 SHAPES_DIR = Path(__file__).parent / "model_shapes"
 
@@ -40,23 +43,25 @@ class ModelShape:
     max_position_embeddings: int
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], name: str = "model") -> ModelShape:
-        """Build from a config.json dict (the text-model part of it)."""
-        cfg = config.get("text_config", config)
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
+    def from_arch(cls, arch: ArchConfig, name: str = "model") -> ModelShape:
         return cls(
             name=name,
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            vocab_size=int(cfg["vocab_size"]),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            hidden_size=arch.hidden_size,
+            intermediate_size=arch.intermediate_size,
+            num_layers=arch.num_layers,
+            num_heads=arch.num_heads,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            vocab_size=arch.vocab_size,
+            tie_word_embeddings=arch.tie_word_embeddings,
+            # The longest sequence the runner runs (a sliding window clamps it), not the raw key.
+            max_position_embeddings=arch.context_length,
         )
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], name: str = "model") -> ModelShape:
+        """Build from a config.json dict (the text-model part of a multimodal one)."""
+        return cls.from_arch(arch_from_hf_config(config.get("text_config", config)), name)
 
     # ---- parameter counts -------------------------------------------------------------------
     @property
@@ -113,19 +118,23 @@ def builtin_shapes() -> dict[str, Path]:
 
 def load_shape(spec: str | Path) -> ModelShape:
     """A shipped shape name (``Qwen2.5-7B-Instruct``, case-insensitive, the org prefix ignored),
-    a config.json path, or a model directory holding one."""
+    a config.json (any ``.json`` file) or a model directory holding one (``dummy:`` allowed), or
+    a ``.gguf`` file (described from its metadata)."""
     text = str(spec)
-    known = {name.lower(): path for name, path in builtin_shapes().items()}
-    key = text.rsplit("/", 1)[-1].lower()
-    path = Path(text)
+    path = Path(text.removeprefix(DUMMY_PREFIX)).expanduser()
     if path.is_dir():
         path = path / "config.json"
+    if path.is_file() and path.suffix == ".gguf":
+        source = ModelSource("gguf", path)
+        return ModelShape.from_arch(describe(source), name=source.name)
     if not path.is_file():
+        known = {name.lower(): p for name, p in builtin_shapes().items()}
+        key = text.rsplit("/", 1)[-1].lower()
         if key not in known:
             raise ValueError(
-                f"model shape: {spec!r} is neither a config.json nor one of {sorted(known)}"
+                f"model shape: {spec!r} is neither a config.json, a model directory, a .gguf "
+                f"file nor one of {sorted(known)}"
             )
         path = known[key]
-    config = json.loads(path.read_text())
-    name = path.stem if path.name != "config.json" else path.parent.name
-    return ModelShape.from_config(config, name=name)
+    name = path.parent.name if path.name == "config.json" else path.stem
+    return ModelShape.from_config(read_json(path), name=name)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from poise.text.detokenizer import IncrementalDetokenizer, StopChecker, TextDelta
 from poise.text.tokenizer import (
     apply_chat_template,
-    default_gguf_path,
     encode_prompt,
     eos_token_ids,
     load_tokenizer,
@@ -20,7 +19,6 @@ __all__ = [
     "StopChecker",
     "TextDelta",
     "apply_chat_template",
-    "default_gguf_path",
     "encode_prompt",
     "eos_token_ids",
     "load_tokenizer",

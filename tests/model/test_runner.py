@@ -123,7 +123,7 @@ def test_kv_sizing_from_bytes(tiny_checkpoints: dict[str, Path]) -> None:
     path = tiny_checkpoints["llama"]
     config = EngineConfig.from_kwargs(model=str(path), block_size=8, kv_cache_memory_bytes=1 << 20)
     runner, info = create_model_runner(config)
-    from poise.model.arch import arch_from_hf_config
+    from poise.checkpoint.arch import arch_from_hf_config
 
     arch = arch_from_hf_config(json.loads((path / "config.json").read_text()))
     assert info.num_kv_blocks == (1 << 20) // bytes_per_block(arch, 8, torch.float32)

@@ -31,14 +31,14 @@ REPO = Path(__file__).resolve().parents[2]
 def _cached_tokenizer_dir() -> Path:
     import transformers
 
-    from poise.text import default_gguf_path
+    from poise.checkpoint import embedded_gguf_path
 
     cache = Path(tempfile.gettempdir()) / f"poise-test-smollm2-tokenizer-{transformers.__version__}"
     if (cache / "tokenizer.json").is_file():
         return cache
     from transformers import AutoTokenizer
 
-    gguf = default_gguf_path()
+    gguf = embedded_gguf_path()
     tok = AutoTokenizer.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, local_files_only=True
     )

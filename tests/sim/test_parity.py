@@ -78,8 +78,9 @@ def test_real_runner_and_simulator_decide_identically(tiny_dir: Path, policy: st
 
 
 def test_profiling_grid_runs_on_the_real_runner(tiny_dir: Path) -> None:
+    from poise.engine.overhead import measure_engine_overhead
     from poise.runner.factory import create_model_runner
-    from poise.runner.profiling import build_grid, measure_engine_overhead, measure_grid
+    from poise.runner.profiling import build_grid, measure_grid
 
     torch.set_num_threads(1)
     cfg = EngineConfig.from_kwargs(model=str(tiny_dir), dtype="float32", num_kv_blocks=64)

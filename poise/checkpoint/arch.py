@@ -1,4 +1,5 @@
-"""Architecture description of a Llama-family checkpoint, parsed from a HF ``config.json`` dict.
+"""Architecture description of a Llama-family checkpoint, parsed from a HF ``config.json`` dict
+(GGUF metadata is first mapped onto config.json keys by ``gguf_config``).
 
 One frozen dataclass covers Llama / SmolLM2 / Mistral / Qwen2 / Qwen3: the differences are
 flags (q/k/v bias for Qwen2, per-head q/k RMSNorm for Qwen3, tied embeddings) and the RoPE
@@ -66,12 +67,6 @@ class ArchConfig:
         if self.sliding_window:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
-
-    def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
-        head = 0 if self.tie_word_embeddings else v * h
-        return v * h + head + self.num_layers * per_layer + h
 
 
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:

@@ -17,7 +17,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from poise.model.gguf_file import GGUFFile
+from poise.checkpoint.gguf_file import GGUFFile
 
 _CONTROL, _USER_DEFINED = 3, 4
 

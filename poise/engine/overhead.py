@@ -1,0 +1,66 @@
+"""How much an engine step costs beyond the executor's ``execute``: the profile's step overhead.
+
+``poise profile`` runs a short real EngineCore workload on the real runner and subtracts the
+time spent inside ``execute`` from each step's wall time; what is left is scheduling and
+bookkeeping, which the simulator adds to every modelled step. It lives here, not beside the
+runner's grid timing (``runner/profiling.py``), because it drives the engine: the runner must
+not import the engine that builds it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+from poise.config import EngineConfig
+from poise.core.outputs import ModelRunnerOutput, SchedulerOutput
+from poise.core.sampling_params import SamplingParams
+from poise.engine.core import EngineCore
+
+
+class _TimedExecutor:
+    """Wraps the runner to time its ``execute`` inside engine steps."""
+
+    def __init__(self, inner: object, tick: Callable[[], float]) -> None:
+        self.inner = inner
+        self.tick = tick
+        self.times: list[float] = []
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = self.tick()
+        result = self.inner.execute(scheduler_output)  # type: ignore[attr-defined]
+        self.times.append(self.tick() - t0)
+        return result
+
+
+def measure_engine_overhead(
+    config: EngineConfig,
+    runner: object,
+    info: object,
+    num_requests: int = 8,
+    max_tokens: int = 12,
+    tick: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Median seconds per engine step spent outside ``runner.execute`` (scheduler, updates)."""
+    timed = _TimedExecutor(runner, tick)
+    engine = EngineCore(
+        config,
+        timed,
+        num_kv_blocks=info.num_kv_blocks,  # type: ignore[attr-defined]
+        max_model_len=info.max_model_len,  # type: ignore[attr-defined]
+        vocab_size=info.vocab_size,  # type: ignore[attr-defined]
+        eos_token_ids=info.eos_token_ids,  # type: ignore[attr-defined]
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(num_requests):
+        engine.add_request(f"o{i}", [11 + (i + j) % 50 for j in range(24)], params)
+    overheads = []
+    while engine.has_unfinished_requests():
+        n_before = len(timed.times)
+        t0 = tick()
+        engine.step()
+        total = tick() - t0
+        if len(timed.times) > n_before:
+            overheads.append(max(0.0, total - timed.times[-1]))
+    return statistics.median(overheads) if overheads else 0.0
