@@ -74,7 +74,7 @@ class RooflineCostModel(CostModel):
             accelerator=acc,
             dtype_bytes=nbytes,
             vocab_size=shape.vocab_size,
-            model_max_len=shape.max_position_embeddings,
+            model_max_len=shape.context_length,
             kv_bytes_per_token=shape.kv_bytes_per_token(nbytes),
             provenance={"source": "roofline", "accelerator": acc.description, "dtype": dtype},
             **kwargs,

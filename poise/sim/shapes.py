@@ -11,7 +11,7 @@ counted but are < 0.1 % of the total); FLOPs count one multiply-add as two FLOPs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -30,33 +30,15 @@ DTYPE_BYTES: dict[str, int] = {
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    name: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    max_position_embeddings: int
+class ModelShape(ArchConfig):
+    """The runner's own architecture description (``checkpoint.ArchConfig``), named, plus what a
+    cost model derives from it."""
+
+    name: str = "model"
 
     @classmethod
     def from_arch(cls, arch: ArchConfig, name: str = "model") -> ModelShape:
-        return cls(
-            name=name,
-            hidden_size=arch.hidden_size,
-            intermediate_size=arch.intermediate_size,
-            num_layers=arch.num_layers,
-            num_heads=arch.num_heads,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            vocab_size=arch.vocab_size,
-            tie_word_embeddings=arch.tie_word_embeddings,
-            # The longest sequence the runner runs (a sliding window clamps it), not the raw key.
-            max_position_embeddings=arch.context_length,
-        )
+        return cls(**{f.name: getattr(arch, f.name) for f in fields(arch)}, name=name)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str = "model") -> ModelShape:
