@@ -9,7 +9,7 @@ from poise.core.outputs import (
     SchedulerOutput,
     StepStats,
 )
-from poise.core.request import Request, RequestStatus, RequestTimes
+from poise.core.request import Request, RequestStatus, RequestTimes, SloTargets
 from poise.core.sampling_params import SamplingParams
 from poise.core.timing import RequestMetrics, derive, percentile
 
@@ -23,6 +23,7 @@ __all__ = [
     "SamplingParams",
     "ScheduledRequest",
     "SchedulerOutput",
+    "SloTargets",
     "StepStats",
     "derive",
     "percentile",

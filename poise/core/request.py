@@ -55,6 +55,15 @@ class RequestTimes:
     finished: float | None = None
 
 
+@dataclass(frozen=True)
+class SloTargets:
+    """A request's traffic class and the latency it was promised (seconds; None: no target)."""
+
+    class_name: str = "default"
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+
 @dataclass
 class Request:
     request_id: str
@@ -71,6 +80,9 @@ class Request:
     stop_reason: str | int | None = None
     # Why a request was rejected or failed, for the client.
     error_message: str | None = None
+    # Scheduling inputs: lower priority values go first (vLLM); class and targets set on entry.
+    priority: int = 0
+    slo: SloTargets = field(default_factory=SloTargets)
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:

@@ -26,6 +26,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # Scheduling inputs (used by the scheduler, not the sampler); vLLM's semantics for
+    # priority: lower values are served first. ``traffic_class`` names a configured class (None:
+    # assigned by the class rules); the SLO targets override the class's, in milliseconds.
+    priority: int = 0
+    traffic_class: str | None = None
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
 
     @property
     def greedy(self) -> bool:
@@ -49,6 +56,14 @@ class SamplingParams:
             )
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise InvalidRequestError(
+                f"priority must be an integer, got {self.priority!r}", "priority"
+            )
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise InvalidRequestError(f"{name} must be > 0, got {value}", name)
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
         if vocab_size is not None:

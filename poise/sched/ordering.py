@@ -1,0 +1,215 @@
+"""Scheduling policies: one walk order, one waiting-queue key and one victim choice each.
+
+The scheduler's step loop is the same for every policy: it walks the candidates the policy
+lists (running requests get their next chunk or decode, waiting ones are admitted), and when
+a request needs blocks that are not there it preempts the victim the policy picks. A policy is
+a ``Policy`` value made of those functions, not a branch in the loop:
+
+- ``fifo`` (decode-first): running requests in admission order, then the waiting queue in
+  arrival order; a waiting request that does not fit stops admission (arrival order is kept);
+  the victim is the last admitted.
+- ``prefill_first``: unfinished chunked prefills, then the waiting queue, then decodes.
+- ``priority`` (vLLM's): the waiting queue by priority (lower first), then arrival; the victim
+  is the lowest priority, latest arrival; a waiting request may displace a running one of
+  lower priority at the sequence cap. Aging: waiting ``priority_aging_s`` counts as one level,
+  so the key is ``arrival + priority x aging`` (a virtual arrival time: the order between two
+  requests never changes while they wait, and a request of priority p is passed only by
+  requests that arrived less than ``(p - p') x aging`` after it, which bounds its wait).
+- ``slo``: decodes first, then unfinished prefills and waiting requests together by slack:
+  ``deadline - now - predicted prefill time``, with ``deadline = arrival + TTFT target +
+  priority x aging`` (slack falls a second per second for every request alike, so the order is
+  earliest-deadline-first corrected by the work left: no request starves). Slack is compared
+  in steps (a one-step difference is a tie), ties go to the longest cached prefix (SGLang's
+  longest-prefix match: the cache hit is used before it is evicted), then arrival. Victims are
+  chosen by cost: lowest priority, then most slack, then least work lost to the recompute;
+  requests already preempted ``preemption_thrash_limit`` times are spared while others exist.
+
+``priority`` and ``slo`` do not block the queue behind a request that does not fit: a smaller
+one further back may go, unless the blocked one is overdue (past its deadline, or waiting
+longer than one aging period), in which case admission stops so that room gathers for it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from poise.core.request import Request
+
+POLICIES: tuple[str, ...] = ("fifo", "prefill_first", "priority", "slo")
+
+
+@dataclass
+class PolicyContext:
+    """What a policy may know in one step: time, predictions and the prefix cache."""
+
+    now: float
+    # Seconds of waiting worth one priority level (0: strict priority, no aging).
+    aging_s: float
+    # Seconds to compute this many prompt tokens at the current step rate.
+    prefill_time: Callable[[int], float]
+    # Prompt tokens of the longest cached prefix this request would reuse.
+    cached_tokens: Callable[[Request], int]
+    # One full step's predicted time: slack differences under it are ties.
+    step_s: float
+    # TTFT target for requests without one (seconds).
+    default_ttft_s: float
+    preemption_thrash_limit: int = 3
+
+
+def is_partial_prefill(request: Request) -> bool:
+    """More than one token behind: a chunked prefill (or a recompute) is still in progress."""
+    return request.num_tokens - request.num_computed_tokens > 1
+
+
+def priority_key(request: Request, ctx: PolicyContext) -> tuple[float, float]:
+    if ctx.aging_s > 0:
+        return (request.arrival_time + request.priority * ctx.aging_s, request.arrival_time)
+    return (float(request.priority), request.arrival_time)
+
+
+def deadline(request: Request, ctx: PolicyContext) -> float:
+    target = request.slo.ttft_s if request.slo.ttft_s is not None else ctx.default_ttft_s
+    return request.arrival_time + target + request.priority * ctx.aging_s
+
+
+def slack(request: Request, ctx: PolicyContext) -> float:
+    if request.times.first_token is not None and not is_partial_prefill(request):
+        return math.inf  # its TTFT is behind it
+    left = request.num_tokens - max(request.num_computed_tokens, ctx.cached_tokens(request))
+    return deadline(request, ctx) - ctx.now - ctx.prefill_time(left)
+
+
+def slo_key(request: Request, ctx: PolicyContext) -> tuple[float, int, float]:
+    s = slack(request, ctx)
+    bucket = math.floor(s / ctx.step_s) if ctx.step_s > 0 and math.isfinite(s) else s
+    return (bucket, -ctx.cached_tokens(request), request.arrival_time)
+
+
+def is_overdue(request: Request, ctx: PolicyContext) -> bool:
+    """Waited so long that requests behind it must not take the room it needs."""
+    return slack(request, ctx) < 0 or (
+        ctx.aging_s > 0 and ctx.now - request.arrival_time > ctx.aging_s
+    )
+
+
+# -- walks: the candidates of one step, in the order they get budget -------------------------
+
+Walk = Callable[[Sequence[Request], Sequence[Request], PolicyContext], list[Request]]
+
+
+def walk_fifo(
+    running: Sequence[Request], waiting: Sequence[Request], _: PolicyContext
+) -> list[Request]:
+    return [*running, *waiting]
+
+
+def walk_prefill_first(
+    running: Sequence[Request], waiting: Sequence[Request], _: PolicyContext
+) -> list[Request]:
+    partial = [r for r in running if is_partial_prefill(r)]
+    decodes = [r for r in running if not is_partial_prefill(r)]
+    return [*partial, *waiting, *decodes]
+
+
+def walk_priority(
+    running: Sequence[Request], waiting: Sequence[Request], ctx: PolicyContext
+) -> list[Request]:
+    return [*running, *sorted(waiting, key=lambda r: priority_key(r, ctx))]
+
+
+def walk_slo(
+    running: Sequence[Request], waiting: Sequence[Request], ctx: PolicyContext
+) -> list[Request]:
+    decodes = [r for r in running if not is_partial_prefill(r)]
+    prefills = [r for r in running if is_partial_prefill(r)] + list(waiting)
+    return [*decodes, *sorted(prefills, key=lambda r: slo_key(r, ctx))]
+
+
+# -- victims: who loses its blocks when a request cannot grow ---------------------------------
+
+Victim = Callable[[Sequence[Request], Request, PolicyContext], Request]
+
+
+def victim_last_admitted(
+    candidates: Sequence[Request], current: Request, _: PolicyContext
+) -> Request:
+    """``candidates``: running requests not scheduled yet this step, in admission order."""
+    return candidates[-1] if candidates else current
+
+
+def victim_lowest_priority(
+    candidates: Sequence[Request], current: Request, ctx: PolicyContext
+) -> Request:
+    return max([*candidates, current], key=lambda r: priority_key(r, ctx))
+
+
+def victim_cost_aware(
+    candidates: Sequence[Request], current: Request, ctx: PolicyContext
+) -> Request:
+    pool = [*candidates, current]
+    spared = [r for r in pool if r.num_preemptions < ctx.preemption_thrash_limit]
+    pool = spared or pool
+
+    def cost(r: Request) -> tuple[float, float, int]:
+        # Higher is a better victim: lowest priority (largest key), then the most slack, then
+        # the least work to recompute.
+        s = slack(r, ctx)
+        return (priority_key(r, ctx)[0], s if math.isfinite(s) else 1e18, -r.num_computed_tokens)
+
+    return max(pool, key=cost)
+
+
+def displace_lower_priority(
+    request: Request, running: Sequence[Request], ctx: PolicyContext
+) -> Request | None:
+    """At the sequence cap, the running request ``request`` may take the place of, if any."""
+    if not running:
+        return None
+    worst = max(running, key=lambda r: priority_key(r, ctx))
+    return worst if priority_key(worst, ctx) > priority_key(request, ctx) else None
+
+
+def never_displace(request: Request, running: Sequence[Request], ctx: PolicyContext) -> None:
+    return None
+
+
+def always_block(request: Request, ctx: PolicyContext) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    walk: Walk
+    victim: Victim
+    # Whether a waiting request that cannot be admitted stops admission behind it.
+    blocks_queue: Callable[[Request, PolicyContext], bool]
+    # A running request the waiting one may preempt to take its place, or None.
+    displace: Callable[[Request, Sequence[Request], PolicyContext], Request | None]
+    # Sort key of the waiting queue (None: the queue's own order), for predictions.
+    waiting_key: Callable[[Request, PolicyContext], object] | None
+
+
+_REGISTRY: dict[str, Policy] = {
+    "fifo": Policy("fifo", walk_fifo, victim_last_admitted, always_block, never_displace, None),
+    "prefill_first": Policy(
+        "prefill_first", walk_prefill_first, victim_last_admitted, always_block,
+        never_displace, None,
+    ),
+    "priority": Policy(
+        "priority", walk_priority, victim_lowest_priority, is_overdue,
+        displace_lower_priority, priority_key,
+    ),
+    "slo": Policy(
+        "slo", walk_slo, victim_cost_aware, is_overdue, displace_lower_priority, slo_key
+    ),
+}  # fmt: skip
+
+
+def get_policy(name: str) -> Policy:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"scheduling_policy: must be one of {POLICIES}, got {name!r}") from None
