@@ -18,8 +18,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-SchedulingPolicy = Literal["fifo", "prefill_first"]
-SCHEDULING_POLICIES: tuple[str, ...] = ("fifo", "prefill_first")
+SchedulingPolicy = Literal["fifo", "prefill_first", "priority", "slo"]
+SCHEDULING_POLICIES: tuple[str, ...] = ("fifo", "prefill_first", "priority", "slo")
+ADMISSION_CONTROLS: tuple[str, ...] = ("none", "predictive")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "auto")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu")
 
@@ -176,10 +177,56 @@ class SchedulerConfig:
         default=0,
     )
     scheduling_policy: str = _help(
-        "fifo (decode-first: running requests are served before new prefills, steady TPOT) or "
+        "fifo (decode-first: running requests are served before new prefills, steady TPOT), "
         "prefill_first (unfinished chunked prefills before decodes: faster TTFT for long "
-        "prompts, decodes stutter).",
+        "prompts, decodes stutter), priority (vLLM's: lower request priority first, then "
+        "arrival; may preempt a lower priority at the request cap) or slo (prefills ordered by "
+        "slack to their TTFT deadline, ties to the longest cached prefix; cost-aware "
+        "preemption). See docs/scheduling.md.",
         default="fifo",
+    )
+    priority_aging_s: float = _help(
+        "Seconds of waiting worth one priority level (priority and slo policies), so a low "
+        "priority cannot starve; 0 = strict priority.",
+        default=30.0,
+    )
+    traffic_classes: str | None = _help(
+        "Traffic classes with TTFT/TPOT targets and work-conserving shares of the token budget "
+        "and request slots: 'none' (one class), 'default' (chat: interactive vs long prompts "
+        ">= 1024 tokens), a YAML file, or inline 'NAME:ttft_p95_ms=800,tpot_p50_ms=150,"
+        "share=0.7;long:prompt_tokens>=1024,ttft_p95_ms=10000,share=0.3'.",
+        default=None,
+    )
+    token_budget_controller: bool = _help(
+        "Move the per-step token budget between min_num_batched_tokens and "
+        "max_num_batched_tokens every step so decode TPOT stays at target_tpot_ms.",
+        default=False,
+    )
+    target_tpot_ms: float | None = _help(
+        "TPOT the token budget controller holds (default: the tightest class tpot_p50_ms).",
+        default=None,
+    )
+    min_num_batched_tokens: int = _help("Floor of the controlled token budget.", default=64)
+    admission_control: str = _help(
+        "none (only the queue bound) or predictive (refuse with 429 + Retry-After a request "
+        "whose predicted TTFT misses its class target by more than admission_margin).",
+        default="none",
+    )
+    admission_margin: float = _help(
+        "Predictive admission: refuse when predicted TTFT > target x (1 + margin).", default=0.25
+    )
+    preemption_thrash_limit: int = _help(
+        "The slo policy spares requests already preempted this many times while other "
+        "victims exist.",
+        default=3,
+    )
+    step_cost_const_s: float | None = _help(
+        "Prior for the online step-cost estimate (seconds per step), e.g. a poise profile's "
+        "'const' coefficient; the engine refines it from the steps it runs.",
+        default=None,
+    )
+    step_cost_per_token_s: float | None = _help(
+        "Prior for the online step-cost estimate (seconds per scheduled token).", default=None
     )
     safety_margin: float = _help(
         "Fraction of KV blocks kept free when admitting new prefills (alias: watermark), so "
@@ -208,6 +255,39 @@ class SchedulerConfig:
             "scheduling_policy",
             f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",
         )
+        _require(
+            self.priority_aging_s >= 0,
+            "priority_aging_s",
+            f"must be >= 0, got {self.priority_aging_s}",
+        )
+        _require(
+            self.target_tpot_ms is None or self.target_tpot_ms > 0,
+            "target_tpot_ms",
+            f"must be > 0, got {self.target_tpot_ms}",
+        )
+        _require(
+            self.min_num_batched_tokens > 0,
+            "min_num_batched_tokens",
+            f"must be > 0, got {self.min_num_batched_tokens}",
+        )
+        _require(
+            self.admission_control in ADMISSION_CONTROLS,
+            "admission_control",
+            f"must be one of {ADMISSION_CONTROLS}, got {self.admission_control!r}",
+        )
+        _require(
+            self.admission_margin >= 0,
+            "admission_margin",
+            f"must be >= 0, got {self.admission_margin}",
+        )
+        _require(
+            self.preemption_thrash_limit >= 1,
+            "preemption_thrash_limit",
+            f"must be >= 1, got {self.preemption_thrash_limit}",
+        )
+        for name in ("step_cost_const_s", "step_cost_per_token_s"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, name, f"must be > 0, got {value}")
         _require(
             0.0 <= self.safety_margin < 1.0,
             "safety_margin",

@@ -17,12 +17,18 @@ class InvalidRequestError(PoiseError, ValueError):
 
 
 class OverloadedError(PoiseError):
-    """The engine cannot take this request now (HTTP 429 with Retry-After)."""
+    """The engine cannot take this request now (HTTP 429 with Retry-After).
 
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+    ``retry_after_s`` is the engine's prediction of when it could (no constant guess);
+    ``reason`` names the limit for the rejection counter: ``queue_full``, ``slo`` (predicted to
+    miss its TTFT target), ``shutting_down``.
+    """
+
+    def __init__(self, message: str, retry_after_s: float, reason: str = "queue_full") -> None:
         super().__init__(message)
         self.message = message
         self.retry_after_s = retry_after_s
+        self.reason = reason
 
 
 class EngineDeadError(PoiseError):

@@ -24,8 +24,10 @@ import typing
 from typing import Any
 
 from poise.config import (
+    ADMISSION_CONTROLS,
     ALIASES,
     DTYPES,
+    SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -49,6 +51,7 @@ GROUPS: tuple[tuple[str, str, type], ...] = (
     ),
 )
 
+_POLICY_NAMES = [p.replace("_", "-") for p in SCHEDULING_POLICIES]
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
 
@@ -66,9 +69,9 @@ def parse_bytes(text: str) -> int:
 
 def policy_choice(text: str) -> str:
     value = normalize_policy(text)
-    if value not in ("fifo", "prefill_first"):
+    if value not in SCHEDULING_POLICIES:
         raise argparse.ArgumentTypeError(
-            f"invalid choice {text!r} (choose from fifo, prefill-first)"
+            f"invalid choice {text!r} (choose from {', '.join(_POLICY_NAMES)})"
         )
     return value
 
@@ -113,7 +116,9 @@ def _kwargs_for(field: dataclasses.Field[Any], hint: Any) -> dict[str, Any]:
     if base is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     elif field.name == "scheduling_policy":
-        kwargs.update(type=policy_choice, metavar="{fifo,prefill-first}")
+        kwargs.update(type=policy_choice, metavar="{" + ",".join(_POLICY_NAMES) + "}")
+    elif field.name == "admission_control":
+        kwargs.update(choices=ADMISSION_CONTROLS)
     elif field.name == "dtype":
         kwargs.update(choices=DTYPES)
     elif field.name == "kv_cache_memory_bytes":

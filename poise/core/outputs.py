@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from poise.core.request import RequestTimes
+from poise.core.request import RequestTimes, SloTargets
 from poise.core.sampling_params import SamplingParams
 
 
@@ -92,6 +92,9 @@ class RequestDelta:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     times: RequestTimes | None = None
+    # Set on the delta with the first token (with ``times``, so TTFT is observed at once) and on
+    # the finishing one: the request's class and targets, for per-class SLO metrics.
+    slo: SloTargets | None = None
 
 
 @dataclass

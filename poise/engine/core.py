@@ -68,14 +68,18 @@ class EngineCore:
         reason = self.scheduler.rejection_reason(len(prompt_token_ids))
         if reason is not None:
             raise InvalidRequestError(reason, "prompt")
+        # An unknown class name is a 400 naming the field.
+        self.scheduler.steer.classes.assign(len(prompt_token_ids), sampling_params.traffic_class)
 
     def check_capacity(self) -> None:
         """Raise OverloadedError when the waiting queue is at its bound."""
         limit = self.config.scheduler.max_num_queued_requests
         if limit is not None and self.scheduler.num_waiting >= limit:
+            wait = self.scheduler.queue_wait_s()
             raise OverloadedError(
                 f"waiting queue is full ({self.scheduler.num_waiting} requests, "
-                f"max_num_queued_requests={limit}); retry later"
+                f"max_num_queued_requests={limit}); retry in {wait:.1f} s",
+                retry_after_s=wait,
             )
 
     def add_request(
@@ -89,15 +93,43 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "id")
         self.validate(prompt_token_ids, sampling_params)
         self.check_capacity()
-        request = Request(
+        now = self.clock.now()
+        request = self._new_request(request_id, prompt_token_ids, sampling_params, arrival_time)
+        self.scheduler.check_admission(request, now)
+        self.scheduler.add_request(request)
+        return request
+
+    def predict_ttft(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> float:
+        """Predicted TTFT (s, from arrival) of this request if it were added now."""
+        request = self._new_request(request_id, prompt_token_ids, sampling_params, arrival_time)
+        return self.scheduler.forecast(request, self.clock.now()).ttft_s
+
+    def _new_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float | None,
+    ) -> Request:
+        now = self.clock.now()
+        return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=sampling_params,
-            arrival_time=self.clock.now() if arrival_time is None else arrival_time,
+            arrival_time=now if arrival_time is None else arrival_time,
             eos_token_ids=self.eos_token_ids,
-        )
-        self.scheduler.add_request(request)
-        return request
+            priority=sampling_params.priority,
+            slo=self.scheduler.steer.classes.targets(
+                len(prompt_token_ids), sampling_params.traffic_class,
+                sampling_params.ttft_slo_ms, sampling_params.tpot_slo_ms,
+            ),
+        )  # fmt: skip
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestDelta]:
         return self.scheduler.finish_requests(

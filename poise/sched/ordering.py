@@ -164,10 +164,13 @@ def victim_cost_aware(
 def displace_lower_priority(
     request: Request, running: Sequence[Request], ctx: PolicyContext
 ) -> Request | None:
-    """At the sequence cap, the running request ``request`` may take the place of, if any."""
-    if not running:
+    """At the sequence cap, the running request ``request`` may take the place of, if any: one
+    of a strictly lower priority level that the aged order also puts behind it (never an
+    equal: preempting equals only shuffles work)."""
+    lower = [r for r in running if r.priority > request.priority]
+    if not lower:
         return None
-    worst = max(running, key=lambda r: priority_key(r, ctx))
+    worst = max(lower, key=lambda r: priority_key(r, ctx))
     return worst if priority_key(worst, ctx) > priority_key(request, ctx) else None
 
 

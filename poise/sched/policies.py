@@ -28,14 +28,13 @@ class StepPlan:
     def contains(self, request: Request) -> bool:
         return request.request_id in self._ids
 
-
-def is_partial_prefill(request: Request) -> bool:
-    """More than one token behind: a chunked prefill (or a recompute) is still in progress."""
-    return request.num_tokens - request.num_computed_tokens > 1
-
-
-def order_running(running: list[Request]) -> tuple[list[Request], list[Request]]:
-    """Split running requests into (unfinished prefills, decodes), each in admission order."""
-    partial = [r for r in running if is_partial_prefill(r)]
-    decodes = [r for r in running if not is_partial_prefill(r)]
-    return partial, decodes
+    def remove(self, request: Request) -> None:
+        """Take a request back out of the step (it was preempted after being scheduled)."""
+        if request.request_id not in self._ids:
+            return
+        self._ids.discard(request.request_id)
+        for i, (r, n) in enumerate(self.items):
+            if r is request:
+                del self.items[i]
+                self.budget += n
+                return

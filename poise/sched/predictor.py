@@ -1,21 +1,22 @@
 """Predicted time to first token, from the work queued ahead and the measured step cost.
 
-A new request's first token comes when (1) the prompt tokens ordered before it in its class,
-and its own, have been computed and (2) it holds a sequence slot. (1) proceeds at the prefill
-tokens its class gets per step: the budget left after the running decodes, times the class's
-share while other classes also have prefill work (all of it otherwise). (2) needs, when the
-slots are full, as many running requests to finish as there are requests ahead of it without
-a slot; each running request is assumed to run to its ``max_tokens`` (one token per step).
-Step durations come from the online ``StepCostEstimator``.
+A small fluid replay of the steps to come, with step durations from the online
+``StepCostEstimator``: each step the running decodes take one token each, the rest of the
+budget goes to prefill, the request's class getting its share of it while other classes also
+have prefill work (all of it otherwise, and what it leaves goes to them); requests of its class
+ordered before it are prefilled first, in order, each once it holds a sequence slot; a request
+whose prefill ends becomes a decode for the rest of its ``max_tokens``, and a decode that
+reaches its ``max_tokens`` frees its slot. The request's first token comes in the step that
+ends its own prefill. New arrivals are not foreseen; an early stop (EOS) finishes a request
+sooner than assumed, so the forecast errs late.
 
-The same forecast gives the overload answer: a request that would miss its TTFT target by more
-than the admission margin is refused with ``Retry-After`` = the time until the work ahead has
-drained enough for it to meet the target (the forecast minus the target, rounded up to a step).
+The same replay gives the overload answer: a request that would miss its TTFT target by more
+than the admission margin is refused with ``Retry-After`` = the first step boundary at which a
+request like it, arriving then, would meet the target.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,19 +24,23 @@ from poise.core.request import Request
 from poise.sched.estimator import StepCostEstimator
 from poise.sched.ordering import Policy, PolicyContext, is_partial_prefill
 
+# A replay longer than this many steps means "far beyond any target": stop counting.
+MAX_STEPS = 20_000
+
 
 @dataclass(frozen=True)
 class Backlog:
     """What stands between a new request and its first token."""
 
     budget: int  # this step's token budget
-    num_decodes: int  # running requests that take one token per step
-    share: float  # the class's share of the prefill budget (1.0 when it is alone)
-    prefill_ahead: int  # prompt tokens to compute before its last chunk, its own included
+    max_num_seqs: int
+    share: float  # the class's share of the prefill budget (1.0 when it has no classes)
+    decodes: Sequence[int]  # output tokens left per running decode
+    # (prefill tokens left, output tokens to generate, holds a slot) per request of its class
+    # ordered before it
+    ahead: Sequence[tuple[int, int, bool]]
     own_tokens: int  # its own prompt tokens left (after the prefix cache)
     other_prefill: int  # prompt tokens other classes have queued (they run alongside)
-    slots_short: int  # running requests that must finish before it gets a slot
-    running_left: Sequence[int]  # output tokens left per running request, ascending
 
 
 @dataclass(frozen=True)
@@ -44,33 +49,98 @@ class Forecast:
     step_s: float  # predicted duration of one busy step
 
 
+class _Replay:
+    def __init__(self, est: StepCostEstimator, b: Backlog) -> None:
+        self.est, self.b = est, b
+        self.t = 0.0
+        self.steps = 0
+        self.decodes = list(b.decodes)
+        self.queue = [list(q) for q in b.ahead]  # [left, out, slot(0/1)]
+        self.other = b.other_prefill
+        self.running = len(self.decodes) + sum(1 for q in self.queue if q[2])
+
+    def copy(self) -> _Replay:
+        c = _Replay.__new__(_Replay)
+        c.est, c.b, c.t, c.steps = self.est, self.b, self.t, self.steps
+        c.decodes, c.queue = list(self.decodes), [list(q) for q in self.queue]
+        c.other, c.running = self.other, self.running
+        return c
+
+    def step(self) -> None:
+        num_decodes = len(self.decodes)
+        room = max(1, self.b.budget - num_decodes)
+        mine = room if self.other <= 0 else max(1, int(self.b.share * room), room - self.other)
+        used = 0
+        for q in self.queue:
+            if not q[2]:
+                if self.running >= self.b.max_num_seqs:
+                    break
+                q[2] = 1
+                self.running += 1
+            take = min(q[0], mine - used)
+            if take <= 0:
+                break
+            q[0] -= take
+            used += take
+        other = min(self.other, room - used)
+        self.other -= other
+        self.t += self.est.step_time(num_decodes + used + other)
+        self.steps += 1
+        self.decodes = [d - 1 for d in self.decodes if d > 1]
+        self.running -= num_decodes - len(self.decodes)
+        for q in [q for q in self.queue if q[0] <= 0]:
+            self.queue.remove(q)
+            if q[1] > 1:
+                self.decodes.append(q[1] - 1)
+            else:
+                self.running -= 1
+
+    def ttft(self, own_tokens: int) -> float:
+        """From this state: when a request appended to the queue now samples its first token."""
+        r = self.copy()
+        r.queue.append(mark := [own_tokens, 2, 0])
+        start = r.t
+        while mark in r.queue and r.steps - self.steps < MAX_STEPS:
+            r.step()
+        return r.t - start if mark not in r.queue else float("inf")
+
+
 def forecast(est: StepCostEstimator, backlog: Backlog, waited_s: float = 0.0) -> Forecast:
-    prefill_room = max(1, backlog.budget - backlog.num_decodes)
-    share = backlog.share if backlog.other_prefill > 0 else 1.0
-    per_step = max(1.0, share * prefill_room)
-    steps = math.ceil(backlog.prefill_ahead / per_step)
-    # A busy step carries the decodes plus whatever prefill all classes have, up to the budget.
-    work = backlog.prefill_ahead + backlog.other_prefill
-    step_tokens = min(backlog.budget, backlog.num_decodes + min(work, prefill_room))
-    step_s = est.step_time(step_tokens)
-    if backlog.slots_short > 0 and backlog.running_left:
-        k = min(backlog.slots_short, len(backlog.running_left)) - 1
-        slot_steps = backlog.running_left[k] + math.ceil(backlog.own_tokens / per_step)
-        steps = max(steps, slot_steps)
-    return Forecast(ttft_s=waited_s + steps * step_s, step_s=step_s)
+    replay = _Replay(est, backlog)
+    ttft = replay.ttft(backlog.own_tokens)
+    busy = min(backlog.budget, len(backlog.decodes) + backlog.own_tokens + backlog.other_prefill
+               + sum(q[0] for q in backlog.ahead))  # fmt: skip
+    return Forecast(ttft_s=waited_s + ttft, step_s=est.step_time(busy))
 
 
-def retry_after(fc: Forecast, target_s: float) -> float:
-    """Seconds until a request refused now would meet ``target_s`` (at least one step)."""
-    return max(fc.step_s, fc.ttft_s - target_s + fc.step_s)
+def retry_after(est: StepCostEstimator, backlog: Backlog, target_s: float) -> float:
+    """Seconds until a request like this one, arriving then, would meet ``target_s``."""
+    replay = _Replay(est, backlog)
+    states = [replay.copy()]
+    while replay.queue or replay.other > 0 or replay.decodes:
+        if replay.steps >= MAX_STEPS:
+            break
+        replay.step()
+        states.append(replay.copy())
+    # The backlog only drains (nothing new arrives in the replay): bisect on the step.
+    lo, hi = 0, len(states) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if states[mid].ttft(backlog.own_tokens) <= target_s:
+            hi = mid
+        else:
+            lo = mid + 1
+    return max(states[lo].t, est.step_time(backlog.budget))
 
 
-def refusal(fc: Forecast, target_s: float | None, margin: float) -> float | None:
+def refusal(
+    est: StepCostEstimator, backlog: Backlog, fc: Forecast, target_s: float | None, margin: float
+) -> float | None:
     """None to admit; else the Retry-After (s) of a request that would miss its target by more
     than ``margin`` (a fraction of the target)."""
     if target_s is None or fc.ttft_s <= target_s * (1.0 + margin):
         return None
-    return retry_after(fc, target_s)
+    return retry_after(est, backlog, target_s)
 
 
 def prefill_left(request: Request, cached_tokens: int = 0) -> int:
@@ -97,27 +167,24 @@ def backlog_for(
         key = policy.waiting_key
         mine = key(request, ctx)
         ahead = [r for r in waiting if key(r, ctx) < mine]  # type: ignore[operator]
-    partial = [r for r in running if is_partial_prefill(r)]
     cls = request.slo.class_name
     by_class = len(shares) > 1
 
     def same(r: Request) -> bool:
         return not by_class or r.slo.class_name == cls
 
-    own = prefill_left(request, ctx.cached_tokens(request))
-    mine_ahead = [r for r in [*partial, *ahead] if same(r)]
-    others = [r for r in [*partial, *waiting] if not same(r)]
-    free_slots = max_num_seqs - len(running)
-    waiting_ahead = sum(1 for r in ahead if same(r))
+    def out_left(r: Request) -> int:
+        return max(1, r.sampling_params.max_tokens - r.num_output_tokens)
+
+    partial = [r for r in running if is_partial_prefill(r)]
+    queue = [(prefill_left(r), out_left(r), True) for r in partial if same(r)]
+    queue += [(prefill_left(r), out_left(r), False) for r in ahead if same(r)]
     return Backlog(
         budget=budget,
-        num_decodes=sum(1 for r in running if not is_partial_prefill(r)),
+        max_num_seqs=max_num_seqs,
         share=shares.get(cls, 1.0) if by_class else 1.0,
-        prefill_ahead=own + sum(prefill_left(r) for r in mine_ahead),
-        own_tokens=own,
-        other_prefill=sum(prefill_left(r) for r in others),
-        slots_short=max(0, waiting_ahead + 1 - free_slots),
-        running_left=sorted(
-            max(1, r.sampling_params.max_tokens - r.num_output_tokens) for r in running
-        ),
+        decodes=[out_left(r) for r in running if not is_partial_prefill(r)],
+        ahead=queue,
+        own_tokens=prefill_left(request, ctx.cached_tokens(request)),
+        other_prefill=sum(prefill_left(r) for r in [*partial, *waiting] if not same(r)),
     )

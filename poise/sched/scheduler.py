@@ -32,7 +32,11 @@ from poise.core.outputs import (
 )
 from poise.core.request import Request, RequestStatus
 from poise.kv.manager import KVCacheManager
-from poise.sched.policies import StepPlan, order_running
+from poise.sched.ordering import PolicyContext, is_partial_prefill
+from poise.sched.policies import StepPlan
+from poise.sched.predictor import Forecast, prefill_left
+from poise.sched.shares import ShareLedger
+from poise.sched.steering import Steering
 from poise.sched.stopping import check_stop
 
 
@@ -52,6 +56,10 @@ class Scheduler:
         self._pending_deltas: list[RequestDelta] = []
         self._reserve_blocks = int(config.safety_margin * kv.num_blocks)
         self._step_start = 0.0
+        self._had_decodes = False
+        # Policy, classes, step-cost estimate, budget controller, forecasts (sched/steering.py).
+        self.steer = Steering(config)
+        self.policy = self.steer.policy
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -140,24 +148,60 @@ class Scheduler:
                 num_cached_tokens=request.num_cached_tokens,
                 num_preemptions=request.num_preemptions,
                 times=request.times,
+                slo=request.slo,
             )
         )
+
+    # -- admission forecasts -------------------------------------------------------------------
+
+    def check_admission(self, request: Request, now: float) -> None:
+        """Raise OverloadedError when predictive admission refuses this (not yet added) request."""
+        self.steer.check_admission(request, self.running, self.waiting, self.context(now))
+
+    def forecast(self, request: Request, now: float) -> Forecast:
+        return self.steer.forecast(request, self.running, self.waiting, self.context(now))
+
+    def queue_wait_s(self) -> float:
+        """Predicted seconds until the waiting queue's head is admitted (for Retry-After)."""
+        return self.steer.queue_wait_s(self.running, self.waiting)
 
     # -- scheduling -------------------------------------------------------------------------
 
     def schedule(self, now: float) -> SchedulerOutput:
         self._step_id += 1
-        plan = StepPlan(budget=self.config.max_num_batched_tokens)
         self._step_start = now
-        if self.config.scheduling_policy == "prefill_first":
-            partial, decodes = order_running(self.running)
-            self._schedule_running(plan, partial)
-            self._schedule_waiting(plan, now)
-            self._schedule_running(plan, decodes)
-        else:
-            self._schedule_running(plan, list(self.running))
-            self._schedule_waiting(plan, now)
+        self._had_decodes = any(not is_partial_prefill(r) for r in self.running)
+        plan = StepPlan(budget=self.steer.step_budget(self.running))
+        ctx = self.context(now)
+        # The policy's walk; the loop below is the same for every policy.
+        candidates = self.policy.walk(self.running, self.waiting, ctx)
+        ledger = self.steer.ledger(
+            candidates, self.running, self.config.long_prefill_token_threshold
+        )
+        was_running = {r.request_id for r in self.running}
+        admitting = True
+        for request in candidates:
+            if plan.budget <= 0:
+                break
+            if request.request_id in was_running:
+                if request.status is RequestStatus.RUNNING:  # not preempted earlier this step
+                    self._schedule_running(plan, request, ledger, ctx)
+            elif admitting:
+                admitting = self._admit(plan, request, ledger, ctx, now)
         return self._build_output(plan)
+
+    def context(self, now: float) -> PolicyContext:
+        memo: dict[str, int] = {}  # one prefix lookup per request per step
+
+        def cached_tokens(request: Request) -> int:
+            if request.num_computed_tokens or not self.kv.enable_prefix_caching:
+                return 0
+            rid = request.request_id
+            if rid not in memo:
+                memo[rid] = len(self.kv.find_cached_prefix(request)) * self.kv.block_size
+            return memo[rid]
+
+        return self.steer.context(now, cached_tokens)
 
     def _chunk_size(self, request: Request, plan: StepPlan) -> int:
         """Tokens this request may take now under the budget and the long-prefill cap."""
@@ -169,69 +213,90 @@ class Scheduler:
             n = min(n, threshold)
         return n
 
-    def _schedule_running(self, plan: StepPlan, candidates: list[Request]) -> None:
-        for request in candidates:
-            if plan.budget <= 0:
-                break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this step
-            n = self._chunk_size(request, plan)
-            if n <= 0:
-                continue
-            while self.kv.allocate_slots(request, n) is None:
-                victim = self._pick_victim(plan, request)
-                self._preempt(victim, plan)
-                if victim is request:
-                    break
-            else:
-                plan.add(request, n)
-
-    def _pick_victim(self, plan: StepPlan, current: Request) -> Request:
-        for candidate in reversed(self.running):
-            if candidate is not current and not plan.contains(candidate):
-                return candidate
-        return current
+    def _schedule_running(
+        self, plan: StepPlan, request: Request, ledger: ShareLedger, ctx: PolicyContext
+    ) -> None:
+        n = self._chunk_size(request, plan)
+        prefill = is_partial_prefill(request)
+        if prefill:
+            n = min(n, ledger.token_allowance(request.slo.class_name, plan.budget))
+        if n <= 0:
+            ledger.passed(request.slo.class_name, prefill_left(request))
+            return
+        while self.kv.allocate_slots(request, n) is None:
+            others = [r for r in self.running if r is not request and not plan.contains(r)]
+            victim = self.policy.victim(others, request, ctx)
+            self._preempt(victim, plan)
+            if victim is request:
+                return
+        plan.add(request, n)
+        if prefill:
+            ledger.took_prefill(request.slo.class_name, n)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
+        plan.remove(request)  # a request displaced after it was scheduled gives its tokens back
         self.running.remove(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
+        self.steer.preemptions_by_class[request.slo.class_name] += 1
         self.waiting.appendleft(request)
         self._finished_ids.append(request.request_id)  # the runner may drop its state
         plan.preempted_ids.append(request.request_id)
 
-    def _schedule_waiting(self, plan: StepPlan, now: float) -> None:
-        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
-            num_cached_tokens = len(cached) * self.kv.block_size
-            remaining = request.num_tokens - num_cached_tokens
-            n = min(remaining, plan.budget)
-            threshold = self.config.long_prefill_token_threshold
-            if threshold > 0 and remaining > 1 and (self.running or len(self.waiting) > 1):
-                n = min(n, threshold)
-            # Without chunked prefill a prompt goes in whole; recomputes after preemption may
-            # still be chunked, or a preempted request longer than the budget could never return.
-            if (
-                n < remaining
-                and not self.config.enable_chunked_prefill
-                and not request.num_preemptions
-            ):
-                break
-            reserve = self._reserve_blocks if self.running else 0
-            if self.kv.allocate_slots(request, n, cached, reserve_blocks=reserve) is None:
-                break  # head-of-line: keep arrival order, wait for blocks
-            self.waiting.popleft()
-            request.num_computed_tokens = num_cached_tokens
-            request.num_cached_tokens = num_cached_tokens
-            request.status = RequestStatus.RUNNING
-            if request.times.first_scheduled is None:
-                request.times.first_scheduled = now
-            self.running.append(request)
-            plan.add(request, n)
+    def _admit(
+        self,
+        plan: StepPlan,
+        request: Request,
+        ledger: ShareLedger,
+        ctx: PolicyContext,
+        now: float,
+    ) -> bool:
+        """Try to admit one waiting request; False when admission must stop behind it."""
+        cls = request.slo.class_name
+        free = self.config.max_num_seqs - len(self.running)
+        if free <= 0:
+            victim = self.policy.displace(request, self.running, ctx)
+            if victim is None:
+                ledger.left_waiting(cls)
+                return not self.policy.blocks_queue(request, ctx)
+            self._preempt(victim, plan)
+            free = 1
+        if not ledger.slot_allowed(cls, free):
+            ledger.left_waiting(cls)
+            return True  # the slot is held for another class that has work waiting
+        cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+        num_cached_tokens = len(cached) * self.kv.block_size
+        remaining = request.num_tokens - num_cached_tokens
+        n = min(remaining, plan.budget, ledger.token_allowance(cls, plan.budget))
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0 and remaining > 1 and (self.running or len(self.waiting) > 1):
+            n = min(n, threshold)
+        # Without chunked prefill a prompt goes in whole; recomputes after preemption may
+        # still be chunked, or a preempted request longer than the budget could never return.
+        whole_only = not self.config.enable_chunked_prefill and not request.num_preemptions
+        reserve = self._reserve_blocks if self.running else 0
+        if (
+            n <= 0
+            or (n < remaining and whole_only)
+            or self.kv.allocate_slots(request, n, cached, reserve_blocks=reserve) is None
+        ):
+            ledger.left_waiting(cls)
+            ledger.passed(cls, remaining)
+            return not self.policy.blocks_queue(request, ctx)
+        self.waiting.remove(request)
+        request.num_computed_tokens = num_cached_tokens
+        request.num_cached_tokens = num_cached_tokens
+        request.status = RequestStatus.RUNNING
+        if request.times.first_scheduled is None:
+            request.times.first_scheduled = now
+        self.running.append(request)
+        plan.add(request, n)
+        ledger.admitted(cls)
+        ledger.took_prefill(cls, n)
+        return True
 
     def _build_output(self, plan: StepPlan) -> SchedulerOutput:
         out = SchedulerOutput(step_id=self._step_id, schedule_time=self._step_start)
@@ -282,18 +347,29 @@ class Scheduler:
                 continue
             token = result.sampled_token_ids[sched.request_id]
             request.output_token_ids.append(token)
-            if request.times.first_token is None:
+            first = request.times.first_token is None
+            if first:
                 request.times.first_token = now
             request.times.token_times.append(now)
             status = check_stop(request, token, self.max_len)
             if status is None:
-                deltas.append(RequestDelta(sched.request_id, [token]))
+                deltas.append(
+                    RequestDelta(sched.request_id, [token])
+                    if not first
+                    else RequestDelta(
+                        sched.request_id, [token], times=request.times, slo=request.slo
+                    )
+                )
                 continue
             self.running.remove(request)
             self._finish(request, status, now)
             finished = self._pending_deltas.pop()
             finished.new_token_ids = [token]
             deltas.append(finished)
+        if output.scheduled:
+            self.steer.observe_step(
+                output.total_num_scheduled_tokens, now - output.schedule_time, self._had_decodes
+            )
         stats = StepStats(
             step_id=output.step_id,
             start_time=output.schedule_time,

@@ -89,10 +89,11 @@ def map_exception(exc: Exception, metrics: Any) -> JSONResponse:
         metrics.rejected(reason)
         return error_response(400, exc.message, param=exc.param)
     if isinstance(exc, OverloadedError):
-        metrics.rejected("queue_full")
+        metrics.rejected(exc.reason)
+        # The header counts whole seconds: the engine's predicted wait, rounded up.
         retry = str(max(1, math.ceil(exc.retry_after_s)))
         return error_response(
-            429, exc.message, err_type="rate_limit_error", code="queue_full",
+            429, exc.message, err_type="rate_limit_error", code=exc.reason,
             headers={"Retry-After": retry},
         )  # fmt: skip
     if isinstance(exc, EngineDeadError):
@@ -180,6 +181,9 @@ async def _generate(
             400, f"model {req.model!r} does not exist; this server serves "
             f"{state.served_model_names}", param="model", code="model_not_found",
         )  # fmt: skip
+    header_class = raw.headers.get("x-poise-class")
+    if req.traffic_class is None and header_class:
+        req.traffic_class = header_class.strip()  # the body's "class" wins over the header
     gen = state.generator
     model = req.model or state.served_model_names[0]
     try:

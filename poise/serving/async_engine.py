@@ -24,6 +24,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -130,6 +131,7 @@ class AsyncEngine:
         self._live: set[str] = set()
         self._step_no = 0
         self._preemptions_seen = 0
+        self._class_preemptions_seen: Counter[str] = Counter()
         self._log = _ThroughputLog(log_interval_s)
 
     # ---- lifecycle (event loop) ---------------------------------------------------------
@@ -177,7 +179,9 @@ class AsyncEngine:
         if self.error is not None:
             raise EngineDeadError(self.error)
         if not self.accepting:
-            raise OverloadedError("server is shutting down", retry_after_s=5.0)
+            raise OverloadedError(
+                "server is shutting down", retry_after_s=5.0, reason="shutting_down"
+            )
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, len(prompt_token_ids))
         self._streams[request_id] = stream
@@ -239,7 +243,9 @@ class AsyncEngine:
                 stop = self._stop
             if stop:  # shutting down: admit nothing more
                 for add in adds:
-                    exc = OverloadedError("server is shutting down", retry_after_s=5.0)
+                    exc = OverloadedError(
+                        "server is shutting down", retry_after_s=5.0, reason="shutting_down"
+                    )
                     self._loop.call_soon_threadsafe(self._resolve, add.admitted, exc)  # type: ignore[union-attr]
                 adds = []
             try:
@@ -330,6 +336,11 @@ class AsyncEngine:
         if total > self._preemptions_seen:
             self.metrics.preemptions.inc(total - self._preemptions_seen)
             self._preemptions_seen = total
+            for cls, n in sched.steer.preemptions_by_class.items():
+                if n > self._class_preemptions_seen[cls]:
+                    self.metrics.preempted(cls, n - self._class_preemptions_seen[cls])
+                    self._class_preemptions_seen[cls] = n
+        self.metrics.token_budget.set(sched.steer.budget)
 
     def _die(self, exc: Exception) -> None:
         self.error = f"engine dead after step {self._step_no}: {type(exc).__name__}: {exc}"

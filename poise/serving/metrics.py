@@ -3,10 +3,16 @@
 Invariants:
 - One ``CollectorRegistry`` per ``ServingMetrics`` (per app); nothing is registered globally.
 - Names carry the prefix ``poise:`` and follow vLLM's where the meaning is the same.
-- Request latencies come only from ``poise.core.timing.derive`` on the finishing delta's
-  RequestTimes (TTFT from arrival). Latency histograms observe requests that finished with
-  ``stop`` or ``length`` (served); aborted, rejected and failed requests are counted by
-  ``request_success_total{finished_reason}`` / ``requests_rejected_total{reason}`` only.
+- Request latencies come only from ``poise.core.timing.derive`` on the delta's RequestTimes
+  (TTFT from arrival). TTFT and queue time are observed with the first token (so a dashboard
+  sees them at once, and a request aborted later still counts); the other latency histograms
+  observe requests that finished with ``stop`` or ``length`` (served); aborted, rejected and
+  failed requests are counted by ``request_success_total{finished_reason}`` /
+  ``requests_rejected_total{reason}``.
+- Per traffic class (label ``class``): TTFT, queue and TPOT histograms, SLO attainment
+  (``slo_ttft_total`` / ``slo_tpot_total`` with ``result`` met or missed, for requests whose
+  class or request names a target), goodput tokens (output tokens of served requests that met
+  every target they had) and preemptions.
 - Methods are called from the engine thread (steps, deltas) and the event loop (rejections);
   prometheus_client's metric objects are thread-safe.
 """
@@ -25,6 +31,7 @@ from prometheus_client import (
 )
 
 from poise.core.outputs import RequestDelta, StepStats
+from poise.core.request import SloTargets
 from poise.core.timing import derive
 
 P = "poise:"
@@ -58,8 +65,16 @@ class ServingMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(P + name, doc, ["model_name"], registry=r).labels(**labels)  # type: ignore[no-any-return]
 
-        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
-        self.queue_time = hist(
+        def by_class(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(P + name, doc, ["model_name", "class"], buckets=buckets, registry=r)
+
+        def class_counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(P + name, doc, ["model_name", "class", *extra], registry=r)
+
+        self._ttft = by_class(
+            "time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS
+        )
+        self._queue_time = by_class(
             "request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS
         )
         self.prefill_time = hist(
@@ -71,10 +86,26 @@ class ServingMetrics:
         self.itl = hist(
             "inter_token_latency_seconds", "Gap between consecutive tokens.", TOKEN_GAP_BUCKETS
         )
-        self.tpot = hist(
+        self._tpot = by_class(
             "request_time_per_output_token_seconds",
             "Decode time / (output tokens - 1), per request.",
             TOKEN_GAP_BUCKETS,
+        )
+        self._slo_ttft = class_counter(
+            "slo_ttft_total", "Requests whose first token met / missed its TTFT target.",
+            ("result",),
+        )  # fmt: skip
+        self._slo_tpot = class_counter(
+            "slo_tpot_total", "Served requests whose TPOT met / missed its target.", ("result",)
+        )
+        self._goodput = class_counter(
+            "goodput_tokens_total", "Output tokens of served requests that met all targets."
+        )
+        self._class_preemptions = class_counter(
+            "class_preemptions_total", "Preemptions (recompute) per traffic class."
+        )
+        self.token_budget = gauge(
+            "token_budget", "Per-step token budget now (moves with the budget controller)."
         )
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
         self.running = gauge("num_requests_running", "Requests in the running batch.")
@@ -140,6 +171,8 @@ class ServingMetrics:
             self.generation_tokens.inc(len(delta.new_token_ids))
         if prompt_len_if_first:
             self.prompt_tokens.inc(prompt_len_if_first)
+            if delta.times is not None:
+                self._observe_first_token(delta)
         if not delta.finished:
             return
         reason = delta.finish_reason or "unknown"
@@ -147,21 +180,51 @@ class ServingMetrics:
         if reason in SERVED and delta.times is not None:
             self._observe_latencies(delta)
 
+    def _cls(self, slo: SloTargets | None) -> dict[str, str]:
+        return {"model_name": self._model_name, "class": slo.class_name if slo else "default"}
+
+    def _observe_first_token(self, delta: RequestDelta) -> None:
+        assert delta.times is not None
+        m = derive(delta.times)
+        labels = self._cls(delta.slo)
+        if m.ttft is not None:
+            self._ttft.labels(**labels).observe(m.ttft)
+            if delta.slo is not None and delta.slo.ttft_s is not None:
+                met = "met" if m.ttft <= delta.slo.ttft_s else "missed"
+                self._slo_ttft.labels(**labels, result=met).inc()
+        if m.queue_time is not None:
+            self._queue_time.labels(**labels).observe(m.queue_time)
+
     def _observe_latencies(self, delta: RequestDelta) -> None:
         assert delta.times is not None
         m = derive(delta.times)
+        labels = self._cls(delta.slo)
         for hist, value in (
-            (self.ttft, m.ttft),
-            (self.queue_time, m.queue_time),
             (self.prefill_time, m.prefill_time),
             (self.decode_time, m.decode_time),
-            (self.tpot, m.tpot),
             (self.e2e, m.e2e),
         ):
             if value is not None:
                 hist.observe(value)
+        if m.tpot is not None:
+            self._tpot.labels(**labels).observe(m.tpot)
         for gap in m.itl:
             self.itl.observe(gap)
+        slo = delta.slo or SloTargets()
+        good = True
+        if slo.ttft_s is not None:
+            good = m.ttft is not None and m.ttft <= slo.ttft_s
+        if slo.tpot_s is not None and m.tpot is not None:
+            met = m.tpot <= slo.tpot_s
+            self._slo_tpot.labels(**labels, result="met" if met else "missed").inc()
+            good = good and met
+        if good:
+            self._goodput.labels(**labels).inc(m.num_output_tokens)
+
+    def preempted(self, class_name: str, count: int) -> None:
+        self._class_preemptions.labels(model_name=self._model_name, **{"class": class_name}).inc(
+            count
+        )
 
     # -- event loop ------------------------------------------------------------------------
 

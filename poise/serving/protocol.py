@@ -37,6 +37,8 @@ class ChatMessage(_Lenient):
 class _SamplingRequest(_Lenient):
     """Fields chat and completions share."""
 
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -54,6 +56,12 @@ class _SamplingRequest(_Lenient):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+    # Scheduling inputs (vLLM's ``priority``: lower first; poise's traffic class and per-request
+    # SLO overrides, in ms). The class may also come in the ``X-Poise-Class`` header.
+    priority: int = 0
+    traffic_class: str | None = Field(default=None, alias="class")
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
 
     @field_validator("n")
     @classmethod
@@ -87,6 +95,10 @@ class _SamplingRequest(_Lenient):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            priority=self.priority,
+            traffic_class=self.traffic_class,
+            ttft_slo_ms=self.ttft_slo_ms,
+            tpot_slo_ms=self.tpot_slo_ms,
         )
         params.validate()
         return params

@@ -93,6 +93,16 @@ def test_batched_greedy_equals_transformers(kind: str, tiny_checkpoints: dict[st
         {"enable_prefix_caching": True, "max_num_seqs": 1},
         {"enable_prefix_caching": False, "max_num_batched_tokens": 32},
         {"enable_chunked_prefill": False, "max_num_batched_tokens": 128},
+        {"scheduling_policy": "priority", "max_num_seqs": 3, "max_num_batched_tokens": 32},
+        {"scheduling_policy": "slo", "traffic_classes": "default", "max_num_batched_tokens": 32},
+        {
+            "scheduling_policy": "slo",
+            "traffic_classes": "a:ttft_p95_ms=100,share=0.5;b:prompt_tokens>=16,share=0.5",
+            "token_budget_controller": True,
+            "target_tpot_ms": 1.0,
+            "max_num_seqs": 4,
+        },
+        {"traffic_classes": "a:ttft_p95_ms=600000", "admission_control": "predictive"},
     ],
     ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()),
 )
@@ -107,10 +117,10 @@ def test_invariance_under_preemption(
     tiny_llama_dir: Path, llama_reference: list[list[int]]
 ) -> None:
     # 12 blocks of 8 tokens: far less than 11 requests need at once.
-    for caching in (False, True):
+    for caching, policy in ((False, "fifo"), (True, "fifo"), (True, "slo"), (False, "priority")):
         got, llm = poise_outputs(
             tiny_llama_dir, make_prompts(), num_kv_blocks=12, block_size=8, safety_margin=0.0,
-            enable_prefix_caching=caching,
+            enable_prefix_caching=caching, scheduling_policy=policy,
         )  # fmt: skip
         assert llm.engine.scheduler.num_preemptions_total > 0
         assert got == llama_reference
@@ -125,3 +135,27 @@ def test_invariance_under_shuffled_order(
     random.Random(1).shuffle(order)
     got, _ = poise_outputs(tiny_llama_dir, [prompts[i] for i in order], max_num_batched_tokens=32)
     assert [got[order.index(i)] for i in range(len(prompts))] == llama_reference
+
+
+def test_invariance_with_per_request_priorities_and_classes(
+    tiny_llama_dir: Path, llama_reference: list[list[int]]
+) -> None:
+    """SamplingParams carry priority, class and SLO overrides in the offline API."""
+    prompts = make_prompts()
+    llm = LLM(
+        model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256, max_num_seqs=2,
+        scheduling_policy="slo", traffic_classes="chat:ttft_p95_ms=500;docs:ttft_p95_ms=9000",
+    )  # fmt: skip
+    params = [
+        SamplingParams(
+            max_tokens=MAX_NEW,
+            temperature=0.0,
+            ignore_eos=True,
+            priority=i % 3,
+            traffic_class="docs" if i % 2 else "chat",
+            ttft_slo_ms=None if i % 4 else 50.0,
+        )  # fmt: skip
+        for i in range(len(prompts))
+    ]
+    outs = llm.generate(prompts, params)
+    assert [o.output_token_ids for o in outs] == llama_reference

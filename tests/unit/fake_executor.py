@@ -12,6 +12,7 @@ from __future__ import annotations
 import zlib
 
 from poise.core.outputs import ModelRunnerOutput, SchedulerOutput
+from poise.engine.clock import VirtualClock
 
 
 class FakeExecutor:
@@ -42,3 +43,20 @@ class FakeExecutor:
             if sched.sample:
                 sampled[sched.request_id] = self.next_token(context)
         return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+class TimedFakeExecutor(FakeExecutor):
+    """The same outputs, on a virtual clock that each step moves by ``a + b x tokens``: the
+    synthetic step cost the policy tests measure TTFT, TPOT and predictions against."""
+
+    def __init__(self, clock: VirtualClock, a: float, b: float, **kwargs: int) -> None:
+        super().__init__(**kwargs)
+        self.clock, self.a, self.b = clock, a, b
+
+    def step_time(self, num_tokens: int) -> float:
+        return self.a + self.b * num_tokens
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        out = super().execute(scheduler_output)
+        self.clock.advance(self.step_time(scheduler_output.total_num_scheduled_tokens))
+        return out

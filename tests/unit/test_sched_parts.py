@@ -101,15 +101,31 @@ def test_estimator_keeps_the_prior_slope_when_sizes_do_not_vary() -> None:
     assert est.per_token_s > 0
 
 
-def test_forecast_and_refusal() -> None:
+def test_forecast_replays_decodes_slots_and_classes() -> None:
     est = StepCostEstimator(const_s=0.1, per_token_s=0.001)
-    # 400 tokens ahead (own included), 100 prefill tokens per step: 4 steps of 0.2 s.
-    backlog = Backlog(
-        budget=100, num_decodes=0, share=1.0, prefill_ahead=400, own_tokens=50,
-        other_prefill=0, slots_short=0, running_left=[],
-    )  # fmt: skip
-    fc = forecast(est, backlog)
-    assert fc.ttft_s == pytest.approx(0.8)
-    assert refusal(fc, target_s=1.0, margin=0.0) is None
-    wait = refusal(fc, target_s=0.4, margin=0.5)
-    assert wait == pytest.approx(0.8 - 0.4 + 0.2)
+
+    def backlog(**kw: object) -> Backlog:
+        base: dict[str, object] = dict(
+            budget=100, max_num_seqs=64, share=1.0, decodes=[], ahead=[], own_tokens=50,
+            other_prefill=0,
+        )  # fmt: skip
+        base.update(kw)
+        return Backlog(**base)  # type: ignore[arg-type]
+
+    # 350 tokens ahead + 50 own at 100 per step: 4 steps of 0.2 s.
+    b = backlog(ahead=[(350, 1, False)])
+    assert forecast(est, b).ttft_s == pytest.approx(0.8)
+    # 20 decodes leave 80 prefill tokens per step: 5 steps of 0.2 s.
+    assert forecast(est, backlog(ahead=[(350, 1, False)], decodes=[99] * 20)).ttft_s == (
+        pytest.approx(1.0)
+    )
+    # A class with a 0.25 share while others have work: 25 tokens per step, 2 steps of 0.2 s.
+    assert forecast(est, backlog(share=0.25, other_prefill=10_000)).ttft_s == pytest.approx(0.4)
+    # No slot until one of the 8 running decodes (3 tokens left) finishes.
+    slots = backlog(decodes=[3] * 8, own_tokens=10, max_num_seqs=8)
+    assert forecast(est, slots).ttft_s == pytest.approx(3 * 0.108 + 0.11)
+    # Refused with the first step boundary after which it would meet 0.4 s: after 2 steps
+    # 150 + 50 tokens are left, 2 steps of 0.2 s.
+    fc = forecast(est, b)
+    assert refusal(est, b, fc, target_s=1.0, margin=0.0) is None
+    assert refusal(est, b, fc, target_s=0.4, margin=0.5) == pytest.approx(0.4)

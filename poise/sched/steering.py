@@ -1,0 +1,177 @@
+"""What the scheduler knows beyond its queues: policy, classes, step cost, budget, admission.
+
+``Steering`` bundles the per-engine state the policies read (so the scheduler's step loop only
+calls it at a few hook points): the selected ``Policy``, the ``ClassSet`` and its shares, the
+online ``StepCostEstimator``, the optional ``TokenBudgetController``, the per-step
+``PolicyContext`` and ``ShareLedger``, and the TTFT forecast behind predictive admission and
+every ``Retry-After``. Pure Python and clock-free: ``now`` comes in from the caller.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from poise.config import SchedulerConfig
+from poise.core.request import Request
+from poise.errors import OverloadedError
+from poise.sched.classes import ClassSet, load_classes
+from poise.sched.controller import TokenBudgetController
+from poise.sched.estimator import DEFAULT_CONST_S, DEFAULT_PER_TOKEN_S, StepCostEstimator
+from poise.sched.ordering import PolicyContext, get_policy, is_partial_prefill
+from poise.sched.predictor import Backlog, Forecast, backlog_for, forecast, prefill_left, refusal
+from poise.sched.shares import ShareLedger
+
+# TTFT target of requests without one, when no class names any (the slo policy's deadline).
+FALLBACK_TTFT_S = 10.0
+
+
+class Steering:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.policy = get_policy(config.scheduling_policy)
+        self.classes: ClassSet = load_classes(config.traffic_classes)
+        self.shares = (
+            {c.name: c.share for c in self.classes.classes} if self.classes.has_shares else {}
+        )
+        self.estimator = StepCostEstimator(
+            config.step_cost_const_s or DEFAULT_CONST_S,
+            config.step_cost_per_token_s or DEFAULT_PER_TOKEN_S,
+        )
+        targets = [c.ttft_ms for c in self.classes.classes if c.ttft_ms is not None]
+        self.default_ttft_s = max(targets) / 1000.0 if targets else FALLBACK_TTFT_S
+        self.controller: TokenBudgetController | None = None
+        if config.token_budget_controller:
+            tpot_s = (
+                config.target_tpot_ms / 1000.0
+                if config.target_tpot_ms is not None
+                else self.classes.tightest_tpot_s()
+            )
+            if tpot_s is None:
+                raise ValueError(
+                    "target_tpot_ms: the token budget controller needs a TPOT target (give "
+                    "target_tpot_ms, or traffic classes with tpot_p50_ms)"
+                )
+            self.controller = TokenBudgetController(
+                self.estimator, tpot_s, config.min_num_batched_tokens,
+                config.max_num_batched_tokens,
+            )  # fmt: skip
+        self.preemptions_by_class: Counter[str] = Counter()
+        self.budget = config.max_num_batched_tokens
+
+    # -- per step ---------------------------------------------------------------------------
+
+    def context(self, now: float, cached_tokens: Callable[[Request], int]) -> PolicyContext:
+        step_s = self.estimator.step_time(self.budget)
+        per_token = self.estimator.per_token_s
+
+        def prefill_time(num_tokens: int) -> float:
+            # Steps of the full budget; the constant part is paid once per step.
+            steps = max(1, -(-num_tokens // max(1, self.budget)))
+            return steps * self.estimator.const_s + num_tokens * per_token
+
+        return PolicyContext(
+            now=now,
+            aging_s=self.config.priority_aging_s,
+            prefill_time=prefill_time,
+            cached_tokens=cached_tokens,
+            step_s=step_s,
+            default_ttft_s=self.default_ttft_s,
+            preemption_thrash_limit=self.config.preemption_thrash_limit,
+        )
+
+    def step_budget(self, running: Sequence[Request]) -> int:
+        if self.controller is not None:
+            has_decodes = any(not is_partial_prefill(r) for r in running)
+            self.budget = self.controller.budget_for_step(has_decodes)
+        return self.budget
+
+    def ledger(
+        self, candidates: Sequence[Request], running: Sequence[Request], chunk_cap: int
+    ) -> ShareLedger:
+        demand: Counter[str] = Counter()
+        slots: Counter[str] = Counter()
+        running_ids = {r.request_id for r in running}
+        for r in candidates:
+            cls = r.slo.class_name
+            left = prefill_left(r)  # 0 for a decode: decodes are not rationed
+            demand[cls] += min(left, chunk_cap) if chunk_cap > 0 else left
+            if r.request_id not in running_ids:
+                slots[cls] += 1
+        by_class = Counter(r.slo.class_name for r in running)
+        return ShareLedger(
+            self.shares, self.budget, self.config.max_num_seqs, by_class, demand, slots
+        )
+
+    def observe_step(self, num_tokens: int, duration_s: float, had_decodes: bool) -> None:
+        self.estimator.observe(num_tokens, duration_s)
+        if self.controller is not None:
+            self.controller.observe(num_tokens, duration_s, had_decodes, self.budget)
+
+    # -- forecasts --------------------------------------------------------------------------
+
+    def backlog(
+        self,
+        request: Request,
+        running: Sequence[Request],
+        waiting: Sequence[Request],
+        ctx: PolicyContext,
+    ) -> Backlog:
+        return backlog_for(
+            request, running, waiting, self.policy, ctx, self.shares, self.budget,
+            self.config.max_num_seqs,
+        )  # fmt: skip
+
+    def forecast(
+        self,
+        request: Request,
+        running: Sequence[Request],
+        waiting: Sequence[Request],
+        ctx: PolicyContext,
+    ) -> Forecast:
+        backlog = self.backlog(request, running, waiting, ctx)
+        return forecast(self.estimator, backlog, max(0.0, ctx.now - request.arrival_time))
+
+    def check_admission(
+        self,
+        request: Request,
+        running: Sequence[Request],
+        waiting: Sequence[Request],
+        ctx: PolicyContext,
+    ) -> None:
+        """Raise OverloadedError (with the forecast's Retry-After) under predictive admission."""
+        if self.config.admission_control != "predictive":
+            return
+        backlog = self.backlog(request, running, waiting, ctx)
+        fc = forecast(self.estimator, backlog, max(0.0, ctx.now - request.arrival_time))
+        wait = refusal(
+            self.estimator, backlog, fc, request.slo.ttft_s, self.config.admission_margin
+        )
+        if wait is not None:
+            raise OverloadedError(
+                f"predicted time to first token {fc.ttft_s:.2f} s misses the "
+                f"{request.slo.class_name!r} target of {request.slo.ttft_s:.2f} s; retry in "
+                f"{wait:.1f} s",
+                retry_after_s=wait,
+                reason="slo",
+            )
+
+    def queue_wait_s(self, running: Sequence[Request], waiting: Sequence[Request]) -> float:
+        """Predicted seconds until the head of the waiting queue is admitted (Retry-After of a
+        request refused because the queue is at its bound)."""
+        if not waiting:
+            return self.estimator.step_time(self.budget)
+        head = waiting[0]
+        backlog = Backlog(
+            budget=self.budget,
+            max_num_seqs=self.config.max_num_seqs,
+            share=1.0,
+            decodes=[
+                max(1, r.sampling_params.max_tokens - r.num_output_tokens)
+                for r in running if not is_partial_prefill(r)
+            ],
+            ahead=[(prefill_left(r), 1, True) for r in running if is_partial_prefill(r)],
+            own_tokens=prefill_left(head),
+            other_prefill=0,
+        )  # fmt: skip
+        return forecast(self.estimator, backlog).ttft_s
