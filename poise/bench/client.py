@@ -111,6 +111,8 @@ class Endpoint:
     include_usage: bool = True
     temperature: float = 0.0
     extra_body: dict[str, Any] = field(default_factory=dict)
+    send_class: bool = False  # the workload class name as the request's "class" field
+    class_priority: dict[str, int] = field(default_factory=dict)  # "priority" per class
     capabilities: dict[str, Any] = field(default_factory=dict)  # what the probe learnt
 
     @property
@@ -120,7 +122,7 @@ class Endpoint:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def payload(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+    def payload(self, prompt: str, max_tokens: int, class_name: str = "") -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model,
             "messages": [{"role": "user", "content": prompt}],
@@ -135,6 +137,10 @@ class Endpoint:
             body["stream_options"] = opts
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if self.send_class and class_name:
+            body["class"] = class_name
+        if class_name in self.class_priority:
+            body["priority"] = self.class_priority[class_name]
         body.update(self.extra_body)
         return body
 
@@ -176,7 +182,7 @@ async def send_one(
     timeout_s: float | None,
 ) -> RequestRecord:
     """Send one streaming request, filling ``rec`` in place (partial on timeout/error)."""
-    body = ep.payload(prompt, rec.max_tokens or 16)
+    body = ep.payload(prompt, rec.max_tokens or 16, rec.class_name)
     try:
         await asyncio.wait_for(_stream(session, ep, body, rec), timeout_s)
     except asyncio.TimeoutError:

@@ -63,6 +63,10 @@ class BenchConfig:
     # Per-class overrides, e.g. {"long": 5000.0}: a relaxed TTFT target for long prompts.
     class_slo_ttft_ms: dict[str, float] = field(default_factory=dict)
     class_slo_tpot_ms: dict[str, float] = field(default_factory=dict)
+    # Scheduling inputs sent with each request: its workload class name as ``class`` (for a
+    # server with traffic classes of those names) and a priority per workload class.
+    send_class: bool = False
+    class_priority: dict[str, int] = field(default_factory=dict)
     include_failures: bool = False
     metrics_url: str | None = None  # default: <server root>/metrics
     scrape: bool = True

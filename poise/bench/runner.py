@@ -250,6 +250,7 @@ async def open_endpoint(cfg: BenchConfig, session: aiohttp.ClientSession) -> End
     """The endpoint for ``cfg``: model discovered when not given, options probed."""
     ep = Endpoint(cfg.base_url, cfg.model or "", cfg.api_key, temperature=cfg.temperature)
     ep.ignore_eos = cfg.ignore_eos
+    ep.send_class, ep.class_priority = cfg.send_class, dict(cfg.class_priority)
     if not ep.model:
         ep.model = await discover_model(session, cfg.base_url, ep.headers()) or "default"
     ep.capabilities = await probe(session, ep, cfg.timeout_s)

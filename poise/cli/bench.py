@@ -123,6 +123,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
         "--salt", default="auto", help="Prompt prefix against prefix caches: auto | none | TEXT."
     )
     g.add_argument("--salt-scope", choices=("run", "cell", "request"), default="cell")
+    add_scheduling_args(g)
     g.add_argument("--no-ignore-eos", action="store_true", help="Do not send ignore_eos.")
     g.add_argument("--temperature", type=float, default=0.0)
 
@@ -176,6 +177,32 @@ def _add_record_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true")
 
 
+def _priorities(text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        name, eq, value = item.partition("=")
+        try:
+            out[name.strip()] = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--priority: {item!r} is not CLASS=INTEGER") from None
+        if not eq or not name.strip():
+            raise argparse.ArgumentTypeError(f"--priority: {item!r} is not CLASS=INTEGER")
+    return out
+
+
+def add_scheduling_args(g: Any) -> None:
+    """Scheduling inputs sent with each request (poise bench and poise simulate alike)."""
+    g.add_argument(
+        "--send-class", action="store_true",
+        help="Send each request's workload class (short / long / --class NAME) as the 'class' "
+        "field, for a server with traffic classes of those names (poise --traffic-classes).",
+    )  # fmt: skip
+    g.add_argument(
+        "--priority", type=_priorities, default={}, metavar="CLASS=P[,CLASS=P...]",
+        help="Send 'priority' per workload class (vLLM: lower first), e.g. short=0,long=1.",
+    )  # fmt: skip
+
+
 def workload_fields(args: argparse.Namespace, concurrency: Any) -> dict[str, Any]:
     """The BenchConfig fields that describe the load and the workload, from the flags that
     `poise bench` and `poise simulate` share (so both read them the same way)."""
@@ -194,6 +221,8 @@ def workload_fields(args: argparse.Namespace, concurrency: Any) -> dict[str, Any
         "warmup": args.warmup,
         "salt": None if args.salt in ("none", "") else args.salt,
         "salt_scope": args.salt_scope,
+        "send_class": args.send_class,
+        "class_priority": args.priority,
     }
 
 

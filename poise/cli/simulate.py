@@ -77,7 +77,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     """The `poise bench` load/workload/record flags that make sense without a server."""
-    from poise.cli.bench import _floats, _ints
+    from poise.cli.bench import _floats, _ints, add_scheduling_args
 
     g = p.add_argument_group("load (as poise bench)")
     g.add_argument("--concurrency", type=_ints, default=(8,), help="Closed-loop streams, list; with --request-rate: a cap.")  # fmt: skip
@@ -94,6 +94,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     # --seed is the engine flag (ModelConfig.seed); here it also seeds the request sample.
     g.add_argument("--salt", default="auto", help="auto (a fixed simulated salt per cell) | none | TEXT.")  # fmt: skip
     g.add_argument("--salt-scope", choices=("run", "cell", "request"), default="cell")
+    add_scheduling_args(g)
     g.add_argument("--slo-ttft-ms", type=float, default=None)
     g.add_argument("--slo-tpot-ms", type=float, default=None)
     g = p.add_argument_group("record")

@@ -96,11 +96,14 @@ def simulate_bench_cell(
 
     warmup, _ = cell_counts(cfg, spec)
     reqs = cell_requests(cfg, spec)
+    sched = {"send_class": cfg.send_class, "class_priority": cfg.class_priority}
     if salt and cfg.salt_scope == "request":
         sims = [to_sim_requests([r], lengths, salt=f"{salt}-{r.index}", num_warmup=warmup,
-                                ignore_eos=cfg.ignore_eos)[0] for r in reqs]  # fmt: skip
+                                ignore_eos=cfg.ignore_eos, **sched)[0] for r in reqs]  # fmt: skip
     else:
-        sims = to_sim_requests(reqs, lengths, salt=salt, num_warmup=warmup, ignore_eos=True)
+        sims = to_sim_requests(
+            reqs, lengths, salt=salt, num_warmup=warmup, ignore_eos=True, **sched
+        )
     cell = SimCell(
         sims,
         concurrency=spec.concurrency,

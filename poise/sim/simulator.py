@@ -62,6 +62,9 @@ class SimRequest:
     prompt_key: str = ""
     warmup: bool = False
     ignore_eos: bool = True
+    # Scheduling inputs, as a bench client sends them (``--priority``, ``--send-class``).
+    priority: int = 0
+    traffic_class: str | None = None
 
 
 @dataclass(frozen=True)
@@ -246,8 +249,9 @@ class _Driver:
         while self.inbox and self.inbox[0][0] <= now:
             t_engine, _, res, req = heapq.heappop(self.inbox)
             params = SamplingParams(
-                max_tokens=req.max_tokens, temperature=0.0, ignore_eos=req.ignore_eos
-            )
+                max_tokens=req.max_tokens, temperature=0.0, ignore_eos=req.ignore_eos,
+                priority=req.priority, traffic_class=req.traffic_class,
+            )  # fmt: skip
             try:
                 self.engine.add_request(
                     res.request_id, self.token_ids(req), params, arrival_time=res.sent

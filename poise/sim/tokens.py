@@ -14,7 +14,7 @@ Invariants: lengths are >= 1; identical texts always get identical lengths.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from poise import workload as wl
@@ -71,6 +71,8 @@ def to_sim_requests(
     salt: str | None = None,
     num_warmup: int = 0,
     ignore_eos: bool = True,
+    send_class: bool = False,
+    class_priority: Mapping[str, int] | None = None,
 ) -> list[SimRequest]:
     """Workload requests as simulator requests. The first ``num_warmup`` are warmup; the
     prompt text (salted) keys the synthetic token ids, so equal prompts stay equal."""
@@ -87,6 +89,8 @@ def to_sim_requests(
                 prompt_key=text,
                 warmup=r.index < num_warmup,
                 ignore_eos=ignore_eos,
+                priority=(class_priority or {}).get(r.class_name, 0),
+                traffic_class=r.class_name if send_class else None,
             )
         )
     return out
