@@ -171,9 +171,7 @@ def make_class(name: str, fields: Mapping[str, Any]) -> TrafficClass:
 def parse_inline(spec: str) -> ClassSet:
     classes = []
     for part in filter(None, (p.strip() for p in spec.split(";"))):
-        name, sep, body = part.partition(":")
-        if not sep:
-            raise ValueError(f"traffic_classes: {part!r} is not 'name:key=value,...'")
+        name, _, body = part.partition(":")  # a bare name: a class without targets
         fields: dict[str, Any] = {}
         for item in filter(None, (i.strip() for i in body.split(","))):
             rule = _RULE.match(item.replace(" ", ""))

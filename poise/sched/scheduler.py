@@ -278,11 +278,12 @@ class Scheduler:
         # still be chunked, or a preempted request longer than the budget could never return.
         whole_only = not self.config.enable_chunked_prefill and not request.num_preemptions
         reserve = self._reserve_blocks if self.running else 0
-        if (
-            n <= 0
-            or (n < remaining and whole_only)
-            or self.kv.allocate_slots(request, n, cached, reserve_blocks=reserve) is None
-        ):
+        if n <= 0:  # the budget left is reserved for other classes: not a reason to block
+            ledger.left_waiting(cls)
+            return True
+        if (n < remaining and whole_only) or self.kv.allocate_slots(
+            request, n, cached, reserve_blocks=reserve
+        ) is None:
             ledger.left_waiting(cls)
             ledger.passed(cls, remaining)
             return not self.policy.blocks_queue(request, ctx)

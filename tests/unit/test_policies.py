@@ -120,23 +120,22 @@ def test_shares_are_work_conserving() -> None:
     engine, executor, _ = make_engine(traffic_classes=CLASSES, max_num_batched_tokens=100)
     shorts = [Arrival(0.0, f"s{i}", toks(50, 100 + i), params(2)) for i in range(20)]
     drive(engine, [*prompts, *shorts])
-    mixed = [
-        st for st in executor.steps
-        if any(s.request_id.startswith("s") for s in st.scheduled)
-        and any(s.request_id.startswith("long") and s.num_tokens > 1 for s in st.scheduled)
-    ]  # fmt: skip
-    assert mixed
-    for st in mixed:
-        long_tokens = sum(
+
+    def prefill(st: object, prefix: str) -> int:
+        return sum(
             s.num_tokens
-            for s in st.scheduled
-            if s.request_id.startswith("long") and s.num_tokens > 1
+            for s in st.scheduled  # type: ignore[attr-defined]
+            if s.request_id.startswith(prefix) and s.num_tokens > 1
         )
-        assert (
-            long_tokens <= 30
-            or sum(s.num_tokens for s in st.scheduled if s.request_id.startswith("s")) + long_tokens
-            < 100
-        )  # short had less demand than its 70 %
+
+    # Steps where both classes prefilled: long held to its 30 %, unless short wanted less
+    # than its 70 % (then the step is not full of short prefill + long's reserve).
+    mixed = [st for st in executor.steps if prefill(st, "s") and prefill(st, "long")]
+    assert len(mixed) >= 5
+    for st in mixed:
+        assert prefill(st, "long") <= 30 or prefill(st, "s") < 70
+    # Work-conserving in the other direction too: with shorts done, long takes the budget.
+    assert any(prefill(st, "long") == 100 for st in executor.steps)
 
 
 def test_controller_holds_tpot_target() -> None:

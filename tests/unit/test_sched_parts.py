@@ -52,7 +52,8 @@ def test_yaml_default_and_none(tmp_path: Path) -> None:
         ("a:colour=red", "unknown key"),
         ("a:ttft_p95_ms=-1", "must be > 0"),
         ("a:share=x", "share must be a number"),
-        ("a;b", "is not 'name:key=value"),
+        ("a:share", "'share' in class 'a' is not key=value"),
+        ("a b:share=0.1", "bad class name"),
         ("a:share=0.1;a:share=0.1", "duplicate"),
     ],
 )
