@@ -23,6 +23,10 @@ SCHEDULING_POLICIES: tuple[str, ...] = ("fifo", "prefill_first", "priority", "sl
 ADMISSION_CONTROLS: tuple[str, ...] = ("none", "predictive")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "auto")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu")
+# vLLM's default share of device memory.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# The byte base of a CPU KV pool (a CPU has no device memory to take a fraction of).
+DEFAULT_KV_CACHE_MEMORY_BASE = 1 << 30
 
 # Other engines' / the seed's names -> ours.
 ALIASES: dict[str, str] = {
@@ -38,6 +42,7 @@ ALIASES: dict[str, str] = {
     "max_num_queued_reqs": "max_num_queued_requests",
     "max_queued_requests": "max_num_queued_requests",
     "schedule_policy": "scheduling_policy",
+    "scheduler_type": "scheduling_policy",
     "torch_threads": "num_threads",
 }
 
@@ -117,13 +122,23 @@ class CacheConfig:
     num_kv_blocks: int | None = _help(
         "KV pool size in blocks. Overrides the memory budget when set.", default=None
     )
-    gpu_memory_utilization: float = _help(
-        "Fraction of device memory for weights + activations + KV cache (alias: "
-        "max_memory_percent). On CPU it applies to kv_cache_memory_bytes' default instead.",
-        default=0.9,
+    gpu_memory_utilization: float | None = _help(
+        "Fraction of memory the engine may use (alias: max_memory_percent). On a GPU: of device "
+        "memory, for weights + activations + KV cache (default 0.9). On CPU: the KV pool gets "
+        "this fraction of kv_cache_memory_base (default: all of it), so 0.85 and 0.90 build "
+        "different pools there too.",
+        default=None,
+    )
+    kv_cache_memory_base: int | None = _help(
+        "CPU only: the bytes gpu_memory_utilization takes its fraction of (a CPU has no device "
+        "memory to measure). Default: 1 GiB. Refused on a GPU, where the fraction is of device "
+        "memory.",
+        default=None,
     )
     kv_cache_memory_bytes: int | None = _help(
-        "KV pool budget in bytes (the CPU byte budget). Default on CPU: 1 GiB.", default=None
+        "KV pool budget in bytes. On CPU it is the pool (instead of a fraction of "
+        "kv_cache_memory_base); on a GPU it caps what gpu_memory_utilization leaves.",
+        default=None,
     )
     enable_prefix_caching: bool = _help(
         "Reuse KV blocks of identical prompt prefixes across requests (as vLLM V1 and SGLang "
@@ -143,15 +158,49 @@ class CacheConfig:
             f"must be > 0, got {self.num_kv_blocks}",
         )
         _require(
-            0.0 < self.gpu_memory_utilization <= 1.0,
+            self.gpu_memory_utilization is None or 0.0 < self.gpu_memory_utilization <= 1.0,
             "gpu_memory_utilization",
             f"must be in (0, 1], got {self.gpu_memory_utilization}",
         )
+        for name in ("kv_cache_memory_bytes", "kv_cache_memory_base"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, name, f"must be > 0, got {value}")
         _require(
-            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
-            "kv_cache_memory_bytes",
-            f"must be > 0, got {self.kv_cache_memory_bytes}",
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_base is None,
+            "kv_cache_memory_base",
+            "give kv_cache_memory_bytes (the pool) or kv_cache_memory_base (what "
+            "gpu_memory_utilization takes a fraction of), not both",
         )
+
+    def cpu_kv_budget_bytes(self, default_base: int = DEFAULT_KV_CACHE_MEMORY_BASE) -> int:
+        """The KV pool's bytes on CPU: ``kv_cache_memory_bytes``, else ``gpu_memory_utilization``
+        (default 1.0) x ``kv_cache_memory_base`` (default ``default_base``).
+
+        The runner and the simulator's CPU cost models both size the pool with this. Giving a
+        fraction with an explicit byte budget is refused: on CPU the fraction would be ignored.
+        """
+        if self.kv_cache_memory_bytes is not None:
+            _require(
+                self.gpu_memory_utilization is None,
+                "gpu_memory_utilization",
+                "on CPU it is a fraction of kv_cache_memory_base, but kv_cache_memory_bytes "
+                "already sets the pool; give one of them",
+            )
+            return self.kv_cache_memory_bytes
+        fraction = 1.0 if self.gpu_memory_utilization is None else self.gpu_memory_utilization
+        return int(fraction * (self.kv_cache_memory_base or default_base))
+
+    def gpu_memory_fraction(self) -> float:
+        """``gpu_memory_utilization`` on a GPU (default 0.9); refuses the CPU-only base."""
+        _require(
+            self.kv_cache_memory_base is None,
+            "kv_cache_memory_base",
+            "is for a CPU pool; on a GPU gpu_memory_utilization is a fraction of device memory "
+            "(cap the pool with kv_cache_memory_bytes)",
+        )
+        if self.gpu_memory_utilization is None:
+            return DEFAULT_GPU_MEMORY_UTILIZATION
+        return self.gpu_memory_utilization
 
 
 @dataclass(frozen=True)
@@ -310,7 +359,8 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from flat keyword arguments (ours, vLLM's or the seed's names).
 
-        ``scheduling_policy`` also accepts ``prefill-first`` and ``fcfs``.
+        ``scheduling_policy`` (alias: transformers' ``scheduler_type``) also accepts
+        ``prefill-first`` and ``fcfs``.
         """
         parts: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
         owner = {f.name: part for part in parts for f in dataclasses.fields(part)}

@@ -121,7 +121,7 @@ def _kwargs_for(field: dataclasses.Field[Any], hint: Any) -> dict[str, Any]:
         kwargs.update(choices=ADMISSION_CONTROLS)
     elif field.name == "dtype":
         kwargs.update(choices=DTYPES)
-    elif field.name == "kv_cache_memory_bytes":
+    elif field.name in ("kv_cache_memory_bytes", "kv_cache_memory_base"):
         kwargs.update(type=parse_bytes, metavar="BYTES")
     elif base in (int, float):
         kwargs.update(type=base, metavar=base.__name__.upper())

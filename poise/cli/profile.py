@@ -240,12 +240,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _default_kv_budget(info: Any, kv_per_token: int) -> int:
-    """The KV byte budget the runner uses when a config names none: on CPU its fixed default
-    (whatever pool this profile ran with), on a GPU what this run's memory rule gave."""
-    from poise.runner.kv_pool import DEFAULT_CPU_KV_BYTES
+    """The KV byte budget the runner uses when a config names none: on CPU the default base that
+    gpu_memory_utilization takes its fraction of, on a GPU what this run's memory rule gave."""
+    from poise.config import DEFAULT_KV_CACHE_MEMORY_BASE
 
     if str(info.device).startswith("cpu"):
-        return int(DEFAULT_CPU_KV_BYTES)
+        return DEFAULT_KV_CACHE_MEMORY_BASE
     return int(info.num_kv_blocks * info.block_size * kv_per_token)
 
 

@@ -15,9 +15,10 @@ prompts:
     prompt's repeat count: / scale (A: 2 seqs, 512 tokens, len 512; B: 8, 1024, 512;
     C: 8, 1024, len 1024; clients 2/4 (lab 8..64 -> 1..8, the two middle ones); long ratio 0
     and 0.5; max_tokens 20; long prompt x 27 lines, ~400 tokens);
-  - the KV budget: a byte budget proportional to the memory fraction,
-    ``kv_cache_memory_bytes = fraction x kv_base_bytes`` (default base 512 MiB: 0.85 -> 435 MiB,
-    0.90 -> 461 MiB), since a CPU has no device memory to take a fraction of.
+  - the KV budget: the engine's own CPU rule, the memory fraction of a byte base
+    (``gpu_memory_utilization = fraction``, ``kv_cache_memory_base = kv_base_bytes``, default
+    512 MiB: 0.85 -> 435 MiB, 0.90 -> 461 MiB; ``CacheConfig.cpu_kv_budget_bytes``), since a
+    CPU has no device memory to take a fraction of.
 A and B run without chunked prefill (the lab turns it on for C only); their token budget is at
 least their max-model-len, so every admissible prompt still fits one step.
 """
@@ -89,7 +90,8 @@ def scaled_args(c: LabConfig, device: str, scale: int, kv_base_bytes: int) -> di
         max_num_seqs=max(1, c.max_num_seqs // scale),
         max_num_batched_tokens=budget,
         max_model_len=model_len,
-        kv_cache_memory_bytes=int(c.memory_fraction * kv_base_bytes),
+        gpu_memory_utilization=c.memory_fraction,
+        kv_cache_memory_base=kv_base_bytes,
     )
     return args
 

@@ -2,9 +2,12 @@
 
 Sizing (returned explicitly, never written back to the config):
 - ``CacheConfig.num_kv_blocks`` when set;
-- on CPU: ``kv_cache_memory_bytes`` (default 1 GiB) / bytes per block;
-- on CUDA: ``gpu_memory_utilization`` x total memory, minus what is already in use (weights,
-  CUDA context, other processes) and an activation reserve for the largest step.
+- on CPU: ``CacheConfig.cpu_kv_budget_bytes()`` / bytes per block: ``kv_cache_memory_bytes``, else
+  ``gpu_memory_utilization`` x ``kv_cache_memory_base`` (1 GiB unless given), the rule the
+  simulator's CPU cost models share;
+- on CUDA: ``gpu_memory_utilization`` (0.9 unless given) x total memory, minus what is already
+  in use (weights, CUDA context, other processes) and an activation reserve for the largest
+  step, capped by ``kv_cache_memory_bytes``.
 
 Layout: one tensor [num_layers, num_blocks, block_size, 2 * num_kv_heads, head_dim]; layer i
 gets pool[i] (K heads then V heads per token slot; why in model/attention/torch_ref.py), so
@@ -24,7 +27,6 @@ from poise.config import CacheConfig, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_BYTES = 1 << 30
 _SLACK_BYTES = 256 << 20
 
 
@@ -54,17 +56,19 @@ def num_kv_blocks(
     per_block = bytes_per_block(arch, cache.block_size, dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(cache.gpu_memory_utilization * total) - (total - free)
+        budget = int(cache.gpu_memory_fraction() * total) - (total - free)
         budget -= activation_reserve(arch, sched, dtype)
         if cache.kv_cache_memory_bytes is not None:
             budget = min(budget, cache.kv_cache_memory_bytes)
+        knobs = "gpu_memory_utilization"
     else:
-        budget = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+        budget = cache.cpu_kv_budget_bytes()
+        knobs = "gpu_memory_utilization x kv_cache_memory_base, or kv_cache_memory_bytes"
     blocks = budget // per_block
     if blocks < 1:
         raise ValueError(
             f"gpu_memory_utilization: no memory left for the KV cache ({budget} bytes for "
-            f"blocks of {per_block} bytes); raise it or set num_kv_blocks"
+            f"blocks of {per_block} bytes); raise {knobs} or set num_kv_blocks"
         )
     logger.info(
         "KV pool: %d blocks x %d tokens (%.1f MiB)",

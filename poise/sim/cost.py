@@ -20,12 +20,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from poise.config import EngineConfig
+from poise.config import DEFAULT_KV_CACHE_MEMORY_BASE, EngineConfig
 from poise.core.outputs import SchedulerOutput
 
-GIB = 1 << 30
-# The runner's KV byte budget on CPU when none is given (see CacheConfig.kv_cache_memory_bytes).
-DEFAULT_CPU_KV_BYTES = GIB
+# The runner's KV byte base on CPU when none is given (see CacheConfig.cpu_kv_budget_bytes).
+DEFAULT_CPU_KV_BYTES = DEFAULT_KV_CACHE_MEMORY_BASE
 
 # Linear step-time features, in the order of the fitted coefficients.
 FEATURES: tuple[str, ...] = (
@@ -212,8 +211,9 @@ class CostModel:
         return self.time_scale * t + self.step_overhead_s
 
     def kv_budget_bytes(self, config: EngineConfig) -> int:
-        """Bytes the KV pool may take (the runner's rule on CPU: an explicit budget or 1 GiB)."""
-        return config.cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+        """Bytes the KV pool may take (the runner's rule on CPU: an explicit budget, else the
+        memory fraction of the byte base)."""
+        return config.cache.cpu_kv_budget_bytes()
 
     def num_kv_blocks(self, config: EngineConfig) -> int:
         if config.cache.num_kv_blocks is not None:
@@ -288,7 +288,8 @@ class LinearCostModel(CostModel):
         return max(t, 0.0)
 
     def kv_budget_bytes(self, config: EngineConfig) -> int:
-        return config.cache.kv_cache_memory_bytes or self.default_kv_budget_bytes
+        # The profiled machine's default takes the place of the runner's default base.
+        return config.cache.cpu_kv_budget_bytes(default_base=self.default_kv_budget_bytes)
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()

@@ -115,7 +115,8 @@ class RooflineCostModel(CostModel):
         """As the runner on CUDA: the memory budget, capped by kv_cache_memory_bytes if set."""
         m, acc = self.shape, self.accelerator
         assert m is not None and acc is not None
-        usable = acc.memory_bytes * config.cache.gpu_memory_utilization
+        fraction = config.cache.gpu_memory_fraction()
+        usable = acc.memory_bytes * fraction
         left = (
             usable
             - m.weight_bytes(self.dtype_bytes)
@@ -124,7 +125,7 @@ class RooflineCostModel(CostModel):
         )
         if left <= 0:
             raise ValueError(
-                f"gpu_memory_utilization: {config.cache.gpu_memory_utilization} of "
+                f"gpu_memory_utilization: {fraction} of "
                 f"{acc.description} leaves no room for a KV cache after the weights of {m.name}"
             )
         cap = config.cache.kv_cache_memory_bytes

@@ -79,6 +79,8 @@ def test_aliases_and_model_flag() -> None:
     assert cfg.scheduler.max_num_queued_requests == 4
     assert cfg.scheduler.safety_margin == 0.2
     assert _config(["--model", "x"], positional=False).model.model == "x"
+    policy = _config(["--scheduler-type", "prefill-first"]).scheduler.scheduling_policy
+    assert policy == "prefill_first"
 
 
 def test_bad_values() -> None:

@@ -39,3 +39,13 @@ def test_configs_are_frozen() -> None:
     cfg = SchedulerConfig()
     with pytest.raises(AttributeError):
         cfg.max_num_seqs = 3  # type: ignore[misc]
+
+
+def test_transformers_scheduler_type_is_an_alias() -> None:
+    # transformers' ContinuousBatchingConfig spells the policy ``scheduler_type``.
+    cfg = EngineConfig.from_kwargs(scheduler_type="prefill_first", max_memory_percent=0.8)
+    assert cfg.scheduler.scheduling_policy == "prefill_first"
+    assert cfg.cache.gpu_memory_utilization == 0.8
+    assert EngineConfig.from_kwargs(scheduler_type="fcfs").scheduler.scheduling_policy == "fifo"
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig.from_kwargs(scheduler_type="lifo")
