@@ -69,7 +69,9 @@ def test_role_chunk_and_usage_chunk_do_not_move_ttft_or_e2e(mock: Any) -> None:
     assert ov["ttft_ms"]["p50"] >= TTFT * 1000  # the role chunk at stream open is not a token
     e2e_script = (TTFT + 16 * TPOT) * 1000
     assert e2e_script <= ov["e2e_ms"]["p50"] < e2e_script + 300
-    assert ov["e2e_stream_ms"]["p50"] >= ov["e2e_ms"]["p50"] + 300  # usage chunk came later
+    # The usage chunk left 300 ms after the last token; the client clocks both on arrival, so
+    # a last token delivered a little late (a loaded machine) shortens the gap by that much.
+    assert ov["e2e_stream_ms"]["p50"] >= ov["e2e_ms"]["p50"] + 290  # usage chunk came later
     assert ov["n_out_sources"] == {"usage": 8}
 
 
