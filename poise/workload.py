@@ -21,9 +21,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# The seed lab's prompts, verbatim (004_eaf74e7163df3415.txt).
+# The seed lab's prompts, verbatim (004_eaf74e7163df3415.txt): LONG is a head and a log line
+# repeated 220 times (~3.3k tokens with SmolLM2's template; a CPU lab repeats it fewer times).
+SEED_LONG_HEAD = "请阅读以下模拟日志并总结调度瓶颈。"
+SEED_LONG_LINE = " waiting=12 running=48 kv=82%; "
+SEED_LONG_REPEAT = 220
 SHORT_PROMPT = "用三句话解释 continuous batching。"
-LONG_PROMPT = "请阅读以下模拟日志并总结调度瓶颈。" + (" waiting=12 running=48 kv=82%; " * 220)
+LONG_PROMPT = SEED_LONG_HEAD + SEED_LONG_LINE * SEED_LONG_REPEAT
 DEFAULT_MAX_TOKENS = 160
 
 # Filler for synthetic prompts of a requested length; about one token per word for most
@@ -129,12 +133,19 @@ class WorkloadRequest:
     arrival: float = 0.0
 
 
-def seed_classes(max_tokens: int = DEFAULT_MAX_TOKENS) -> tuple[RequestClass, RequestClass]:
+def long_prompt(repeat: int = SEED_LONG_REPEAT) -> str:
+    """The seed's LONG prompt with its log line ``repeat`` times (220: ``LONG_PROMPT``)."""
+    return SEED_LONG_HEAD + SEED_LONG_LINE * repeat
+
+
+def seed_classes(
+    max_tokens: int = DEFAULT_MAX_TOKENS, long_repeat: int = SEED_LONG_REPEAT
+) -> tuple[RequestClass, RequestClass]:
     """The lab's two classes: (short, long), both capped at ``max_tokens``."""
     out = LengthDist("fixed", max_tokens)
     return (
         RequestClass("short", prompt=SHORT_PROMPT, output_tokens=out),
-        RequestClass("long", prompt=LONG_PROMPT, output_tokens=out),
+        RequestClass("long", prompt=long_prompt(long_repeat), output_tokens=out),
     )
 
 

@@ -5,7 +5,7 @@ Modules (import what you need; only ``client`` and ``runner`` need aiohttp):
 - ``interference``: how long prompts' prefills delay and stall the other requests.
 - ``prom``: Prometheus scrapes mapped to common names per engine.
 - ``record``: ExperimentRecord / CellResult (YAML + JSONL), ``build_cell`` from any records.
-- ``config``: BenchConfig / CellSpec and the request sample of a cell.
+- ``config``: WorkloadSpec (the traffic), BenchConfig, CellSpec and the request sample of a cell.
 - ``client`` / ``runner``: timed streaming requests; ``run_cell`` and ``run_matrix``.
 - ``report`` / ``plot``: terminal table and progress; PNG/HTML plots.
 

@@ -216,8 +216,10 @@ def experiment_block(
 ) -> dict[str, Any]:
     """The template's experiment fields (metrics are added per cell by the record)."""
     workload: dict[str, Any] = {
-        "concurrency": list(cfg.concurrency),
+        # As run: a closed loop's default streams, None for an open loop without a cap.
+        "concurrency": list(dict.fromkeys(c.concurrency for c in cfg.cells())),
         "long_prompt_ratio": list(cfg.long_ratio) if cfg.mixes_by_ratio else None,
+        "long_repeat": cfg.long_repeat if cfg.mixes_by_ratio else None,
         "max_tokens": cfg.max_tokens,
         "request_rate": [None if math.isinf(r) else r for r in cfg.request_rate],
         "burstiness": cfg.burstiness,

@@ -10,12 +10,21 @@ Programmatic use (sweep/tune): ``poise.lab.sim_bridge``.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import shlex
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
 
+from poise.cli.lab_options import (
+    add_output_args,
+    add_slo_args,
+    add_workload_args,
+    deprecate,
+    given_workload,
+    record_path,
+    slo_fields,
+    workload_from_args,
+)
 from poise.cli.options import add_engine_args, engine_config_from_args
 
 
@@ -70,37 +79,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Spread of real step times around the model (coefficient of variation, e.g. 0.15): "
         "each step gets a seeded lognormal factor of mean 1. 0 (default): deterministic steps.",
     )  # fmt: skip
-    _add_workload_args(parser)
+    add_workload_args(parser, description="The traffic, as `poise bench` (the simulator ends "
+                      "every request at max_tokens and does not sample: --no-ignore-eos and a "
+                      "temperature are refused).")  # fmt: skip
+    add_slo_args(parser)
+    add_output_args(parser, "YAML record path, or a folder for <time>.yaml "
+                    "(default: sim-results/).", label=True, plots=False)  # fmt: skip
     add_engine_args(parser)
+    deprecate(parser, output="--out", plot="--plots", slo_ttft_ms="--slo-ttft-p95-ms",
+              slo_tpot_ms="--slo-tpot-p50-ms")  # fmt: skip
     parser.set_defaults(func=run)
-
-
-def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    """The `poise bench` load/workload/record flags that make sense without a server."""
-    from poise.cli.bench import _floats, _ints, add_scheduling_args
-
-    g = p.add_argument_group("load (as poise bench)")
-    g.add_argument("--concurrency", type=_ints, default=(8,), help="Closed-loop streams, list; with --request-rate: a cap.")  # fmt: skip
-    g.add_argument("--request-rate", type=_floats, default=None, help="Open-loop rates (req/s), list; inf = closed loop.")  # fmt: skip
-    g.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of arrival gaps (1 = Poisson).")  # fmt: skip
-    g.add_argument("--num-requests", type=int, default=None, help="Measured requests per cell (default 4 x concurrency, >= 16).")  # fmt: skip
-    g.add_argument("--duration", type=float, default=None, help="Virtual seconds per cell instead of a count.")  # fmt: skip
-    g.add_argument("--warmup", type=int, default=None, help="Warmup requests per cell (default: concurrency).")  # fmt: skip
-    g = p.add_argument_group("workload (as poise bench)")
-    g.add_argument("--long-ratio", type=_floats, default=(0.0,), help="Fractions of seed LONG prompts, list.")  # fmt: skip
-    g.add_argument("--max-tokens", type=int, default=160, help="max_tokens per request (output length, ignore_eos).")  # fmt: skip
-    g.add_argument("--class", dest="classes", action="append", default=[], metavar="NAME:W:PLEN:OLEN", help="A request class (repeatable), as poise bench.")  # fmt: skip
-    g.add_argument("--jsonl", help="Prompts file, as poise bench.")
-    # --seed is the engine flag (ModelConfig.seed); here it also seeds the request sample.
-    g.add_argument("--salt", default="auto", help="auto (a fixed simulated salt per cell) | none | TEXT.")  # fmt: skip
-    g.add_argument("--salt-scope", choices=("run", "cell", "request"), default="cell")
-    add_scheduling_args(g)
-    g.add_argument("--slo-ttft-ms", type=float, default=None)
-    g.add_argument("--slo-tpot-ms", type=float, default=None)
-    g = p.add_argument_group("record")
-    g.add_argument("--label", help="A name for this run (legends).")
-    g.add_argument("-o", "--output", help="YAML path (default: sim-results/<time>.yaml).")
-    g.add_argument("--plot", action="store_true", help="Also write plots + HTML beside it.")
 
 
 # ---- cost model -----------------------------------------------------------------------------
@@ -158,50 +146,45 @@ def prompt_lengths(tokenizer: str | None) -> Any:
     return PromptLengths(count=count)
 
 
-def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
+def _workload(args: argparse.Namespace) -> Any:
+    """The workload flags; until the next release a bare engine ``--seed`` also seeds the
+    request sample, as it did before ``--workload-seed`` existed."""
+    spec = workload_from_args(args)
+    if getattr(args, "seed", None) is not None and "seed" not in given_workload(args):
+        print("poise simulate: --seed seeds the request sample only until the next release; "
+              "use --workload-seed", file=sys.stderr)  # fmt: skip
+        spec = dataclasses.replace(spec, seed=args.seed)
+    return spec
 
+
+def run(args: argparse.Namespace) -> int:
     from poise.bench.config import BenchConfig
-    from poise.bench.report import print_record
-    from poise.cli.bench import workload_fields
+    from poise.cli.bench import command_line, finish_record
     from poise.lab.sim_bridge import simulate_matrix
 
     try:
         engine_config = engine_config_from_args(args)
         cost_model = cost_model_from_args(args, engine_config)
-        cfg = BenchConfig(
+        cfg = BenchConfig.for_workload(
+            _workload(args),
             base_url="simulated://",
             model=cost_model.name,
-            **workload_fields(args, args.concurrency),
-            seed=engine_config.model.seed,
-            slo_ttft_ms=args.slo_ttft_ms,
-            slo_tpot_ms=args.slo_tpot_ms,
+            **slo_fields(args),
             scrape=False,
-            command=shlex.join(["poise", *sys.argv[1:]]),
+            command=command_line(),
+        )
+        record = simulate_matrix(
+            cfg, engine_config, cost_model, prompt_lengths(engine_config.model.tokenizer)
         )
     except ValueError as exc:
         print(f"poise simulate: error: {exc}", file=sys.stderr)
         return 2
-    record = simulate_matrix(
-        cfg, engine_config, cost_model, prompt_lengths(engine_config.model.tokenizer)
-    )
-    if args.label:
-        record.provenance["label"] = args.label
-    out = Path(args.output or f"sim-results/{dt.datetime.now():%Y%m%d-%H%M%S}.yaml")
-    record.save(out)
-    print_record(record, Console())
+    out = record_path(args.out, "sim-results")
+    finish_record(record, out, args)
     prov = record.provenance
     print(
         f"simulated {prov['simulated_requests']} requests in {prov['simulation_wall_s']:.2f} s "
         f"wall ({prov['simulated_requests_per_wall_s']} requests/s; {prov['wall_s']:.2f} s with "
         f"records and metrics); cost model {cost_model.name}"
     )
-    print(f"record: {out}")
-    if args.plot:
-        from poise.bench.plot import write_report
-
-        name = args.label or out.stem
-        files = write_report([(name, record)], out.with_suffix("").parent / (out.stem + "-plots"))
-        for key, path in files.items():
-            print(f"{key}: {path}")
     return 0

@@ -4,12 +4,19 @@ wiring only (the work is in poise.lab)."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
-from poise.lab.cli_args import add_workload_args, default_out, workload_from_args
-
-logger = logging.getLogger(__name__)
+from poise.cli.lab_options import (
+    add_output_args,
+    add_server_args,
+    add_slo_args,
+    add_workload_args,
+    default_out,
+    deprecate,
+    server_env,
+    single_slos,
+    workload_from_args,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,39 +30,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "lab's configs A, B, C (scaled down on CPU: see docs/tuning.md).",
     )
     parser.add_argument("configs", nargs="*", metavar="CONFIG", help="Config YAML files.")
-    parser.add_argument("--preset", choices=("lab", "policy"), default=None,
-                        help="Built-in configs: lab (A, B, C) or policy (C fifo vs prefill-first).")  # fmt: skip
-    parser.add_argument("--model", default=None, help="Model for poise configs without one "
-                        "(default: the embedded SmolLM2-135M-Instruct).")  # fmt: skip
-    parser.add_argument("--device", default="cpu", help="Device for presets: cpu or cuda.")
-    parser.add_argument("--scale", type=int, default=None,
-                        help="Preset size divisor (CPU default 8, GPU 1).")  # fmt: skip
-    parser.add_argument("--kv-base", default=None, metavar="BYTES",
-                        help="CPU presets: KV bytes at memory fraction 1.0 (default 512MiB).")  # fmt: skip
-    parser.add_argument("--out", default=None, help="Output folder (default sweep-<time>); "
-                        "re-use it to resume.")  # fmt: skip
-    parser.add_argument("--slo-ttft-p95-ms", type=float, default=None,
-                        help="Mark the SLO on plots and pick configs within it.")  # fmt: skip
-    parser.add_argument("--threads", type=int, default=None,
-                        help="OMP_NUM_THREADS for started servers.")  # fmt: skip
-    parser.add_argument("--no-plots", action="store_true", help="Tables and records only.")
-    add_workload_args(parser)
+    g = parser.add_argument_group("configs")
+    g.add_argument("--preset", choices=("lab", "policy"), default=None,
+                   help="Built-in configs: lab (A, B, C) or policy (C fifo vs prefill-first).")  # fmt: skip
+    g.add_argument("--model", default=None, help="Model for poise configs without one "
+                   "(default: the embedded SmolLM2-135M-Instruct).")  # fmt: skip
+    g.add_argument("--device", default="cpu", help="Device for presets: cpu or cuda.")
+    g.add_argument("--scale", type=int, default=None,
+                   help="Preset size divisor (CPU default 8, GPU 1).")  # fmt: skip
+    g.add_argument("--kv-base", default=None, metavar="BYTES",
+                   help="CPU presets: KV bytes at memory fraction 1.0 (default 512MiB).")  # fmt: skip
+    add_server_args(parser)
+    add_workload_args(parser, description="The traffic, as `poise bench`; every flag given "
+                      "overrides the preset's workload.")  # fmt: skip
+    add_slo_args(parser, per_class=False)
+    add_output_args(parser, "Output folder (default sweep-<time>); re-use it to resume.",
+                    plots=True)  # fmt: skip
+    deprecate(parser, threads="--omp-num-threads")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from poise.bench.config import WorkloadSpec
     from poise.cli.options import parse_bytes
     from poise.lab import presets
-    from poise.lab.bench_adapter import LabWorkload
     from poise.lab.sweep import load_specs, run_sweep, spec_from_dict
 
     if not args.configs and not args.preset:
         print("poise sweep: give CONFIG files or --preset", file=sys.stderr)
         return 2
-    env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+    env = server_env(args)
     try:
+        slo_ttft, slo_tpot = single_slos(args)
         specs = []
-        base = LabWorkload()
+        base = WorkloadSpec()
         if args.preset:
             kv = parse_bytes(args.kv_base) if args.kv_base else presets.DEFAULT_KV_BASE_BYTES
             plan = presets.plan(args.preset, device=args.device, scale=args.scale,
@@ -71,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"poise sweep: error: {exc}", file=sys.stderr)
         return 2
     out = args.out or str(default_out("sweep"))
-    result = run_sweep(specs, workload, out, slo_ttft_ms=args.slo_ttft_p95_ms,
-                       plots=not args.no_plots)  # fmt: skip
+    result = run_sweep(specs, workload, out, slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot,
+                       plots=args.plots)  # fmt: skip
     for o in result.outcomes:
         state = f"FAILED: {o.error}" if o.error else "ok"
         print(f"{o.name}: measured {len(o.measured)}, reused {len(o.reused)}: {state}")

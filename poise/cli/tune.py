@@ -9,8 +9,19 @@ import json
 import sys
 from typing import Any
 
+from poise.bench.config import int_list
+from poise.cli.lab_options import (
+    add_output_args,
+    add_server_args,
+    add_slo_args,
+    add_workload_args,
+    default_out,
+    deprecate,
+    server_env,
+    single_slos,
+    workload_from_args,
+)
 from poise.cli.options import add_engine_args, engine_kwargs_from_args
-from poise.lab.cli_args import add_workload_args, default_out, ints, workload_from_args
 
 TUNED = ("max_num_batched_tokens", "max_num_seqs", "scheduling_policy")
 CPU_BUDGETS = (256, 512, 1024, 2048)
@@ -27,12 +38,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "keeps headroom, tries the other scheduling policy, and prints both answers with "
         "the evidence and a ready command line. See docs/tuning.md.",
     )
-    g = parser.add_argument_group("SLO and search")
-    g.add_argument("--slo-ttft-p95-ms", type=float, required=True, help="TTFT p95 SLO (ms).")
-    g.add_argument("--slo-tpot-p50-ms", type=float, default=None, help="TPOT p50 SLO (ms).")
-    g.add_argument("--budgets", type=ints, default=None,
+    add_slo_args(parser, required=True, per_class=False)
+    g = parser.add_argument_group("search")
+    g.add_argument("--budgets", type=int_list, default=None,
                    help=f"Token-budget ladder, ascending; the first is the baseline (CPU default {','.join(map(str, CPU_BUDGETS))}).")  # fmt: skip
-    g.add_argument("--seqs", type=ints, default=None,
+    g.add_argument("--seqs", type=int_list, default=None,
                    help=f"max_num_seqs ladder, ascending (CPU default {','.join(map(str, CPU_SEQS))}).")  # fmt: skip
     g.add_argument(
         "--min-gain", type=float, default=0.03, help="Throughput gain that counts (0.03)."
@@ -46,22 +56,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--no-trade", action="store_true", help="Do not trade budget for seqs.")
     g.add_argument("--no-latency-search", action="store_true",
                    help="Skip the latency-first descent.")  # fmt: skip
-    t = parser.add_argument_group("target", "poise by default; or another engine; or the simulator")
+    t = add_server_args(parser)
+    t.description = "poise by default; or another engine (a command template); or --simulate."
     t.add_argument("--command-template", default=None,
                    help="Start another engine: e.g. 'vllm serve M --port {port} "
                    "--max-num-batched-tokens {max_num_batched_tokens} --max-num-seqs {max_num_seqs}'.")  # fmt: skip
-    t.add_argument("--base-url", default="http://127.0.0.1:{port}/v1", help="Base URL template.")
+    t.add_argument("--base-url", default="http://127.0.0.1:{port}/v1",
+                   help="Base URL template (its /v1 is added when the URL has no path).")  # fmt: skip
     t.add_argument("--ready-path", action="append", default=None,
                    help="Readiness path(s) (default /ready, /health, /v1/models).")  # fmt: skip
     t.add_argument("--startup-timeout", type=float, default=300.0, help="Seconds to get ready.")
-    t.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for servers.")
     t.add_argument("--simulate", action="store_true", help="Probe the simulator, not a server.")
     t.add_argument("--profile", help="--simulate: step-cost profile from `poise profile`.")
     t.add_argument("--accelerator", help="--simulate: roofline GPU (a10, l40s, a100, h100, h200).")
     t.add_argument("--model-shape", help="--simulate: roofline model shape.")
-    parser.add_argument("--out", default=None, help="Output folder (default tune-<time>).")
-    add_workload_args(parser, single=True)
+    add_workload_args(parser, description="The traffic, as `poise bench`, held fixed while the "
+                      "knobs move: one cell (the first value of each list).")  # fmt: skip
+    add_output_args(parser, "Output folder (default tune-<time>); re-use it to resume.")
     add_engine_args(parser)
+    deprecate(parser, threads="--omp-num-threads")
     parser.set_defaults(func=run)
 
 
@@ -100,22 +113,23 @@ def _probe(args: argparse.Namespace, fixed: dict[str, Any], workload: Any, out: 
         command=args.command_template,
         base_url=args.base_url,
         ready_paths=tuple(args.ready_path or DEFAULT_READY_PATHS),
-        env={"OMP_NUM_THREADS": str(args.threads)} if args.threads else {},
+        env=server_env(args),
         startup_timeout_s=args.startup_timeout,
     )
     return LiveProbe(spec, workload, cell, out)
 
 
-def _ladders(args: argparse.Namespace, gpu: bool, concurrency: int) -> tuple[Any, Any, bool]:
-    """(budgets, seqs, try_policies). In a closed loop more than ``concurrency`` slots change
-    nothing, so the seqs ladder stops there; knobs a command template does not pass are held
-    at one value."""
+def _ladders(args: argparse.Namespace, gpu: bool, cell: Any) -> tuple[Any, Any, bool]:
+    """(budgets, seqs, try_policies). With at most ``cell.concurrency`` requests in flight
+    more slots change nothing, so the seqs ladder stops there; knobs a command template does
+    not pass are held at one value."""
     from poise.lab.commands import template_fields
     from poise.lab.tune import DEFAULT_BUDGETS, DEFAULT_SEQS
 
     budgets = args.budgets or (DEFAULT_BUDGETS if gpu else CPU_BUDGETS)
     seqs = args.seqs or (DEFAULT_SEQS if gpu else CPU_SEQS)
-    seqs = tuple(s for s in seqs if s <= concurrency) or seqs[:1]
+    if cell.concurrency:
+        seqs = tuple(s for s in seqs if s <= cell.concurrency) or seqs[:1]
     try_policies = not args.no_policies
     if args.command_template:
         told = set(template_fields(args.command_template))
@@ -143,7 +157,7 @@ def _write(out: str, text: str, record: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from poise.lab.bench_adapter import LabWorkload
+    from poise.bench.config import WorkloadSpec
     from poise.lab.commands import fill_template, poise_serve_command
     from poise.lab.tune import Tuner, TuneSettings
     from poise.lab.tune_report import format_result
@@ -155,15 +169,18 @@ def run(args: argparse.Namespace) -> int:
     policy = engine.pop("scheduling_policy", "fifo")
     fixed = {k: v for k, v in engine.items() if k not in TUNED}
     gpu = str(fixed.get("device", "cpu")).startswith("cuda") or bool(args.command_template)
-    base_wl = LabWorkload(concurrency=(32,) if gpu else (4,), long_ratio=(0.0,),
+    base_wl = WorkloadSpec(concurrency=(32,) if gpu else (4,), long_ratio=(0.0,),
                           max_tokens=160 if gpu else 32, num_requests=None if gpu else 12,
                           warmup=None if gpu else 2, long_repeat=220 if gpu else 27)  # fmt: skip
     out = args.out or str(default_out("tune"))
     try:
         workload = workload_from_args(args, base_wl, single=True)
-        budgets, seqs, try_policies = _ladders(args, gpu, workload.concurrency[0])
+        budgets, seqs, try_policies = _ladders(args, gpu, workload.cells()[0])
+        slo_ttft, slo_tpot = single_slos(args)
+        if slo_ttft is None:
+            raise ValueError("--slo-ttft-p95-ms: give the TTFT p95 target in ms")
         settings = TuneSettings(
-            args.slo_ttft_p95_ms, args.slo_tpot_p50_ms, budgets=budgets, seqs=seqs,
+            slo_ttft, slo_tpot, budgets=budgets, seqs=seqs,
             policy=policy, try_policies=try_policies, trade=not args.no_trade,
             latency_search=not args.no_latency_search, min_gain=args.min_gain,
             tail_tolerance=args.tail_tolerance, kv_headroom=args.kv_headroom,

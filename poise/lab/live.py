@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
 from pathlib import Path
 from typing import Any
 
-from poise.lab.bench_adapter import LabCell, LabWorkload, run_cells
+from poise.bench.config import BenchConfig, CellSpec, WorkloadSpec
+from poise.lab.bench_adapter import run_cells
 from poise.lab.metrics import CellMetrics
 from poise.lab.probe import Candidate
 from poise.lab.server import ManagedServer, ServerSpec
@@ -27,14 +27,14 @@ class LiveProbe:
     """``base`` holds the fixed server arguments (poise) or the command template (another
     engine, with ``{max_num_batched_tokens}``, ``{max_num_seqs}``... placeholders)."""
 
-    def __init__(self, base: ServerSpec, workload: LabWorkload, cell: LabCell, out_dir: str | Path,
+    def __init__(self, base: ServerSpec, workload: WorkloadSpec, cell: CellSpec, out_dir: str | Path,
                  runner: Any = run_cells) -> None:  # fmt: skip
         self.base = base
         self.workload = workload
         self.cell = cell
         self.out = Path(out_dir)
         self.store = CellStore(self.out / "probes")
-        self.salt = secrets.token_hex(4)
+        self.salt = workload.run_salt()
         self.runner = runner
         self.pids: list[int] = []
 
@@ -55,7 +55,7 @@ class LiveProbe:
             return CellMetrics.from_bench(stored["result"])
         got: list[Any] = []
 
-        def done(cell: LabCell, result: Any) -> None:
+        def done(cell: CellSpec, result: Any) -> None:
             records = [r.to_dict() for r in getattr(result, "records", [])]
             self.store.save(spec.name, cell.label, fp, result.to_dict(), records)
             got.append(result)
@@ -79,7 +79,7 @@ class SimProbe:
     """The candidate through the simulator (``poise simulate``'s bench bridge): the real
     scheduler in virtual time, step costs from a profile or a roofline model."""
 
-    def __init__(self, base_args: dict[str, Any], workload: LabWorkload, cell: LabCell,
+    def __init__(self, base_args: dict[str, Any], workload: WorkloadSpec, cell: CellSpec,
                  cost_model: Any, lengths: Any) -> None:  # fmt: skip
         self.base_args = base_args
         self.workload = workload
@@ -92,6 +92,8 @@ class SimProbe:
         from poise.lab.sim_bridge import simulate_bench_cell
 
         config = EngineConfig.from_kwargs(**{**self.base_args, **candidate.to_args()})
-        cfg, spec = self.workload.bench_config("http://simulated/v1", self.cell)
-        result, _ = simulate_bench_cell(cfg, spec, config, self.cost_model, self.lengths, "sim")
+        cfg = BenchConfig.for_workload(self.workload, base_url="simulated://")
+        result, _ = simulate_bench_cell(
+            cfg, self.cell, config, self.cost_model, self.lengths, "sim"
+        )
         return dataclasses.replace(CellMetrics.from_bench(result.to_dict()), note="simulated")

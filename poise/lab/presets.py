@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from poise.lab.bench_adapter import SEED_LONG_REPEAT, LabWorkload
+from poise.bench.config import WorkloadSpec
+from poise.workload import SEED_LONG_REPEAT
 
 MiB = 1 << 20
 DEFAULT_KV_BASE_BYTES = 512 * MiB
@@ -58,14 +59,16 @@ PRESETS: dict[str, tuple[str, tuple[LabConfig, ...]]] = {
     "policy": ("C under FIFO vs prefill-first (what each sacrifices)", (LAB_C, LAB_C_PF)),
 }
 
-LAB_WORKLOAD = LabWorkload(concurrency=(8, 16, 32, 64), long_ratio=(0.0, 0.25, 0.5), max_tokens=160)
+LAB_WORKLOAD = WorkloadSpec(
+    concurrency=(8, 16, 32, 64), long_ratio=(0.0, 0.25, 0.5), max_tokens=160
+)
 
 
 @dataclass(frozen=True)
 class PresetPlan:
     name: str
     configs: list[dict[str, Any]]  # spec dicts for sweep.spec_from_dict
-    workload: LabWorkload
+    workload: WorkloadSpec
     notes: list[str] = field(default_factory=list)
 
 
@@ -96,10 +99,10 @@ def scaled_args(c: LabConfig, device: str, scale: int, kv_base_bytes: int) -> di
     return args
 
 
-def scaled_workload(device: str, scale: int) -> LabWorkload:
+def scaled_workload(device: str, scale: int) -> WorkloadSpec:
     if is_gpu(device):
         return LAB_WORKLOAD
-    return LabWorkload(
+    return WorkloadSpec(
         concurrency=(max(1, 16 // scale), max(1, 32 // scale)),
         long_ratio=(0.0, 0.5),
         max_tokens=max(8, LAB_WORKLOAD.max_tokens // scale),

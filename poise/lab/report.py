@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from poise.bench.config import CellSpec, WorkloadSpec
 from poise.lab.metrics import CellMetrics, fmt_ms, fmt_pct, rel_change
 from poise.lab.store import CellStore, safe_name
 from poise.lab.sweep_questions import answer_questions
@@ -109,14 +110,14 @@ def write_plots(
 
 
 def write_sweep_report(result: SweepResult, store: CellStore, *, slo_ttft_ms: float | None = None,
-                       plots: bool = True) -> Path:  # fmt: skip
+                       slo_tpot_ms: float | None = None, plots: bool = True) -> Path:  # fmt: skip
     grid, entries = collect(result, store)
     named = build_records(result, entries)
     if plots:
         result.plots = write_plots(named, result.out_dir / "plots", slo_ttft_ms)
     lines = ["# poise sweep report", ""]
     lines += _configs_section(result)
-    lines += _cells_section(result, grid, slo_ttft_ms)
+    lines += _cells_section(result, grid, Slo(slo_ttft_ms, slo_tpot_ms))
     lines += answer_questions(result, grid)
     if result.plots:
         lines += ["## Plots", ""]
@@ -128,12 +129,22 @@ def write_sweep_report(result: SweepResult, store: CellStore, *, slo_ttft_ms: fl
     return path
 
 
+def _workload_text(w: WorkloadSpec) -> str:
+    if w.classes:
+        mix = "classes " + ", ".join(f"{c.name} (weight {c.weight:g})" for c in w.classes)
+    elif w.jsonl is not None:
+        mix = f"prompts from {w.jsonl}"
+    else:
+        mix = f"long-prompt ratio {list(w.long_ratio)}, long prompt = seed line x {w.long_repeat}"
+    loads = "; ".join(dict.fromkeys(CellSpec(c.concurrency, c.request_rate).describe
+                                    for c in w.cells()))  # fmt: skip
+    return (f"Workload: {loads}; {mix}; max_tokens {w.max_tokens}, measured requests per cell "
+            f"{w.num_requests or 'bench default'}.")  # fmt: skip
+
+
 def _configs_section(result: SweepResult) -> list[str]:
-    w = result.workload
     out = [
-        f"Workload: closed loop, concurrency {list(w.concurrency)}, long-prompt ratio "
-        f"{list(w.long_ratio)}, max_tokens {w.max_tokens}, long prompt = seed line x "
-        f"{w.long_repeat}, measured requests per cell {w.num_requests or 'bench default'}.",
+        _workload_text(result.workload),
         "",
         "## Configs",
         "",
@@ -150,31 +161,45 @@ def _configs_section(result: SweepResult) -> list[str]:
     return out + [""]
 
 
-def _cells_section(result: SweepResult, grid: Grid, slo_ttft_ms: float | None) -> list[str]:
+class Slo(NamedTuple):
+    ttft_p95_ms: float | None
+    tpot_p50_ms: float | None
+
+    def met(self, m: CellMetrics) -> bool:
+        ttft, tpot = self.ttft_p95_ms, self.tpot_p50_ms
+        return (ttft is None or (m.ttft_p95_ms or 0.0) <= ttft) and (
+            tpot is None or (m.tpot_p50_ms is not None and m.tpot_p50_ms <= tpot)
+        )
+
+    def text(self) -> str:
+        parts = [f"TTFT p95 <= {fmt_ms(self.ttft_p95_ms)}"] if self.ttft_p95_ms else []
+        parts += [f"TPOT p50 <= {fmt_ms(self.tpot_p50_ms)}"] if self.tpot_p50_ms else []
+        return ", ".join(parts)
+
+
+def _cells_section(result: SweepResult, grid: Grid, slo: Slo) -> list[str]:
     out = ["## Results per cell", ""]
     for cell in result.workload.cells():
         rows = [(n, grid[n][cell.label]) for n in (s.name for s in result.specs)
                 if cell.label in grid.get(n, {})]  # fmt: skip
-        out.append(
-            f"### {cell.label} (concurrency {cell.concurrency}, long ratio {cell.long_ratio:g})"
-        )
+        out.append(f"### {cell.label} ({cell.describe})")
         out.append("")
         if not rows:
             out += ["(not measured)", ""]
             continue
         out += [table(CELL_HEADER, [cell_row(n, m) for n, m in rows]), ""]
-        out += _picks(rows, slo_ttft_ms) + [""]
+        out += _picks(rows, slo) + [""]
     return out
 
 
-def _picks(rows: list[tuple[str, CellMetrics]], slo_ttft_ms: float | None) -> list[str]:
+def _picks(rows: list[tuple[str, CellMetrics]], slo: Slo) -> list[str]:
     ok = [(n, m) for n, m in rows if m.ttft_p95_ms is not None and m.output_tokens_per_s is not None
-          and not m.num_errors and (slo_ttft_ms is None or m.ttft_p95_ms <= slo_ttft_ms)]  # fmt: skip
+          and not m.num_errors and slo.met(m)]  # fmt: skip
     if not ok:
-        return [f"No config meets TTFT p95 <= {fmt_ms(slo_ttft_ms)} here."] if slo_ttft_ms else []
+        return [f"No config meets {slo.text()} here."] if slo.text() else []
     thr = max(ok, key=lambda nm: nm[1].output_tokens_per_s or 0.0)
     lat = min(ok, key=lambda nm: nm[1].ttft_p95_ms or 0.0)
-    within = f" within TTFT p95 <= {fmt_ms(slo_ttft_ms)}" if slo_ttft_ms else ""
+    within = f" within {slo.text()}" if slo.text() else ""
     gap = rel_change(lat[1].output_tokens_per_s, thr[1].output_tokens_per_s)
     cost = "" if gap is None else f" ({gap * 100:+.0f} % throughput)"
     return [

@@ -29,6 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from poise.bench.config import api_root, server_root
 from poise.lab.commands import fill_template, poise_serve_argv
 
 logger = logging.getLogger(__name__)
@@ -64,18 +65,14 @@ class ServerSpec:
         return shlex.split(fill_template(self.command, values))
 
     def url(self, port: int) -> str:
-        return self.base_url.format(port=port)
+        """The API root on ``port`` (the template with or without its /v1)."""
+        return api_root(self.base_url.format(port=port))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def _root(base_url: str) -> str:
-    root = base_url.rstrip("/")
-    return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
 class ManagedServer:
@@ -121,7 +118,7 @@ class ManagedServer:
         assert self.proc is not None, "start() first"
         timeout = self.spec.startup_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
-        root = _root(self.base_url)
+        root = server_root(self.base_url)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise ServerStartError(

@@ -17,19 +17,25 @@ from poise.bench.record import cell_load
 SIM_SALT = "sim00000"  # fixed, so simulated runs are reproducible; same length as bench's
 
 
-def _records(result: Any) -> list[Any]:
+def _records(result: Any, timeout_s: float) -> list[Any]:
+    """Bench records of the simulated requests. A request slower than ``timeout_s`` is recorded
+    as the client sees it (timed out, the tokens before the deadline); the simulated engine
+    still finished it, where a real server would have aborted it on the disconnect."""
     from poise.bench.metrics import RequestRecord
 
     out = []
     for r in result.requests:
-        n = len(r.token_times)
+        deadline = r.sent + timeout_s
+        times = [t for t in r.token_times if t <= deadline]
+        late = len(times) < len(r.token_times) or (r.finished or 0.0) > deadline
         rec = RequestRecord.from_token_times(
-            r.index, r.class_name, r.sent, r.token_times,
+            r.index, r.class_name, r.sent, times,
             intended=r.intended, max_tokens=r.max_tokens, usage_prompt_tokens=r.num_prompt_tokens,
-            ok=r.ok, error=r.error, warmup=r.warmup, finish_reason=r.finish_reason,
+            ok=r.ok and not late, error="timeout" if late else r.error, warmup=r.warmup,
+            finish_reason=None if late else r.finish_reason, timed_out=late,
         )  # fmt: skip
-        if n == 0:
-            rec.end = r.finished
+        if not times:
+            rec.end = deadline if late else r.finished
         # poise serve sends response headers when the engine takes a request, at a step
         # boundary; the simulated equivalent is the start of its first step.
         rec.header = r.first_scheduled
@@ -89,21 +95,21 @@ def simulate_bench_cell(
 ) -> tuple[Any, Any]:
     """One bench cell through the simulator: (bench CellResult, SimResult)."""
     from poise.bench.config import cell_counts, cell_requests
-    from poise.bench.metrics import SLO
     from poise.bench.record import build_cell
     from poise.sim.simulator import SimCell, simulate_cell
     from poise.sim.tokens import to_sim_requests
 
+    if not cfg.ignore_eos or cfg.temperature != 0:
+        raise ValueError("the simulator ends every request at max_tokens and does not sample: "
+                         "--no-ignore-eos and --temperature need a live server")  # fmt: skip
     warmup, _ = cell_counts(cfg, spec)
     reqs = cell_requests(cfg, spec)
     sched = {"send_class": cfg.send_class, "class_priority": cfg.class_priority}
     if salt and cfg.salt_scope == "request":
         sims = [to_sim_requests([r], lengths, salt=f"{salt}-{r.index}", num_warmup=warmup,
-                                ignore_eos=cfg.ignore_eos, **sched)[0] for r in reqs]  # fmt: skip
+                                **sched)[0] for r in reqs]  # fmt: skip
     else:
-        sims = to_sim_requests(
-            reqs, lengths, salt=salt, num_warmup=warmup, ignore_eos=True, **sched
-        )
+        sims = to_sim_requests(reqs, lengths, salt=salt, num_warmup=warmup, **sched)
     cell = SimCell(
         sims,
         concurrency=spec.concurrency,
@@ -113,8 +119,8 @@ def simulate_bench_cell(
     result = simulate_cell(engine_config, cost_model, cell, seed=cfg.seed)
     out = build_cell(
         cell_load(cfg, spec, salt),
-        _records(result),
-        slo=SLO(cfg.slo_ttft_ms, cfg.slo_tpot_ms),
+        _records(result, cfg.timeout_s),
+        slo=cfg.slo(),
         scrapes=_scrapes(result, cfg.scrape_interval),
         started_at=None,
     )

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,8 @@ from typing import Any
 
 import yaml
 
-from poise.lab.bench_adapter import LabCell, LabWorkload, run_cells
+from poise.bench.config import CellSpec, WorkloadSpec
+from poise.lab.bench_adapter import run_cells
 from poise.lab.server import DEFAULT_READY_PATHS, ManagedServer, ServerSpec
 from poise.lab.store import CellStore, safe_name
 
@@ -86,7 +86,7 @@ def load_specs(path: str | Path, model: str | None = None,
     ]
 
 
-def fingerprint(spec: ServerSpec, workload: LabWorkload) -> dict[str, Any]:
+def fingerprint(spec: ServerSpec, workload: WorkloadSpec) -> dict[str, Any]:
     return {
         "model": spec.model,
         "args": spec.args,
@@ -108,18 +108,18 @@ class ConfigOutcome:
 class SweepResult:
     out_dir: Path
     specs: list[ServerSpec]
-    workload: LabWorkload
+    workload: WorkloadSpec
     outcomes: list[ConfigOutcome]
     report_path: Path | None = None
     plots: dict[str, Path] = field(default_factory=dict)
 
 
-def sweep_config(spec: ServerSpec, workload: LabWorkload, store: CellStore, salt: str,
+def sweep_config(spec: ServerSpec, workload: WorkloadSpec, store: CellStore, salt: str | None,
                  out_dir: Path, runner: Runner = run_cells) -> ConfigOutcome:  # fmt: skip
     """Measure the cells of one config that the store does not hold yet."""
     outcome = ConfigOutcome(spec.name)
     fp = fingerprint(spec, workload)
-    missing: list[LabCell] = []
+    missing: list[CellSpec] = []
     for cell in workload.cells():
         if store.load(spec.name, cell.label, fp) is None:
             missing.append(cell)
@@ -129,7 +129,7 @@ def sweep_config(spec: ServerSpec, workload: LabWorkload, store: CellStore, salt
         logger.info("%s: all %d cells stored: nothing to measure", spec.name, len(outcome.reused))
         return outcome
 
-    def done(cell: LabCell, result: Any) -> None:
+    def done(cell: CellSpec, result: Any) -> None:
         records = [r.to_dict() for r in getattr(result, "records", [])]
         store.save(spec.name, cell.label, fp, result.to_dict(), records)
         outcome.measured.append(cell.label)
@@ -148,8 +148,9 @@ def sweep_config(spec: ServerSpec, workload: LabWorkload, store: CellStore, salt
     return outcome
 
 
-def run_sweep(specs: list[ServerSpec], workload: LabWorkload, out_dir: str | Path, *,
-              slo_ttft_ms: float | None = None, runner: Runner = run_cells,
+def run_sweep(specs: list[ServerSpec], workload: WorkloadSpec, out_dir: str | Path, *,
+              slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
+              runner: Runner = run_cells,
               plots: bool = True) -> SweepResult:  # fmt: skip
     from poise.lab.report import write_sweep_report
 
@@ -159,10 +160,10 @@ def run_sweep(specs: list[ServerSpec], workload: LabWorkload, out_dir: str | Pat
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     store = CellStore(out)
-    salt = secrets.token_hex(4)
+    salt = workload.run_salt()
     outcomes = [sweep_config(spec, workload, store, salt, out, runner) for spec in specs]
     result = SweepResult(out, specs, workload, outcomes)
-    write_sweep_report(result, store, slo_ttft_ms=slo_ttft_ms, plots=plots)
+    write_sweep_report(result, store, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, plots=plots)
     return result
 
 

@@ -9,8 +9,10 @@ A question the sweep cannot answer says so and names the configs or cells that w
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
+from poise.bench.config import CellSpec
 from poise.lab.metrics import CellMetrics, fmt_ms, fmt_pct, rel_change
 
 if TYPE_CHECKING:
@@ -29,16 +31,19 @@ def answer_questions(result: SweepResult, grid: Grid) -> list[str]:
 
 def long_ratio_answer(result: SweepResult, grid: Grid) -> list[str]:
     out = ["### How do long prompts move short requests' TTFT?", ""]
-    ratios = sorted(result.workload.long_ratio)
-    if len(ratios) < 2 or ratios[0] != 0.0:
-        return out + ["Not measured: sweep long ratios including 0 and one above it.", ""]
+    w = result.workload
+    ratios = sorted(w.long_ratio)
+    if not w.mixes_by_ratio or len(ratios) < 2 or ratios[0] != 0.0:
+        return out + ["Not measured: sweep the seed mix with long ratios including 0 and one "
+                      "above it.", ""]  # fmt: skip
+    loads = list(dict.fromkeys(CellSpec(c.concurrency, c.request_rate) for c in w.cells()))
     growth: list[tuple[float, str]] = []
     for spec in result.specs:
         cells = grid.get(spec.name, {})
-        for c in result.workload.concurrency:
+        for load in loads:
             pts = []
             for r in ratios:
-                m = cells.get(f"c{c}-long{r:g}")
+                m = cells.get(dataclasses.replace(load, long_ratio=r).label)
                 v = m.class_ttft_p95_ms.get("short") if m else None
                 pts.append((r, v))
             if pts[0][1] is None or all(v is None for _, v in pts[1:]):
@@ -47,9 +52,9 @@ def long_ratio_answer(result: SweepResult, grid: Grid) -> list[str]:
             last = [v for _, v in pts if v is not None][-1]
             k = last / pts[0][1] if pts[0][1] else None
             ratio_txt = "" if k is None else f": x{k:.1f}"
-            out.append(f"- {spec.name}, concurrency {c}: short TTFT p95 {trail}{ratio_txt}")
+            out.append(f"- {spec.name}, {load.describe}: short TTFT p95 {trail}{ratio_txt}")
             if k is not None:
-                growth.append((k, f"{spec.name} at concurrency {c}"))
+                growth.append((k, f"{spec.name} at {load.describe}"))
     if not growth:
         return out + ["No short-request TTFT was measured in both ratios.", ""]
     best, worst = min(growth), max(growth)

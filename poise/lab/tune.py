@@ -22,94 +22,21 @@ Invariants: no candidate is probed twice; at most ``max_probes`` probes; a probe
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 from poise.lab.metrics import CellMetrics, fmt_ms, fmt_pct, rel_change
 from poise.lab.probe import Candidate, Probe
+from poise.lab.tune_result import DEFAULT_BUDGETS, DEFAULT_SEQS, Evidence, TuneResult, TuneSettings
+
+__all__ = ["DEFAULT_BUDGETS", "DEFAULT_SEQS", "Evidence", "TuneResult", "TuneSettings", "Tuner"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUDGETS = (512, 1024, 2048, 4096, 8192, 16384)
-DEFAULT_SEQS = (4, 8, 16, 32, 64)
-
-
-@dataclass(frozen=True)
-class TuneSettings:
-    slo_ttft_p95_ms: float
-    slo_tpot_p50_ms: float | None = None
-    budgets: tuple[int, ...] = DEFAULT_BUDGETS  # ladder, ascending; baseline = first
-    seqs: tuple[int, ...] = DEFAULT_SEQS  # ladder, ascending; start = first
-    policy: str = "fifo"
-    try_policies: bool = True
-    trade: bool = True
-    latency_search: bool = True
-    min_gain: float = 0.03  # a throughput change below this is "no gain"
-    tail_tolerance: float = 0.10  # TTFT p95 growth above this is "the tail worsens"
-    kv_headroom: float = 0.90  # peak KV usage at or above this: no headroom left
-    max_probes: int = 30
-
-    def __post_init__(self) -> None:
-        if self.slo_ttft_p95_ms <= 0:
-            raise ValueError("slo_ttft_p95_ms must be > 0")
-        for name in ("budgets", "seqs"):
-            ladder = getattr(self, name)
-            if not ladder or list(ladder) != sorted(set(ladder)) or ladder[0] < 1:
-                raise ValueError(f"{name}: a non-empty ascending ladder of positive ints")
-
-
-@dataclass
-class Evidence:
-    """One probe: what was tried, in which phase, what came back and what was decided."""
-
-    index: int
-    phase: str
-    candidate: Candidate
-    metrics: CellMetrics | None
-    meets_slo: bool
-    decision: str = ""
-    error: str | None = None
-
-
-@dataclass
-class TuneResult:
-    settings: TuneSettings
-    evidence: list[Evidence] = field(default_factory=list)
-    decisions: list[str] = field(default_factory=list)
-    throughput_first: Evidence | None = None
-    latency_first: Evidence | None = None
-    closest: Evidence | None = None  # lowest TTFT p95 overall, when nothing meets the SLO
-
-    @property
-    def met(self) -> bool:
-        return self.throughput_first is not None
-
-    def to_dict(self) -> dict[str, Any]:
-        def ev(e: Evidence | None) -> dict[str, Any] | None:
-            if e is None:
-                return None
-            return {
-                "index": e.index,
-                "phase": e.phase,
-                "args": e.candidate.to_args(),
-                "metrics": e.metrics.to_dict() if e.metrics else None,
-                "meets_slo": e.meets_slo,
-                "decision": e.decision,
-                "error": e.error,
-            }
-
-        return {
-            "slo": {
-                "ttft_p95_ms": self.settings.slo_ttft_p95_ms,
-                "tpot_p50_ms": self.settings.slo_tpot_p50_ms,
-            },
-            "met": self.met,
-            "throughput_first": ev(self.throughput_first),
-            "latency_first": ev(self.latency_first),
-            "closest": ev(self.closest),
-            "decisions": list(self.decisions),
-            "evidence": [ev(e) for e in self.evidence],
-        }
+# knob -> (phase, how decisions name it, its ladder in TuneSettings)
+_PHASES = {
+    "max_num_batched_tokens": ("budget", "budget", "budgets"),
+    "max_num_seqs": ("concurrency", "max_num_seqs", "seqs"),
+}
 
 
 class Tuner:
@@ -244,25 +171,17 @@ class Tuner:
             return cur
         return new
 
-    def phase_budget(self, cur: Evidence) -> Evidence:
+    def climb(self, cur: Evidence, knob: str) -> Evidence:
+        """Raise one knob (``max_num_batched_tokens``: the budget phase; ``max_num_seqs``: the
+        concurrency phase, which also needs KV headroom) one ladder step at a time while
+        ``step`` accepts the move."""
+        phase, name, ladder = _PHASES[knob][0], _PHASES[knob][1], getattr(self.s, _PHASES[knob][2])
         self._stop = False
-        ladder = self.s.budgets
-        i = ladder.index(cur.candidate.max_num_batched_tokens)
+        i = ladder.index(getattr(cur.candidate, knob))
         while not self._stop and i + 1 < len(ladder):
-            b0, b1 = ladder[i], ladder[i + 1]
-            cand = cur.candidate.with_(max_num_batched_tokens=b1)
-            cur = self.step(cur, cand, "budget", f"budget {b0} -> {b1}", kv=False)
-            i += 1
-        return cur
-
-    def phase_seqs(self, cur: Evidence) -> Evidence:
-        self._stop = False
-        ladder = self.s.seqs
-        i = ladder.index(cur.candidate.max_num_seqs)
-        while not self._stop and i + 1 < len(ladder):
-            s0, s1 = ladder[i], ladder[i + 1]
-            cand = cur.candidate.with_(max_num_seqs=s1)
-            cur = self.step(cur, cand, "concurrency", f"max_num_seqs {s0} -> {s1}", kv=True)
+            cand = cur.candidate.with_(**{knob: ladder[i + 1]})
+            what = f"{name} {ladder[i]} -> {ladder[i + 1]}"
+            cur = self.step(cur, cand, phase, what, kv=knob == "max_num_seqs")
             i += 1
         return cur
 
@@ -284,7 +203,7 @@ class Tuner:
             nxt = self.step(cur, cand, "trade", what, kv=True)
             if nxt is cur:
                 return cur
-            cur = self.phase_seqs(nxt)
+            cur = self.climb(nxt, "max_num_seqs")
 
     def coordinate(self, cur: Evidence) -> Evidence:
         """Budget, then seqs, then trade, repeated until a whole round changes nothing: a
@@ -292,7 +211,7 @@ class Tuner:
         only raises (seqs, budget) in lexicographic order, so the loop ends."""
         while True:
             before = cur.candidate
-            cur = self.phase_seqs(self.phase_budget(cur))
+            cur = self.climb(self.climb(cur, "max_num_batched_tokens"), "max_num_seqs")
             if self.s.trade:
                 cur = self.phase_trade(cur)
             if cur.candidate == before:
@@ -333,10 +252,8 @@ class Tuner:
             out.append(
                 (f"policy {c.scheduling_policy} -> {other}", c.with_(scheduling_policy=other))
             )
-        for name, ladder, attr in (
-            ("budget", self.s.budgets, "max_num_batched_tokens"),
-            ("max_num_seqs", self.s.seqs, "max_num_seqs"),
-        ):
+        for attr, (_, name, ladder_name) in _PHASES.items():
+            ladder = getattr(self.s, ladder_name)
             i = ladder.index(getattr(c, attr))
             for j in (i - 1, i + 1):
                 if 0 <= j < len(ladder):

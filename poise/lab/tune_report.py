@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from poise.lab.metrics import fmt_ms, fmt_pct
 from poise.lab.probe import Candidate
-from poise.lab.tune import Evidence, TuneResult
+from poise.lab.tune_result import Evidence, TuneResult
 
 CommandFn = Callable[[Candidate], str]
 

@@ -37,6 +37,7 @@ class Script:
 @dataclass
 class State:
     running: int = 0
+    peak_running: int = 0  # most requests in flight at once
     waiting: int = 0
     preemptions: int = 0
     requests: int = 0
@@ -90,6 +91,7 @@ class MockServer:
         st.requests += 1
         st.preemptions += 1
         st.running += 1
+        st.peak_running = max(st.peak_running, st.running)
         n = int(body.get("max_tokens", 16))
         if sc.eos_at is not None and not body.get("ignore_eos"):
             n = min(n, sc.eos_at)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from poise.lab.bench_adapter import LabWorkload
+from poise.bench.config import WorkloadSpec
 
 HERE = Path(__file__).resolve().parent
 MOCK_TEMPLATE = (
@@ -31,6 +31,6 @@ def pid_gone(pid: int) -> bool:
 
 
 @pytest.fixture
-def tiny_workload() -> LabWorkload:
-    return LabWorkload(concurrency=(4,), long_ratio=(0.0,), max_tokens=32, num_requests=8,
+def tiny_workload() -> WorkloadSpec:
+    return WorkloadSpec(concurrency=(4,), long_ratio=(0.0,), max_tokens=32, num_requests=8,
                        warmup=2, long_repeat=5, timeout_s=30)  # fmt: skip

@@ -6,13 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from poise import workload as wl
+from poise.bench.config import WorkloadSpec
 from poise.config import EngineConfig
-from poise.lab.bench_adapter import LabWorkload, long_prompt
 from poise.lab.metrics import CellMetrics
 from poise.lab.presets import DEFAULT_KV_BASE_BYTES, plan
 from poise.lab.server import ServerSpec
 from poise.lab.sweep import SweepResult, spec_from_dict
 from poise.lab.sweep_questions import answer_questions, policy_pairs
+from poise.workload import long_prompt
 
 
 def test_seed_long_prompt_is_verbatim() -> None:
@@ -77,7 +78,7 @@ def _m(ttft: float, tpot: float, short: float, thr: float = 100.0) -> CellMetric
 def test_questions_answered_from_numbers() -> None:
     specs = [ServerSpec("f", args={"max_num_seqs": 4}),
              ServerSpec("p", args={"max_num_seqs": 4, "scheduling_policy": "prefill_first"})]  # fmt: skip
-    work = LabWorkload(concurrency=(4,), long_ratio=(0.0, 0.5))
+    work = WorkloadSpec(concurrency=(4,), long_ratio=(0.0, 0.5))
     grid = {
         "f": {"c4-long0": _m(100, 20, 100), "c4-long0.5": _m(900, 20, 400)},
         "p": {"c4-long0": _m(80, 30, 80), "c4-long0.5": _m(500, 30, 160)},
@@ -94,7 +95,7 @@ def test_questions_answered_from_numbers() -> None:
 
 def test_mixed_long_ratio_effect_is_called_mixed() -> None:
     specs = [ServerSpec("f", args={"max_num_seqs": 4})]
-    work = LabWorkload(concurrency=(2, 4), long_ratio=(0.0, 0.5))
+    work = WorkloadSpec(concurrency=(2, 4), long_ratio=(0.0, 0.5))
     grid = {"f": {"c2-long0": _m(100, 20, 100), "c2-long0.5": _m(90, 20, 60),
                   "c4-long0": _m(100, 20, 100), "c4-long0.5": _m(300, 20, 300)}}  # fmt: skip
     text = "\n".join(answer_questions(SweepResult(Path("."), specs, work, []), grid))
@@ -103,7 +104,7 @@ def test_mixed_long_ratio_effect_is_called_mixed() -> None:
 
 def test_policy_gain_on_both_sides_is_flagged() -> None:
     specs = [ServerSpec("f", args={}), ServerSpec("p", args={"scheduling_policy": "prefill_first"})]
-    work = LabWorkload(concurrency=(4,), long_ratio=(0.0,))
+    work = WorkloadSpec(concurrency=(4,), long_ratio=(0.0,))
     grid = {"f": {"c4-long0": _m(100, 40, 100)}, "p": {"c4-long0": _m(60, 20, 60)}}
     text = "\n".join(answer_questions(SweepResult(Path("."), specs, work, []), grid))
     assert "improved TTFT p95 (-40 %) and TPOT p50 (-50 %) alike" in text

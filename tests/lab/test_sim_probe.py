@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from poise.bench.config import WorkloadSpec
 from poise.cli import main
-from poise.lab.bench_adapter import LabWorkload
 from poise.lab.probe import Candidate
 
 
@@ -20,7 +20,7 @@ def test_sim_probe_queueing_shows_in_ttft() -> None:
     ns.accelerator, ns.model_shape = "h100", "Qwen2.5-7B-Instruct"
     base = {"device": "cuda"}
     cost = cost_model_from_args(ns, EngineConfig.from_kwargs(**base))
-    work = LabWorkload(
+    work = WorkloadSpec(
         concurrency=(8,), long_ratio=(0.25,), max_tokens=32, num_requests=16, warmup=0
     )
     probe = SimProbe(base, work, work.cells()[0], cost, prompt_lengths(None))

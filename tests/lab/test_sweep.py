@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from poise.lab.bench_adapter import LabWorkload, run_cells
+from poise.bench.config import WorkloadSpec
+from poise.lab.bench_adapter import run_cells
 from poise.lab.server import ServerSpec
 from poise.lab.sweep import load_specs, run_sweep
 from tests.lab.conftest import MOCK_TEMPLATE, pid_gone
@@ -31,15 +32,15 @@ def mock_specs() -> list[ServerSpec]:
 
 
 @pytest.fixture
-def two_cells() -> LabWorkload:
-    return LabWorkload(concurrency=(2,), long_ratio=(0.0, 0.5), max_tokens=16, num_requests=4,
+def two_cells() -> WorkloadSpec:
+    return WorkloadSpec(concurrency=(2,), long_ratio=(0.0, 0.5), max_tokens=16, num_requests=4,
                        warmup=1, long_repeat=5, timeout_s=30)  # fmt: skip
 
 
-def test_sweep_report_plots_and_resume(tmp_path: Path, two_cells: LabWorkload) -> None:
+def test_sweep_report_plots_and_resume(tmp_path: Path, two_cells: WorkloadSpec) -> None:
     calls: list[list[str]] = []
 
-    def counting(base_url: str, wl: LabWorkload, cells: list[Any], *a: Any, **kw: Any) -> Any:
+    def counting(base_url: str, wl: WorkloadSpec, cells: list[Any], *a: Any, **kw: Any) -> Any:
         calls.append([c.label for c in cells])
         return run_cells(base_url, wl, cells, *a, **kw)
 
@@ -62,8 +63,8 @@ def test_sweep_report_plots_and_resume(tmp_path: Path, two_cells: LabWorkload) -
     assert "### c2-long0.5" in (tmp_path / "report.md").read_text()
 
 
-def test_changed_config_is_measured_again(tmp_path: Path, two_cells: LabWorkload) -> None:
-    one = LabWorkload(**{**two_cells.__dict__, "long_ratio": (0.0,)})
+def test_changed_config_is_measured_again(tmp_path: Path, two_cells: WorkloadSpec) -> None:
+    one = WorkloadSpec(**{**two_cells.__dict__, "long_ratio": (0.0,)})
     run_sweep(mock_specs()[:1], one, tmp_path, plots=False)
     changed = ServerSpec(
         "small", command=MOCK_TEMPLATE, args={"max_num_batched_tokens": 1024, "max_num_seqs": 4}
@@ -73,7 +74,7 @@ def test_changed_config_is_measured_again(tmp_path: Path, two_cells: LabWorkload
 
 
 def test_failing_cell_stops_server_and_sweep_goes_on(
-    tmp_path: Path, two_cells: LabWorkload
+    tmp_path: Path, two_cells: WorkloadSpec
 ) -> None:
     def failing(*a: Any, **kw: Any) -> Any:
         raise RuntimeError("cell exploded")
@@ -124,7 +125,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_acceptance_two_poise_configs_two_cells(
-    tmp_path: Path, tiny_llama: Path, two_cells: LabWorkload
+    tmp_path: Path, tiny_llama: Path, two_cells: WorkloadSpec
 ) -> None:
     common = {
         "max_model_len": 512,

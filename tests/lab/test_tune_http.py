@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from poise.lab.bench_adapter import LabWorkload
+from poise.bench.config import WorkloadSpec
 from poise.lab.live import LiveProbe
 from poise.lab.server import ServerSpec
 from poise.lab.tune import Tuner, TuneSettings
 from tests.lab.conftest import MOCK_TEMPLATE, pid_gone
 
 
-def probe_for(tmp_path: Path, workload: LabWorkload, extra: str = "") -> LiveProbe:
+def probe_for(tmp_path: Path, workload: WorkloadSpec, extra: str = "") -> LiveProbe:
     spec = ServerSpec("mock", command=MOCK_TEMPLATE + extra, startup_timeout_s=30, grace_s=2)
     return LiveProbe(spec, workload, workload.cells()[0], tmp_path)
 
@@ -27,7 +27,7 @@ def settings(slo: float) -> TuneSettings:
 
 
 def test_tune_over_http_finds_the_largest_budget_within_slo(
-    tmp_path: Path, tiny_workload: LabWorkload
+    tmp_path: Path, tiny_workload: WorkloadSpec
 ) -> None:
     probe = probe_for(tmp_path, tiny_workload)
     result = Tuner(probe, settings(200.0)).run()
@@ -47,14 +47,14 @@ def test_tune_over_http_finds_the_largest_budget_within_slo(
 
 
 def test_tune_over_http_reports_no_config_meets_slo(
-    tmp_path: Path, tiny_workload: LabWorkload
+    tmp_path: Path, tiny_workload: WorkloadSpec
 ) -> None:
     result = Tuner(probe_for(tmp_path, tiny_workload), settings(20.0)).run()
     assert not result.met and result.closest is not None
     assert result.closest.candidate.max_num_batched_tokens == 512
 
 
-def test_failing_cells_leave_no_process(tmp_path: Path, tiny_workload: LabWorkload) -> None:
+def test_failing_cells_leave_no_process(tmp_path: Path, tiny_workload: WorkloadSpec) -> None:
     probe = probe_for(tmp_path, tiny_workload, " --fail-requests")
     result = Tuner(probe, settings(200.0)).run()
     assert not result.met
