@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 from typing import Any
 
 from poise.cli.lab_options import (
