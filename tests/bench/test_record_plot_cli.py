@@ -115,7 +115,7 @@ def test_cli_bench_and_plot(mock: Any, tmp_path: Path, capsys: pytest.CaptureFix
             "1",
             "--scrape-interval",
             "0.2",
-            "--slo-ttft-ms",
+            "--slo-ttft-p95-ms",
             "500,long=5000",
             "--server-arg",
             "max_num_seqs=64",
