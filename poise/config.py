@@ -283,7 +283,9 @@ class SchedulerConfig:
         default=0.05,
     )
     max_num_queued_requests: int | None = _help(
-        "Waiting-queue bound; beyond it new requests get 429 + Retry-After (None = unbounded).",
+        "Waiting-queue bound: requests waiting beyond the free max_num_seqs slots (those the "
+        "next step will start do not count); beyond it new requests get 429 + Retry-After "
+        "(None = unbounded).",
         default=None,
     )
 

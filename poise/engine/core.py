@@ -71,14 +71,26 @@ class EngineCore:
         # An unknown class name is a 400 naming the field.
         self.scheduler.steer.classes.assign(len(prompt_token_ids), sampling_params.traffic_class)
 
-    def check_capacity(self) -> None:
-        """Raise OverloadedError when the waiting queue is at its bound."""
+    @property
+    def num_queued(self) -> int:
+        """Waiting requests beyond the free ``max_num_seqs`` slots: those still waiting after
+        the next step admits what the slots take. Requests the next step will start are not
+        queued, so a burst into an idle engine fills the batch before it meets the bound."""
+        free_slots = max(0, self.config.scheduler.max_num_seqs - self.scheduler.num_running)
+        return max(0, self.scheduler.num_waiting - free_slots)
+
+    def queue_is_full(self) -> bool:
         limit = self.config.scheduler.max_num_queued_requests
-        if limit is not None and self.scheduler.num_waiting >= limit:
+        return limit is not None and self.num_queued >= limit
+
+    def check_capacity(self) -> None:
+        """Raise OverloadedError when the waiting queue is at its bound (``num_queued``)."""
+        if self.queue_is_full():
             wait = self.scheduler.queue_wait_s()
             raise OverloadedError(
-                f"waiting queue is full ({self.scheduler.num_waiting} requests, "
-                f"max_num_queued_requests={limit}); retry in {wait:.1f} s",
+                f"waiting queue is full ({self.num_queued} requests beyond the "
+                f"{self.config.scheduler.max_num_seqs} sequence slots, max_num_queued_requests="
+                f"{self.config.scheduler.max_num_queued_requests}); retry in {wait:.1f} s",
                 retry_after_s=wait,
             )
 

@@ -55,6 +55,7 @@ class CoreLike(Protocol):
     def finish(self, request_id: str) -> RequestDelta | None: ...
     def step(self) -> tuple[list[RequestDelta], StepStats | None]: ...
     def has_unfinished_requests(self) -> bool: ...
+    def queue_is_full(self) -> bool: ...
     def fail(self, request_ids: Iterable[str], message: str) -> list[RequestDelta]: ...
 
 
@@ -102,13 +103,11 @@ class AsyncEngine:
         core: CoreLike,
         metrics: ServingMetrics,
         *,
-        max_num_queued_requests: int | None = None,
         log_interval_s: float = 10.0,
         max_consecutive_failures: int = 3,
     ) -> None:
         self.core = core
         self.metrics = metrics
-        self.max_num_queued_requests = max_num_queued_requests
         self.log_interval_s = log_interval_s
         self.error: str | None = None  # set when the engine died
         self.last_error: str | None = None  # the latest failed step, for /health
@@ -160,11 +159,8 @@ class AsyncEngine:
         return len(self._streams)
 
     def can_accept(self) -> bool:
-        """Ready: alive and the waiting queue has room (approximate, read off-thread)."""
-        if not (self.alive and self.accepting):
-            return False
-        cap = self.max_num_queued_requests
-        return cap is None or int(self.core.scheduler.num_waiting) < cap
+        """Ready: alive, not stopping, and the waiting queue has room (read off-thread)."""
+        return self.alive and self.accepting and not self.core.queue_is_full()
 
     # ---- requests (event loop) ----------------------------------------------------------
 

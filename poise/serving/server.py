@@ -46,15 +46,11 @@ def build_state(
     model_name: str,
     served_model_names: list[str] | None = None,
     vocab_size: int | None = None,
-    max_num_queued_requests: int | None = None,
     log_interval_s: float = 10.0,
 ) -> ServingState:
     names = served_model_names or [model_name]
     metrics = ServingMetrics(names[0])
-    engine = AsyncEngine(
-        core, metrics, max_num_queued_requests=max_num_queued_requests,
-        log_interval_s=log_interval_s,
-    )  # fmt: skip
+    engine = AsyncEngine(core, metrics, log_interval_s=log_interval_s)
     max_len = int(core.max_model_len)
     generator = Generator(engine, tokenizer, max_model_len=max_len, vocab_size=vocab_size)
     return ServingState(engine, generator, names, max_len)
@@ -79,7 +75,6 @@ def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> S
         model_name=name,
         served_model_names=settings.served_model_names or None,
         vocab_size=info.vocab_size,
-        max_num_queued_requests=config.scheduler.max_num_queued_requests,
         log_interval_s=settings.log_interval_s,
     )
 

@@ -171,12 +171,17 @@ def test_length_limit_caps_generation() -> None:
     assert len(out["a"]) == 5
 
 
-def test_queue_bound_raises_overloaded() -> None:
-    engine, _ = make_engine(max_num_queued_requests=2)
-    engine.add_request("a", [1], greedy(1))
-    engine.add_request("b", [1], greedy(1))
-    with pytest.raises(OverloadedError):
-        engine.add_request("c", [1], greedy(1))
+def test_queue_bound_counts_only_requests_beyond_the_free_slots() -> None:
+    engine, _ = make_engine(max_num_seqs=2, max_num_queued_requests=2)
+    for rid in "abcd":  # two fill the free slots, two are queued
+        engine.add_request(rid, [1], greedy(3))
+    with pytest.raises(OverloadedError, match="2 requests beyond the 2 sequence slots"):
+        engine.add_request("e", [1], greedy(3))
+    engine.step()  # a and b run; c and d still wait: still full
+    assert engine.queue_is_full()
+    run_all(engine)
+    assert not engine.queue_is_full() and engine.num_queued == 0
+    engine.add_request("e", [1], greedy(1))
 
 
 def test_safety_margin_delays_admission() -> None:
