@@ -33,3 +33,8 @@ class OverloadedError(PoiseError):
 
 class EngineDeadError(PoiseError):
     """The engine loop failed; requests cannot be served (HTTP 500 / 503)."""
+
+
+class ShuttingDownError(PoiseError):
+    """The server is shutting down and stopped this request (HTTP 503; in a stream, an error
+    event then ``[DONE]``)."""

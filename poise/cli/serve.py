@@ -7,7 +7,9 @@ Engine flags come from poise.cli.options (vLLM's spelling), so the seed lab's
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from typing import Any
 
 from poise.cli.options import add_engine_args, engine_config_from_args
 
@@ -41,11 +43,62 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     server.add_argument(
         "--shutdown-grace-period",
-        type=float,
+        type=_non_negative,
         default=30.0,
         metavar="SECONDS",
-        help="On SIGTERM, how long in-flight requests may run before they are aborted. "
-        "(default: 30)",
+        help="On SIGTERM/SIGINT, how long in-flight requests may run (fractions allowed); "
+        "then, or at a second signal, they are cut: streams get an error event and "
+        "[DONE], other requests a 503. (default: 30)",
+    )
+    limits = parser.add_argument_group(
+        "connections", "Limits on slow and surplus clients (docs/reliability.md)."
+    )
+    limits.add_argument(
+        "--header-read-timeout",
+        type=_positive,
+        default=10.0,
+        metavar="SECONDS",
+        help="A request's headers must arrive within this time of the connection (or of its "
+        "first byte on a kept-alive one); else 408 and the connection is closed. (default: 10)",
+    )
+    limits.add_argument(
+        "--body-read-timeout",
+        type=_positive,
+        default=60.0,
+        metavar="SECONDS",
+        help="A request's body must arrive within this time of its headers; else 408 and the "
+        "connection is closed. (default: 60)",
+    )
+    limits.add_argument(
+        "--timeout-keep-alive",
+        type=_positive_int,
+        default=5,
+        metavar="SECONDS",
+        help="Close a kept-alive connection idle this long between requests (uvicorn's "
+        "option). (default: 5)",
+    )
+    limits.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=1000,
+        metavar="N",
+        help="Open connections beyond N are answered 503 (Retry-After: 1) and closed. "
+        "(default: 1000)",
+    )
+    exposure = parser.add_argument_group("exposure")
+    exposure.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        default=[],
+        metavar="HOST",
+        help="Host header values accepted besides localhost, 127.0.0.1, [::1] and --host. "
+        "Bound to a loopback address, other Hosts get 421 (a DNS-rebinding defence); "
+        "bound elsewhere, the check applies only when this is given. '*' turns it off.",
+    )
+    exposure.add_argument(
+        "--enable-api-docs",
+        action="store_true",
+        help="Serve /docs, /redoc and /openapi.json. (default: off)",
     )
     server.add_argument(
         "--step-trace",
@@ -60,7 +113,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from poise.serving.server import ServerSettings, build_state_from_config, serve
+    from poise.serving.server import build_state_from_config, serve
+    from poise.serving.settings import ServerSettings
 
     try:
         config = engine_config_from_args(args)
@@ -73,7 +127,35 @@ def run(args: argparse.Namespace) -> int:
         served_model_names=list(args.served_model_name or []),
         log_interval_s=args.log_interval,
         shutdown_grace_s=args.shutdown_grace_period,
+        header_read_timeout_s=args.header_read_timeout,
+        body_read_timeout_s=args.body_read_timeout,
+        keep_alive_timeout_s=args.timeout_keep_alive,
+        max_connections=args.max_connections,
+        allowed_hosts=list(args.allowed_hosts),
+        enable_api_docs=args.enable_api_docs,
         step_trace=args.step_trace,
     )
     state = build_state_from_config(config, settings)
     return serve(state, settings)
+
+
+def _number(text: str, kind: type, ok: Any, what: str) -> Any:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and ok(value)):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+    return value
+
+
+def _positive(text: str) -> float:
+    return float(_number(text, float, lambda v: v > 0, "> 0"))
+
+
+def _non_negative(text: str) -> float:
+    return float(_number(text, float, lambda v: v >= 0, ">= 0"))
+
+
+def _positive_int(text: str) -> int:
+    return int(_number(text, int, lambda v: v > 0, "a whole number > 0"))

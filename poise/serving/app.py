@@ -6,7 +6,8 @@ and stops with the app's lifespan.
 
 Error mapping (OpenAI error JSON ``{"error": {"message", "type", "param", "code"}}``):
 pydantic validation and InvalidRequestError -> 400, unknown model -> 400 (param "model"),
-OverloadedError -> 429 + Retry-After, EngineDeadError -> 503, GenerationFailed -> 500.
+OverloadedError -> 429 + Retry-After, EngineDeadError and ShuttingDownError -> 503,
+GenerationFailed -> 500. /docs, /redoc and /openapi.json exist only with ``enable_api_docs``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from poise.errors import EngineDeadError, InvalidRequestError, OverloadedError
+from poise.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
 from poise.serving import streams
 from poise.serving.async_engine import AsyncEngine
 from poise.serving.generation import GenerationFailed, Generator
@@ -99,12 +100,15 @@ def map_exception(exc: Exception, metrics: Any) -> JSONResponse:
     if isinstance(exc, EngineDeadError):
         metrics.rejected("engine_dead")
         return error_response(503, str(exc), err_type="engine_dead", code=503)
+    if isinstance(exc, ShuttingDownError):
+        return error_response(503, str(exc), err_type="service_unavailable",
+                              code="server_shutting_down")  # fmt: skip
     if isinstance(exc, GenerationFailed):
         return error_response(500, str(exc), err_type="internal_error", code=500)
     raise exc
 
 
-def create_app(state: ServingState) -> FastAPI:
+def create_app(state: ServingState, *, enable_api_docs: bool = False) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.engine.start()
@@ -114,7 +118,10 @@ def create_app(state: ServingState) -> FastAPI:
             await state.engine.stop()
             state.generator.close()
 
-    app = FastAPI(title="poise", version=state.version, lifespan=lifespan)
+    on = enable_api_docs
+    app = FastAPI(title="poise", version=state.version, lifespan=lifespan,
+                  docs_url="/docs" if on else None, redoc_url="/redoc" if on else None,
+                  openapi_url="/openapi.json" if on else None)  # fmt: skip
     app.state.serving = state
 
     @app.exception_handler(RequestValidationError)

@@ -117,6 +117,8 @@ class AsyncEngine:
         self._recorder = _RecordingExecutor(core.executor)  # type: ignore[attr-defined]
         core.executor = self._recorder  # type: ignore[attr-defined]
         self.accepting = True
+        # What readers of requests aborted by the server (only shutdown does) are told.
+        self.shutdown_message = "the server is shutting down and stopped this request"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
         self._cv = threading.Condition()
@@ -149,6 +151,14 @@ class AsyncEngine:
             self._cv.notify()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout_s)
+
+    def cut(self, message: str) -> None:
+        """Shutting down: abort every request in flight; their readers get ShuttingDownError."""
+        self.accepting = False
+        self.shutdown_message = message
+        with self._cv:
+            self._aborts.extend(self._streams)
+            self._cv.notify()
 
     @property
     def alive(self) -> bool:

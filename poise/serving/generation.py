@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from poise.core.sampling_params import SamplingParams
-from poise.errors import InvalidRequestError, PoiseError
+from poise.errors import InvalidRequestError, PoiseError, ShuttingDownError
 from poise.serving.async_engine import AsyncEngine
 from poise.serving.protocol import ChatCompletionRequest, CompletionRequest
 from poise.text import IncrementalDetokenizer, apply_chat_template, encode_prompt
@@ -109,6 +109,9 @@ class Generator:
                 if delta.finish_reason == "error":
                     done = True
                     raise GenerationFailed(delta.error_message or "the engine failed")
+                if delta.finish_reason == "abort":  # only a shutdown aborts a request still read
+                    done = True
+                    raise ShuttingDownError(self.engine.shutdown_message)
                 if delta.finish_reason == "rejected":
                     done = True
                     raise InvalidRequestError(delta.error_message or "request rejected")

@@ -1,13 +1,16 @@
 """Wiring: EngineConfig -> EngineCore + tokenizer -> AsyncEngine -> FastAPI app -> uvicorn.
 
 ``build_state`` takes an already-built EngineCore (tests pass one with a fake executor);
-``build_state_from_config`` builds the real one. ``serve`` runs uvicorn in the calling thread
-and returns 0 after a graceful shutdown.
+``build_state_from_config`` builds the real one. ``uvicorn_config`` puts the app behind the
+Host check (poise.serving.hosts) and the read deadlines and connection cap
+(poise.serving.connections); ``serve`` runs it in the calling thread and returns 0 after a
+graceful shutdown.
 
-Shutdown (SIGTERM or SIGINT): uvicorn stops accepting connections, lets in-flight responses
-finish for up to ``shutdown_grace_s`` seconds, then the app's lifespan aborts whatever is left
-and joins the engine thread. uvicorn re-raises the captured signal after it returns; our own
-handler turns that into a no-op so the process exits 0.
+Shutdown (SIGTERM or SIGINT, poise.serving.shutdown): uvicorn stops accepting connections,
+in-flight requests may finish for up to ``shutdown_grace_s`` seconds, then (or at a second
+signal) they are cut with an error event or a 503, and the app's lifespan joins the engine
+thread. uvicorn re-raises the captured signal after it returns; our own handler turns that
+into a no-op so the process exits 0.
 """
 
 from __future__ import annotations
@@ -15,28 +18,23 @@ from __future__ import annotations
 import logging
 import signal
 import socket
-from dataclasses import dataclass, field
 from typing import Any
+
+import uvicorn
 
 from poise.config import EngineConfig
 from poise.serving.app import ServingState, create_app
 from poise.serving.async_engine import AsyncEngine
+from poise.serving.connections import ConnectionLimits, protocol_class
 from poise.serving.generation import Generator
+from poise.serving.hosts import AllowedHostsMiddleware, allowed_host_names
 from poise.serving.metrics import ServingMetrics
+from poise.serving.settings import ServerSettings
+from poise.serving.shutdown import PoiseServer, backstop_timeout_s
+
+__all__ = ["ServerSettings", "build_state", "build_state_from_config", "serve", "uvicorn_config"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_names: list[str] = field(default_factory=list)
-    log_interval_s: float = 10.0
-    shutdown_grace_s: float = 30.0
-    uvicorn_log_level: str = "warning"
-    # A JSON-lines step trace (poise.sim.trace): each engine step's shape and duration.
-    step_trace: str | None = None
 
 
 def build_state(
@@ -94,19 +92,30 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def serve(state: ServingState, settings: ServerSettings) -> int:
-    import uvicorn
+def asgi_app(state: ServingState, settings: ServerSettings) -> Any:
+    """The FastAPI app, behind the Host check when the bind address calls for one."""
+    app = create_app(state, enable_api_docs=settings.enable_api_docs)
+    allowed = allowed_host_names(settings.host, settings.allowed_hosts)
+    return app if allowed is None else AllowedHostsMiddleware(app, allowed)
 
-    app = create_app(state)
-    config = uvicorn.Config(
-        app,
+
+def uvicorn_config(state: ServingState, settings: ServerSettings) -> uvicorn.Config:
+    limits = ConnectionLimits(settings.header_read_timeout_s, settings.body_read_timeout_s,
+                              settings.max_connections)  # fmt: skip
+    return uvicorn.Config(
+        asgi_app(state, settings),
         host=settings.host,
         port=settings.port,
+        http=protocol_class(limits),
         log_level=settings.uvicorn_log_level,
-        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
+        timeout_keep_alive=settings.keep_alive_timeout_s,
+        timeout_graceful_shutdown=backstop_timeout_s(settings.shutdown_grace_s),
         access_log=False,
     )
-    server = uvicorn.Server(config)
+
+
+def serve(state: ServingState, settings: ServerSettings) -> int:
+    server = PoiseServer(uvicorn_config(state, settings), state.engine, settings.shutdown_grace_s)
 
     def _after_shutdown(signum: int, _frame: Any) -> None:
         logger.info("signal %d handled: shut down gracefully", signum)

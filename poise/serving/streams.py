@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import Request
 
-from poise.errors import InvalidRequestError
+from poise.errors import InvalidRequestError, ShuttingDownError
 from poise.serving.generation import GenerationFailed, Piece
 from poise.serving.protocol import (
     ChatChoice,
@@ -63,8 +63,11 @@ def _usage_chunk(rid: str, model: str, created: int, chat: bool, usage: UsageInf
 
 
 def _error_event(exc: Exception) -> str:
-    status = 400 if isinstance(exc, InvalidRequestError) else 500
-    kind = "invalid_request_error" if status == 400 else "internal_error"
+    status, kind = 500, "internal_error"
+    if isinstance(exc, InvalidRequestError):
+        status, kind = 400, "invalid_request_error"
+    elif isinstance(exc, ShuttingDownError):
+        status, kind = 503, "service_unavailable"
     body = ErrorResponse(error=ErrorInfo(message=str(exc), type=kind, code=status))
     return _event(body.model_dump_json())
 
@@ -92,7 +95,7 @@ async def sse(
         if include_usage:
             usage = UsageInfo.of(num_prompt_tokens, n_tokens)
             yield _event(_usage_chunk(rid, model, created, chat, usage))
-    except (GenerationFailed, InvalidRequestError) as exc:
+    except (GenerationFailed, InvalidRequestError, ShuttingDownError) as exc:
         yield _error_event(exc)
     finally:
         # Cancelled (client gone) or done: close the pieces iterator now, so its finally

@@ -113,21 +113,22 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smol_tokenizer_dir:
 
 
 class InProcessServer:
-    """uvicorn on 127.0.0.1:<free port> in a daemon thread, around one ServingState."""
+    """uvicorn on 127.0.0.1:<free port> in a daemon thread, around one ServingState, configured
+    as ``poise serve`` configures it (``settings``: its limits, Host check, docs flag)."""
 
-    def __init__(self, state: Any) -> None:
-        import uvicorn
+    def __init__(self, state: Any, settings: Any = None) -> None:
+        import dataclasses
 
-        from poise.serving.app import create_app
-        from poise.serving.server import free_port
+        from poise.serving.server import ServerSettings, free_port, uvicorn_config
+        from poise.serving.shutdown import PoiseServer
 
         self.state = state
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            create_app(state), host="127.0.0.1", port=self.port, log_level="warning"
-        )
-        self.server = uvicorn.Server(config)
+        settings = dataclasses.replace(settings or ServerSettings(), host="127.0.0.1",
+                                       port=self.port)  # fmt: skip
+        config = uvicorn_config(state, settings)
+        self.server = PoiseServer(config, state.engine, settings.shutdown_grace_s)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> InProcessServer:

@@ -1,0 +1,47 @@
+"""ServerSettings: what `poise serve` needs beyond the engine config (address, limits, shutdown).
+
+Validation raises ``ValueError`` naming the field, like poise.config, so the CLI can print it.
+Every limit and timeout here is listed with its flag and default in docs/reliability.md,
+"Limits and timeouts".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: list[str] = field(default_factory=list)
+    log_interval_s: float = 10.0
+    # SIGTERM/SIGINT: how long in-flight requests may run before they are cut (with an error
+    # event or a 503); a second signal cuts them at once.
+    shutdown_grace_s: float = 30.0
+    uvicorn_log_level: str = "warning"
+    # A JSON-lines step trace (poise.sim.trace): each engine step's shape and duration.
+    step_trace: str | None = None
+    # Slow clients: a request's headers must arrive within header_read_timeout_s of the
+    # connection (or of its first byte on a kept-alive one), its body within
+    # body_read_timeout_s of the headers; an idle kept-alive connection closes after
+    # keep_alive_timeout_s. Connections beyond max_connections are answered 503.
+    header_read_timeout_s: float = 10.0
+    body_read_timeout_s: float = 60.0
+    keep_alive_timeout_s: int = 5  # uvicorn's timeout_keep_alive, whole seconds
+    max_connections: int = 1000
+    # DNS-rebinding defence: when bound to a loopback address, the Host header must name
+    # localhost, 127.0.0.1, [::1], the bound host or one of these; "*" turns the check off.
+    allowed_hosts: list[str] = field(default_factory=list)
+    # /docs, /redoc and /openapi.json; off by default (they describe the whole API to anyone).
+    enable_api_docs: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("header_read_timeout_s", "body_read_timeout_s", "keep_alive_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name}: must be > 0 seconds, got {value}")
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"shutdown_grace_s: must be >= 0 seconds, got {self.shutdown_grace_s}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections: must be >= 1, got {self.max_connections}")
