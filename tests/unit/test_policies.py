@@ -200,8 +200,9 @@ def test_refused_request_meets_its_slo_after_retry_after() -> None:
 
 
 def test_queue_bound_retry_after_is_a_prediction() -> None:
-    engine, _, _ = make_engine(max_num_queued_requests=2, max_num_batched_tokens=64)
-    for i in range(2):
+    engine, _, _ = make_engine(max_num_seqs=1, max_num_queued_requests=2,
+                               max_num_batched_tokens=64)  # fmt: skip
+    for i in range(3):  # one for the free sequence slot, two queued beyond it
         engine.add_request(f"q{i}", toks(200, i), params(4), arrival_time=0.0)
     with pytest.raises(OverloadedError) as info:
         engine.add_request("x", [1], params(1))
