@@ -1,8 +1,8 @@
 """`poise profile [MODEL] [engine flags]`: measure the real runner's step time on this machine
 over a grid of batch shapes, fit the simulator's linear step-cost model, save it as JSON.
 
-Wiring only: measuring is in poise/runner/profiling.py (torch, imported lazily), fitting and
-the file format in poise/sim/fit.py.
+Wiring only: measuring is in poise/runner/profiling.py (torch, imported lazily) and
+poise/engine/overhead.py, fitting and the file format in poise/sim/fit.py.
 """
 
 from __future__ import annotations

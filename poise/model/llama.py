@@ -1,8 +1,10 @@
 """Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a flat token batch.
 
-One forward per engine step: ``forward(input_ids[T], positions[T], kv_caches, meta)`` mixes
-prefill chunks and decode tokens of many requests (layout in attention/metadata.py) and
+One forward per engine step: ``forward(input_ids[T], positions[T], kv_caches, meta, attention)``
+mixes prefill chunks and decode tokens of many requests (layout in attention/metadata.py) and
 returns hidden states [T, H]; ``compute_logits`` projects only the rows that are sampled.
+``attention`` is the backend instance the runner chose (runner/attention.py): the forward asks
+it for the step's state once (``prepare``) and passes that state to every layer.
 
 Weights: q/k/v are fused into one ``qkv_proj`` and gate/up into ``gate_up_proj`` (one matmul
 each instead of three/two). Hugging Face names are kept at the loading boundary:
@@ -13,13 +15,14 @@ and copies each into its slice of the fused parameter.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from poise.checkpoint.arch import ArchConfig
-from poise.model.attention import AttentionBackend, AttentionMetadata, get_backend
+from poise.model.attention import AttentionBackend, AttentionMetadata
 from poise.model.rope import RotaryEmbedding, apply_rope
 
 # Per layer: [num_blocks, block_size, 2 * Hkv, hd], K heads then V heads per token slot.
@@ -91,8 +94,8 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
+        attention: AttentionBackend[Any],
+        state: Any,
     ) -> torch.Tensor:
         t, h, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
@@ -104,7 +107,8 @@ class Attention(nn.Module):
         # Rotate q and k heads in one call and write them back into the qkv buffer, so that
         # k (rotated) and v sit side by side: heads[:, H:] is the [T, 2Hkv, hd] the cache takes.
         apply_rope(qk, cos, sin, out=heads[:, : h + hkv])
-        o = backend.forward(heads[:, :h], heads[:, h:], kv_cache, meta, self.scale)  # [T, H, hd]
+        # [T, H, hd]
+        o = attention.forward(heads[:, :h], heads[:, h:], kv_cache, state, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))  # [T, H * hd] -> [T, hidden]
 
 
@@ -134,10 +138,10 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
+        attention: AttentionBackend[Any],
+        state: Any,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attention, state)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -160,7 +164,7 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ArchConfig, attention_backend: str = "torch") -> None:
+    def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
         self.arch = arch
         self.model = LlamaModel(arch)
@@ -170,7 +174,6 @@ class LlamaForCausalLM(nn.Module):
             if arch.tie_word_embeddings
             else Linear(arch.hidden_size, arch.vocab_size, bias=False)
         )
-        self.backend = get_backend(attention_backend)
         self.rotary: RotaryEmbedding | None = None
 
     def init_rope(self, max_positions: int) -> None:
@@ -186,15 +189,15 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        attention: AttentionBackend[Any],
     ) -> torch.Tensor:
         """input_ids, positions [T] -> hidden [T, hidden_size] (after the final norm)."""
         assert self.rotary is not None, "call init_rope() after loading"
-        block_size = kv_caches[0].shape[1]
-        self.backend.prepare(meta, block_size)
+        state = attention.prepare(meta)  # once per step, shared by every layer
         cos, sin = self.rotary.tables(positions)  # [T, 1, hd] each
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta, self.backend)
+            x = layer(x, cos, sin, kv_cache, attention, state)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -32,12 +32,10 @@ class LoadedModel:
     extra_eos_token_ids: frozenset[int] = frozenset()
 
 
-def empty_model(
-    arch: ArchConfig, dtype: torch.dtype, device: torch.device, attention_backend: str = "torch"
-) -> LlamaForCausalLM:
+def empty_model(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     """The model with uninitialised parameters, allocated once in dtype on device."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, attention_backend)
+        model = LlamaForCausalLM(arch)
     # Materialise each parameter ourselves (what Module.to_empty does, minus its import of
     # sympy: ~1 s of cold start). torch.empty does not touch the pages, so this is free until
     # the loader writes the weights.
@@ -59,18 +57,17 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
-    attention_backend: str = "torch",
 ) -> LoadedModel:
     """Load what the model string names (see ModelConfig.model)."""
     source: ModelSource = resolve_model(model)
     if source.kind == "dummy":
         from poise.model.loader_dummy import load_dummy
 
-        return load_dummy(source, dtype, device, seed, attention_backend)
+        return load_dummy(source, dtype, device, seed)
     if source.kind == "gguf":
         from poise.model.loader_gguf import load_gguf
 
-        return load_gguf(source, dtype, device, attention_backend)
+        return load_gguf(source, dtype, device)
     from poise.model.loader_hf import load_hf_dir
 
-    return load_hf_dir(source, dtype, device, attention_backend)
+    return load_hf_dir(source, dtype, device)

@@ -14,10 +14,9 @@ def load_dummy(
     dtype: torch.dtype,
     device: torch.device,
     seed: int,
-    attention_backend: str = "torch",
 ) -> LoadedModel:
     arch = describe(source)
-    model = empty_model(arch, dtype, device, attention_backend)
+    model = empty_model(arch, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

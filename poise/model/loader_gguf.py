@@ -90,13 +90,11 @@ def iter_gguf_weights(
         yield target, w.to(dtype)
 
 
-def load_gguf(
-    source: ModelSource, dtype: torch.dtype, device: torch.device, attention_backend: str = "torch"
-) -> LoadedModel:
+def load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     path = source.path
     gf = GGUFFile(path)
     arch = arch_from_gguf(gf)
-    model = empty_model(arch, dtype, device, attention_backend)
+    model = empty_model(arch, dtype, device)
     # Small tensor ops: extra intra-op threads cost more than they give on a busy machine.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -40,12 +40,10 @@ def _eos_from_generation_config(path: Path) -> frozenset[int]:
     return frozenset([value] if isinstance(value, int) else value)
 
 
-def load_hf_dir(
-    source: ModelSource, dtype: torch.dtype, device: torch.device, attention_backend: str = "torch"
-) -> LoadedModel:
+def load_hf_dir(source: ModelSource, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     path = source.path
     arch = describe(source)
-    model = empty_model(arch, dtype, device, attention_backend)
+    model = empty_model(arch, dtype, device)
     loaded = model.load_weights(iter_safetensors(safetensors_files(path), dtype))
     check_complete(model, loaded, str(path))
     return LoadedModel(

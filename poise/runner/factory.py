@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from poise.config import EngineConfig
-from poise.model.attention import resolve_backend_name
 from poise.model.loader import LoadedModel, load_model
+from poise.runner.attention import create_attention_backend
 from poise.runner.kv_pool import allocate_kv_caches, num_kv_blocks
 from poise.runner.model_runner import ModelRunner
 from poise.text.tokenizer import load_tokenizer
@@ -76,8 +76,8 @@ def create_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelInfo]:
     dtype = resolve_dtype(mc.dtype, device)
     if mc.num_threads is not None:
         torch.set_num_threads(mc.num_threads)
-    backend = resolve_backend_name(mc.attention_backend, device, dtype)
-    loaded = load_model(mc.model, dtype, device, seed=mc.seed, attention_backend=backend)
+    attention = create_attention_backend(mc.attention_backend, device, dtype)
+    loaded = load_model(mc.model, dtype, device, seed=mc.seed)
     arch = loaded.arch
     max_model_len = resolve_max_model_len(mc.max_model_len, arch.context_length)
     loaded.model.init_rope(max_model_len)
@@ -85,7 +85,7 @@ def create_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelInfo]:
     caches = allocate_kv_caches(arch, blocks, cc.block_size, dtype, device)
     tokenizer_source = mc.tokenizer or loaded.tokenizer_source
     tokenizer = load_tokenizer(tokenizer_source) if tokenizer_source else None
-    runner = ModelRunner(loaded.model, caches, cc.block_size, device, seed=mc.seed)
+    runner = ModelRunner(loaded.model, attention, caches, cc.block_size, device, seed=mc.seed)
     info = ModelInfo(
         model_name=loaded.name,
         vocab_size=arch.vocab_size,
@@ -95,7 +95,7 @@ def create_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelInfo]:
         eos_token_ids=_eos_ids(loaded, tokenizer),
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
-        attention_backend=backend,
+        attention_backend=attention.name,
         tokenizer=tokenizer,
     )
     return runner, info

@@ -109,6 +109,7 @@ def build_step_inputs(
 
     meta = AttentionMetadata(
         slot_mapping=to_dev(np.concatenate(slot_parts)),
+        block_size=block_size,
         num_decodes=len(decodes),
         decode_block_tables=to_dev(tables) if decodes else None,
         decode_context_lens=to_dev(ctx) if decodes else None,

@@ -10,7 +10,7 @@ Sizing (returned explicitly, never written back to the config):
   step, capped by ``kv_cache_memory_bytes``.
 
 Layout: one tensor [num_layers, num_blocks, block_size, 2 * num_kv_heads, head_dim]; layer i
-gets pool[i] (K heads then V heads per token slot; why in model/attention/torch_ref.py), so
+gets pool[i] (K heads then V heads per token slot; why in model/attention/common.py), so
 a token's K and V for all heads are one contiguous row at ``slot = block * block_size +
 offset``. Zero-initialised: padded block-table entries read finite values that the attention
 masks multiply by 0.

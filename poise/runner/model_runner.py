@@ -1,6 +1,7 @@
 """ModelRunner: the torch executor. ``execute(SchedulerOutput) -> ModelRunnerOutput``.
 
-Per step: build flat inputs (runner/inputs.py), one model forward over all scheduled tokens,
+Per step: build flat inputs (runner/inputs.py), one model forward over all scheduled tokens
+with the attention backend the runner was built with (runner/attention.py chooses it),
 logits only at the sampled positions (the last token of each request with ``sample=True``),
 then ``sampler.sample``. The runner keeps no per-request state: everything it needs is in the
 ``ScheduledRequest`` (tokens, start position, block table), so finished/preempted ids need no
@@ -9,9 +10,12 @@ cleanup here.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from poise.core.outputs import ModelRunnerOutput, SchedulerOutput
+from poise.model.attention import AttentionBackend
 from poise.model.llama import KVCache, LlamaForCausalLM
 from poise.runner.inputs import build_step_inputs
 from poise.runner.sampler import sample
@@ -21,12 +25,14 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
+        attention: AttentionBackend[Any],
         kv_caches: list[KVCache],
         block_size: int,
         device: torch.device,
         seed: int = 0,
     ) -> None:
         self.model = model
+        self.attention = attention
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -42,7 +48,9 @@ class ModelRunner:
         if not scheduler_output.scheduled:
             return ModelRunnerOutput()
         inputs = build_step_inputs(scheduler_output.scheduled, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.attention
+        )
         sampled = inputs.sampled_requests
         if not sampled:
             return ModelRunnerOutput()

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from poise.core.outputs import ScheduledRequest
 from poise.core.sampling_params import SamplingParams
+from poise.model.attention import AttentionBackend, TorchAttentionBackend
 from poise.model.llama import LlamaForCausalLM
 from poise.model.loader import load_model
 from poise.runner.inputs import build_step_inputs
@@ -21,6 +23,8 @@ class PagedHarness:
     block_size: int = 4
     num_blocks: int = 64
     seed: int = 0
+    # The runner's choice in production (runner/attention.py); the reference one by default.
+    attention: AttentionBackend[Any] = field(default_factory=TorchAttentionBackend)
     caches: list[torch.Tensor] = field(init=False)
     device: torch.device = field(init=False)
     tables: dict[str, list[int]] = field(default_factory=dict)
@@ -61,7 +65,9 @@ class PagedHarness:
         ]
         inputs = build_step_inputs(scheduled, self.block_size, self.device)
         with torch.inference_mode():
-            hidden = self.model(inputs.input_ids, inputs.positions, self.caches, inputs.meta)
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, self.caches, inputs.meta, self.attention
+            )
             logits = self.model.compute_logits(hidden)
         starts = inputs.flat_starts
         return {rid: logits[starts[rid] : starts[rid] + len(ids)] for rid, ids, _ in chunks}

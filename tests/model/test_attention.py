@@ -9,7 +9,8 @@ import torch
 
 from poise.core.outputs import ScheduledRequest
 from poise.core.sampling_params import SamplingParams
-from poise.model.attention import available_backends, get_backend, key_view, value_view
+from poise.model.attention import key_view, value_view
+from poise.runner.attention import BACKENDS
 from poise.runner.inputs import build_step_inputs
 
 
@@ -23,7 +24,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("backend", available_backends())
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(4, 4, 1), (4, 2, 4), (8, 2, 16)])
 def test_paged_matches_dense(backend: str, heads: int, kv_heads: int, block_size: int) -> None:
     rng = random.Random(heads * 100 + block_size)
@@ -59,9 +60,9 @@ def test_paged_matches_dense(backend: str, heads: int, kv_heads: int, block_size
 
         if load_cpu_kernel() is None:
             pytest.skip("no C++ compiler for the CPU kernel")
-    impl = get_backend(backend)
-    impl.prepare(inputs.meta, block_size)
-    out = impl.forward(q_flat, kv_flat, cache, inputs.meta, hd**-0.5)
+    impl = BACKENDS[backend].create()
+    state = impl.prepare(inputs.meta)
+    out = impl.forward(q_flat, kv_flat, cache, state, hd**-0.5)
     offset = 0
     for rid in order:
         cached, n = shapes[rid]

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from poise.model.attention import AttentionMetadata, PrefillChunk, get_backend
+from poise.model.attention import AttentionMetadata, PrefillChunk
 from poise.model.attention.cpu_kernel import load_cpu_kernel
+from poise.runner.attention import BACKENDS, resolve_backend_name
 from poise.runner.inputs import decode_groups
 
 pytestmark = pytest.mark.skipif(load_cpu_kernel() is None, reason="no C++ compiler")
@@ -60,6 +61,7 @@ def _case(
         offset += n
     meta = AttentionMetadata(
         slot_mapping=torch.cat(slots),
+        block_size=block_size,
         num_decodes=d,
         decode_block_tables=table,
         decode_context_lens=ctx,
@@ -82,9 +84,9 @@ def test_cpu_kernel_matches_torch_backend(
     results = []
     for name in ("torch", "cpu"):
         meta, cache, qkv = _case(heads, kv_heads, head_dim, dtype, seed=heads + head_dim)
-        backend = get_backend(name)
-        backend.prepare(meta, cache.shape[1])
-        out = backend.forward(qkv[:, :heads], qkv[:, heads:], cache, meta, head_dim**-0.5)
+        backend = BACKENDS[name].create()
+        state = backend.prepare(meta)
+        out = backend.forward(qkv[:, :heads], qkv[:, heads:], cache, state, head_dim**-0.5)
         results.append((out.float(), cache))
     (want, cache_torch), (got, cache_cpu) = results
     assert torch.equal(cache_torch, cache_cpu)  # both wrote this step's K/V to the same slots
@@ -94,16 +96,14 @@ def test_cpu_kernel_matches_torch_backend(
 
 def test_cpu_backend_rejects_non_contiguous_cache() -> None:
     meta, cache, qkv = _case(9, 3, 64, torch.float32, seed=1)
-    backend = get_backend("cpu")
-    backend.prepare(meta, cache.shape[1])
+    backend = BACKENDS["cpu"].create()
+    state = backend.prepare(meta)
     strided = cache.transpose(1, 2).contiguous().transpose(1, 2)
     with pytest.raises(ValueError, match="contiguous"):
-        backend.forward(qkv[:, :9], qkv[:, 9:], strided, meta, 0.125)
+        backend.forward(qkv[:, :9], qkv[:, 9:], strided, state, 0.125)
 
 
 def test_backend_resolution() -> None:
-    from poise.model.attention import resolve_backend_name
-
     cpu = torch.device("cpu")
     assert resolve_backend_name("auto", cpu, torch.bfloat16) == "cpu"
     assert resolve_backend_name("auto", cpu, torch.float16) == "torch"  # no fp16 kernel
@@ -119,7 +119,7 @@ def test_auto_falls_back_to_torch_without_the_kernel() -> None:
     import sys
 
     code = (
-        "import torch; from poise.model.attention import resolve_backend_name; "
+        "import torch; from poise.runner.attention import resolve_backend_name; "
         "print(resolve_backend_name('auto', torch.device('cpu'), torch.bfloat16))"
     )
     env = {**__import__("os").environ, "POISE_DISABLE_CPU_KERNEL": "1"}

@@ -118,18 +118,15 @@ def test_bfloat16_prefill_and_decode_match_transformers_bfloat16(
     weight): a prefill and a decode step match transformers in bf16 to bf16 resolution, and
     argmax agrees at every position (a single fused RMSNorm rounding drifted by ~1 logit)."""
     from poise.model.attention.cpu_kernel import load_cpu_kernel
-    from poise.model.loader import load_model
+    from poise.runner.attention import create_attention_backend
 
     if attention_backend == "cpu" and load_cpu_kernel() is None:
         pytest.skip("no C++ compiler")
-    loaded = load_model(
-        str(tiny_checkpoints[kind]), torch.bfloat16, torch.device("cpu"),
-        attention_backend=attention_backend,
-    )  # fmt: skip
-    loaded.model.init_rope(loaded.arch.context_length)
+    ours = load_ours(str(tiny_checkpoints[kind]), torch.bfloat16)
     hf = build_tiny_model(kind).to(torch.bfloat16)
     ids = prompt(19, 11)
-    h = PagedHarness(loaded.model)
+    attention = create_attention_backend(attention_backend, torch.device("cpu"), torch.bfloat16)
+    h = PagedHarness(ours, attention=attention)
     got = torch.cat([h.step([("a", ids, 0)])["a"], h.step([("a", [42], len(ids))])["a"]])
     want = hf_logits(hf, [*ids, 42])
     assert torch.equal(got.argmax(-1), want.argmax(-1))

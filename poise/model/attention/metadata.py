@@ -11,19 +11,20 @@ Slot mapping (one int per flat token) says where its K/V is written in the paged
     kv_cache.view(num_blocks * block_size, 2 * kv_heads, head_dim)[slot] = (k heads, v heads)
 
 A query at position p of a request attends to that request's tokens 0..p (causal), read back
-through its block table. Metadata is built once per step (by the runner) and passed to every
-layer as an argument: there is no global context.
+through its block table. Metadata is built once per step (by the runner, runner/inputs.py); the
+backend turns it into its own typed state once (``AttentionBackend.prepare``) and every layer
+gets that state as an argument: there is no global context, and the metadata is never written
+to after it is built.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrefillChunk:
     """One request's chunk of query tokens: flat[query_start : query_start + query_len]."""
 
@@ -39,10 +40,12 @@ class PrefillChunk:
         return self.start_position + self.query_len
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionMetadata:
     # [T] int64: cache slot of each flat token (see module docstring).
     slot_mapping: torch.Tensor
+    # Tokens per KV block (the cache's dim 1); block tables index blocks of this size.
+    block_size: int
     # Decode part: the first num_decodes flat tokens, one per request.
     num_decodes: int = 0
     # [D, max_blocks] int64, padded with block 0 (masked out by context_lens).
@@ -56,9 +59,6 @@ class AttentionMetadata:
     # one group over all decodes at full width.
     decode_groups: list[tuple[int, int, int]] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # Backend-private per-step derived state (masks, gather indices), built once by
-    # ``AttentionBackend.prepare`` and reused by every layer.
-    backend_state: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

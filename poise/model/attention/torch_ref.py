@@ -1,167 +1,66 @@
 """Reference paged attention in plain torch: runs on CPU (and on GPU, slowly but correctly).
 
-Cache layout, per layer: ``kv_cache [num_blocks, block_size, 2 * Hkv, hd]``: for each token
-slot, its K heads then its V heads. Why K and V share one tensor: a step then needs ONE
-scatter (this step's k/v are already adjacent in the fused qkv output) and ONE gather per
-layer instead of two, and gathers move whole blocks with ``index_select`` (contiguous rows
-of block_size * 2Hkv * hd values), ~5x faster on CPU than advanced indexing. ``key_view`` /
-``value_view`` give the familiar [num_blocks, block_size, Hkv, hd] views for other backends.
-
-- Decode: all decoding requests (one query each) in ONE batched SDPA call. Their K/V are
-  gathered through the padded block tables into [D, L, 2Hkv, hd] and positions >= context_len
-  are masked out, so no Python loop over requests runs per layer for decode.
-- Prefill: one SDPA call per chunk. A chunk at offset 0 attends to its own fresh k/v with
-  ``is_causal``; a later chunk (chunked prefill, or recompute after preemption) reads its
-  request's whole context back from the cache with an offset-causal mask::
-
-      query i (position start+i) sees keys j <= start + i      (j in 0 .. start+n-1)
-
-GQA: the H query heads are viewed as [Hkv, G] so each group shares its kv head, matching
-transformers' ``repeat_kv`` order (query head h uses kv head h // G).
+Everything goes through the SDPA paths of common.py: all decode rows in one batched call per
+length group (K/V gathered through padded block tables, padding masked out), one call per
+prefill chunk (fresh chunks ``is_causal``; chunks after cached tokens read their context back
+with an offset-causal mask). The masks are built once per step in ``prepare``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from poise.model.attention.metadata import AttentionMetadata, PrefillChunk
-
-
-def key_view(kv_cache: torch.Tensor) -> torch.Tensor:
-    """[N, bs, 2Hkv, hd] -> the K half [N, bs, Hkv, hd] (a strided view)."""
-    return kv_cache[:, :, : kv_cache.shape[2] // 2]
-
-
-def value_view(kv_cache: torch.Tensor) -> torch.Tensor:
-    return kv_cache[:, :, kv_cache.shape[2] // 2 :]
+from poise.model.attention.common import (
+    SdpaPrefill,
+    decode_attention,
+    decode_mask,
+    prefill_attention,
+    sdpa_prefills,
+    write_kv,
+)
+from poise.model.attention.metadata import AttentionMetadata
 
 
-def write_kv(kv: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter kv [T, 2Hkv, hd] (k heads then v heads) into kv_cache at flat slots [T]."""
-    kv_cache.view(-1, kv.shape[1], kv.shape[2]).index_copy_(0, slot_mapping, kv)
-
-
-def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Blocks [*idx] of kv_cache -> [*idx, bs, 2Hkv, hd], one contiguous row per block."""
-    rows = kv_cache.view(kv_cache.shape[0], -1).index_select(0, block_ids.reshape(-1))
-    return rows.view(*block_ids.shape, *kv_cache.shape[1:])
+@dataclass(frozen=True)
+class TorchAttentionState:
+    meta: AttentionMetadata
+    # [D, 1, 1, L] visible-key mask of the decode rows; None when the step has no decodes.
+    decode_mask: torch.Tensor | None
+    # Every prefill chunk of the step, in meta.prefills order, with its mask.
+    prefills: tuple[SdpaPrefill, ...]
 
 
 class TorchAttentionBackend:
     name = "torch"
 
-    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
-        state = meta.backend_state
-        if meta.num_decodes:
-            assert meta.decode_block_tables is not None
-            assert meta.decode_context_lens is not None
-            width = meta.decode_block_tables.shape[1] * block_size
-            device = meta.decode_context_lens.device
-            cols = torch.arange(width, device=device)
-            # [D, 1, 1, L]: True where the key is visible (broadcast over heads and queries).
-            state["decode_mask"] = (cols[None, :] < meta.decode_context_lens[:, None])[
-                :, None, None, :
-            ]
-        self._prepare_prefill_masks(meta, range(len(meta.prefills)))
-
-    @staticmethod
-    def _prepare_prefill_masks(meta: AttentionMetadata, indices: Iterable[int]) -> None:
-        """Offset-causal masks for the chunks (by index) that start after cached tokens."""
-        for i in indices:
-            chunk = meta.prefills[i]
-            if chunk.start_position == 0:
-                continue
-            device = meta.slot_mapping.device
-            q_pos = torch.arange(chunk.query_len, device=device) + chunk.start_position
-            k_pos = torch.arange(chunk.context_len, device=device)
-            meta.backend_state[f"prefill_mask_{i}"] = k_pos[None, :] <= q_pos[:, None]
+    def prepare(self, meta: AttentionMetadata) -> TorchAttentionState:
+        return TorchAttentionState(
+            meta=meta,
+            decode_mask=decode_mask(meta),
+            prefills=sdpa_prefills(meta.prefills, meta.slot_mapping.device),
+        )
 
     def forward(
         self,
         q: torch.Tensor,
         kv: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        state: TorchAttentionState,
         scale: float,
     ) -> torch.Tensor:
         """q [T, H, hd], kv [T, 2Hkv, hd] -> out [T, H, hd]."""
+        meta = state.meta
         write_kv(kv, kv_cache, meta.slot_mapping)
-        d = meta.num_decodes
-        if not meta.prefills:  # pure decode step: no output buffer to assemble
-            return self._decode(q, kv_cache, meta, scale)
+        mask = state.decode_mask
+        if not state.prefills:  # pure decode step: no output buffer to assemble
+            assert mask is not None
+            return decode_attention(q, kv_cache, meta, mask, scale)
         out = q.new_empty(q.shape)
-        if d:
-            out[:d] = self._decode(q[:d], kv_cache, meta, scale)
-        for i, chunk in enumerate(meta.prefills):
-            s, e = chunk.query_start, chunk.query_start + chunk.query_len
-            out[s:e] = self._prefill(i, chunk, q[s:e], kv[s:e], kv_cache, meta, scale)
+        if mask is not None:
+            d = meta.num_decodes
+            out[:d] = decode_attention(q[:d], kv_cache, meta, mask, scale)
+        for prefill in state.prefills:
+            prefill_attention(prefill, q, kv, kv_cache, scale, out)
         return out
-
-    def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-    ) -> torch.Tensor:
-        tables = meta.decode_block_tables
-        assert tables is not None
-        mask = meta.backend_state["decode_mask"]
-        groups = meta.decode_groups
-        if len(groups) <= 1:
-            return _decode_rows(q, kv_cache, tables, mask, scale)
-        block_size = kv_cache.shape[1]
-        out = q.new_empty(q.shape)
-        for start, end, num_blocks in groups:
-            out[start:end] = _decode_rows(
-                q[start:end],
-                kv_cache,
-                tables[start:end, :num_blocks],
-                mask[start:end, ..., : num_blocks * block_size],
-                scale,
-            )
-        return out
-
-    def _prefill(
-        self,
-        index: int,
-        chunk: PrefillChunk,
-        q: torch.Tensor,
-        kv: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        num_kv_heads = kv.shape[1] // 2
-        qt = q.transpose(0, 1).unsqueeze(0)  # [n, H, hd] -> [1, H, n, hd]
-        if chunk.start_position == 0:
-            ctx, mask, causal = kv, None, True  # [n, 2Hkv, hd]: its own fresh k/v
-        else:
-            # [nb, bs, 2Hkv, hd] -> [nb*bs, 2Hkv, hd] -> [ctx, 2Hkv, hd]
-            ctx = gather_blocks(kv_cache, chunk.block_table).flatten(0, 1)[: chunk.context_len]
-            mask, causal = meta.backend_state[f"prefill_mask_{index}"], False
-        kt = ctx[:, :num_kv_heads].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, hd]
-        vt = ctx[:, num_kv_heads:].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, hd]
-        o = F.scaled_dot_product_attention(
-            qt, kt, vt, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
-        )
-        return o.squeeze(0).transpose(0, 1)  # [1, H, n, hd] -> [n, H, hd]
-
-
-def _decode_rows(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    tables: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Decode attention for rows sharing one padded width: q [D, H, hd] -> [D, H, hd]."""
-    d, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[2] // 2
-    # [D, B] blocks -> [D, B, bs, 2Hkv, hd] -> [D, L, 2Hkv, hd]
-    ctx = gather_blocks(kv_cache, tables).flatten(1, 2)
-    keys = ctx[:, :, :num_kv_heads].transpose(1, 2)  # [D, Hkv, L, hd]
-    values = ctx[:, :, num_kv_heads:].transpose(1, 2)  # [D, Hkv, L, hd]
-    # [D, H, hd] -> [D, Hkv, G, hd]: the G query heads of a group act as G "queries".
-    qg = q.reshape(d, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
-    return o.reshape(d, num_heads, head_dim)  # [D, Hkv, G, hd] -> [D, H, hd]
