@@ -12,7 +12,8 @@ headers are parsed. So this subclasses uvicorn's h11 protocol:
 - either deadline answers 408 (OpenAI's error JSON) if no response has started, and closes;
 - a connection accepted while ``max_connections`` are already open is answered 503 (same
   shape, ``Connection: close``) as soon as its request head arrives; its header deadline
-  still applies if it never sends one.
+  still applies if it never sends one;
+- bytes that are not HTTP get uvicorn's 400, in OpenAI's shape rather than plain text.
 
 Deadlines are absolute per phase (not reset by each byte), so trickling does not extend them.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any, ClassVar
 
 import h11
@@ -73,6 +75,21 @@ class GuardedH11Protocol(H11Protocol):
         super().on_response_complete()
         self._follow()
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are not HTTP (a malformed request line, a head over
+        h11's 16 KiB): the same 400, in OpenAI's error shape instead of plain text."""
+        body = bytes(error_response(400, f"invalid HTTP request: {msg}", code=400).body)
+        self._write_and_close(400, body)
+
+    def _write_and_close(self, status: int, body: bytes) -> None:
+        """Answer outside the h11 state machine (the request was never parsed) and close."""
+        head = (
+            f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
+        self.transport.write(head.encode() + body)
+        self.transport.close()
+
     def _follow(self) -> None:
         """Put the deadline in the phase h11 says the client's side of the request is in."""
         state = self.conn.their_state
@@ -107,12 +124,9 @@ class GuardedH11Protocol(H11Protocol):
         if phase == "headers" or self.cycle is None or not self.cycle.response_started:
             message = f"request {phase} not received within {timeout:g} s"
             body = bytes(error_response(408, message, code="request_timeout").body)
-            head = (
-                "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
-            )
-            self.transport.write(head.encode() + body)
-        self.transport.close()
+            self._write_and_close(408, body)
+        else:  # a response is under way: only closing is left
+            self.transport.close()
 
 
 def protocol_class(limits: ConnectionLimits) -> type[GuardedH11Protocol]:

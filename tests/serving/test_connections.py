@@ -116,6 +116,19 @@ def test_a_kept_alive_connection_gets_a_fresh_header_deadline(
     assert _timed_out_with_408(sock, "headers") < 5
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [b"NOT HTTP AT ALL\r\n\r\n", b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 20000],
+    ids=["garbage", "head-over-16KiB"],
+)
+def test_bytes_that_are_not_http_get_a_json_400(slow_server: InProcessServer, raw: bytes) -> None:
+    sock = _connect(slow_server)
+    sock.sendall(raw)
+    head, _, body = _read_until_closed(sock).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), head
+    assert "invalid HTTP request" in json.loads(body)["error"]["message"]
+
+
 def test_connections_beyond_the_cap_get_503(smol_tokenizer: Any) -> None:
     with _server(smol_tokenizer, max_connections=2) as server:
         held = [_connect(server), _connect(server)]
