@@ -35,14 +35,23 @@ def host_name(header: str) -> str:
     return header.partition(":")[0].rstrip(".")
 
 
+def configured_name(name: str) -> str:
+    """A name from --host or --allowed-hosts: also a bare IPv6 literal ('::1'), which a Host
+    header would bracket."""
+    name = name.strip().lower()
+    if name.count(":") > 1 and not name.startswith("["):
+        return name
+    return host_name(name)
+
+
 def allowed_host_names(bind_host: str, extra: list[str]) -> frozenset[str] | None:
     """The Host names to accept, or None for no check (bound beyond loopback and no
     ``--allowed-hosts``, or ``*`` among them)."""
     if "*" in extra or (not is_loopback(bind_host) and not extra):
         return None
-    names = {host_name(h) for h in extra}
+    names = {configured_name(h) for h in extra}
     if is_loopback(bind_host):
-        names |= {*LOOPBACK_NAMES, host_name(bind_host)}
+        names |= {*LOOPBACK_NAMES, configured_name(bind_host)}
     return frozenset(names)
 
 

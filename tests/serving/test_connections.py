@@ -164,6 +164,9 @@ def test_allowed_host_names() -> None:
     assert allowed_host_names("0.0.0.0", ["api.example"]) == {"api.example"}
     loop = allowed_host_names("127.0.0.2", [])
     assert loop == {"localhost", "127.0.0.1", "::1", "127.0.0.2"}
+    assert allowed_host_names("::1", ["fe80::1", "[fe80::2]", "Api.Example:8000"]) == {
+        "localhost", "127.0.0.1", "::1", "fe80::1", "fe80::2", "api.example"
+    }  # fmt: skip
     assert host_name("[::1]:8000") == "::1" and host_name("Example.COM.:80") == "example.com"
 
 
