@@ -111,7 +111,7 @@ def tokenizer_from_gguf(path: str | Path, gf: GGUFFile | None = None) -> Any:
         idx = gf.get(f"tokenizer.ggml.{key}")
         return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
 
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=_backend(gf),
         bos_token=special("bos_token_id"),
         eos_token=special("eos_token_id"),

@@ -12,32 +12,47 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from poise.config import EngineConfig
 from poise.core.outputs import ModelRunnerOutput, SchedulerOutput
 from poise.core.sampling_params import SamplingParams
 from poise.engine.core import EngineCore
+from poise.engine.executor import Executor
+
+
+class EngineLimits(Protocol):
+    """What the engine needs to know of the model it drives (``runner.factory.ModelInfo``)."""
+
+    @property
+    def num_kv_blocks(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
 
 
 class _TimedExecutor:
     """Wraps the runner to time its ``execute`` inside engine steps."""
 
-    def __init__(self, inner: object, tick: Callable[[], float]) -> None:
+    def __init__(self, inner: Executor, tick: Callable[[], float]) -> None:
         self.inner = inner
         self.tick = tick
         self.times: list[float] = []
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         t0 = self.tick()
-        result = self.inner.execute(scheduler_output)  # type: ignore[attr-defined]
+        result = self.inner.execute(scheduler_output)
         self.times.append(self.tick() - t0)
         return result
 
 
 def measure_engine_overhead(
     config: EngineConfig,
-    runner: object,
-    info: object,
+    runner: Executor,
+    info: EngineLimits,
     num_requests: int = 8,
     max_tokens: int = 12,
     tick: Callable[[], float] = time.perf_counter,
@@ -47,15 +62,15 @@ def measure_engine_overhead(
     engine = EngineCore(
         config,
         timed,
-        num_kv_blocks=info.num_kv_blocks,  # type: ignore[attr-defined]
-        max_model_len=info.max_model_len,  # type: ignore[attr-defined]
-        vocab_size=info.vocab_size,  # type: ignore[attr-defined]
-        eos_token_ids=info.eos_token_ids,  # type: ignore[attr-defined]
+        num_kv_blocks=info.num_kv_blocks,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids,
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(num_requests):
         engine.add_request(f"o{i}", [11 + (i + j) % 50 for j in range(24)], params)
-    overheads = []
+    overheads: list[float] = []
     while engine.has_unfinished_requests():
         n_before = len(timed.times)
         t0 = tick()

@@ -18,7 +18,7 @@ import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from poise.errors import InvalidRequestError
 
@@ -54,16 +54,15 @@ def load_tokenizer(source: str | None = None) -> Tokenizer:
     if path.name == "config.json":
         path = path.parent
     if path.suffix == ".gguf":
-        return tokenizer_from_gguf(path)  # type: ignore[no-any-return]
+        return cast(Tokenizer, tokenizer_from_gguf(path))
     if _tokenizer_class(path) in _GENERIC_FAST_CLASSES:
         from transformers import PreTrainedTokenizerFast
 
         fast = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
-        return fast  # type: ignore[no-any-return]
+        return cast(Tokenizer, fast)
     from transformers import AutoTokenizer  # imports torch (via transformers' config module)
 
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    return tok  # type: ignore[no-any-return,return-value]
+    return cast(Tokenizer, AutoTokenizer.from_pretrained(str(path), local_files_only=True))
 
 
 # tokenizer_config.json classes that AutoTokenizer maps to PreTrainedTokenizerFast itself.
