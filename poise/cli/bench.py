@@ -11,16 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from poise.cli.lab_options import (
-    add_output_args,
-    add_slo_args,
-    add_workload_args,
-    deprecate,
-    record_path,
-    single_slos,
-    slo_fields,
-    workload_from_args,
-)
+from poise.cli import lab_options
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,21 +27,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "is added when the URL has no path).")  # fmt: skip
     g.add_argument("--model", help="Model name (default: the first of /v1/models).")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer token.")
-    add_workload_args(parser)
-    add_slo_args(parser)
+    lab_options.add_workload_args(parser)
+    lab_options.add_slo_args(parser)
     _add_metrics_args(parser)
     _add_record_args(parser)
-    add_output_args(parser, "YAML record path, or a folder for <time>.yaml "
+    lab_options.add_output_args(parser, "YAML record path, or a folder for <time>.yaml "
                     "(default: bench-results/).", label=True, plots=False)  # fmt: skip
-    deprecate(parser, seed="--workload-seed", timeout="--request-timeout", output="--out",
+    lab_options.deprecate(parser, seed="--workload-seed", timeout="--request-timeout", output="--out",
               slo_ttft_ms="--slo-ttft-p95-ms", slo_tpot_ms="--slo-tpot-p50-ms")  # fmt: skip
     sub = parser.add_subparsers(dest="bench_command", metavar="{plot}")
     plot = sub.add_parser("plot", help="Plots and an HTML report from experiment records.")
     plot.add_argument("records", nargs="+", help="YAML experiment records.")
     plot.add_argument("--cell", default=None, help="Cell label for CDFs/timeline (default: last).")
-    add_slo_args(plot, per_class=False, tpot=False)
-    add_output_args(plot, "Output folder (default: beside the first record).")
-    deprecate(plot, slo_ttft_ms="--slo-ttft-p95-ms")
+    lab_options.add_slo_args(plot, per_class=False, tpot=False)
+    lab_options.add_output_args(plot, "Output folder (default: beside the first record).")
+    lab_options.deprecate(plot, slo_ttft_ms="--slo-ttft-p95-ms")
     plot.set_defaults(func=run_plot)
     parser.set_defaults(func=run_bench)
 
@@ -102,11 +93,11 @@ def config_from_args(args: argparse.Namespace) -> Any:
         key, _, value = item.partition("=")
         server_args[key] = yaml.safe_load(value) if value else None
     return BenchConfig.for_workload(
-        workload_from_args(args),
+        lab_options.workload_from_args(args),
         base_url=args.base_url,
         model=args.model,
         api_key=args.api_key,
-        **slo_fields(args),
+        **lab_options.slo_fields(args),
         include_failures=args.include_failures,
         metrics_url=args.metrics_url,
         scrape=not args.no_scrape,
@@ -154,7 +145,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"poise bench: error: {exc}", file=sys.stderr)
         return 2
     console = Console(stderr=True)
-    out = record_path(args.out, "bench-results")
+    out = lab_options.record_path(args.out, "bench-results")
     with CellProgress(console) as bar:
         prog = None if args.no_progress else bar
         record = asyncio.run(
@@ -185,7 +176,7 @@ def run_plot(args: argparse.Namespace) -> int:
         else Path(args.records[0]).with_suffix("").parent / (Path(args.records[0]).stem + "-plots")
     )
     try:
-        slo_ttft_ms, _ = single_slos(args)
+        slo_ttft_ms, _ = lab_options.single_slos(args)
         files = write_report(named, out, args.cell, slo_ttft_ms)
     except ValueError as exc:
         print(f"poise bench plot: error: {exc}", file=sys.stderr)

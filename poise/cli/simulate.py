@@ -14,16 +14,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from poise.cli.lab_options import (
-    add_output_args,
-    add_slo_args,
-    add_workload_args,
-    deprecate,
-    given_workload,
-    record_path,
-    slo_fields,
-    workload_from_args,
-)
+from poise.cli import lab_options
 from poise.cli.options import add_engine_args, engine_config_from_args
 
 
@@ -78,14 +69,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Spread of real step times around the model (coefficient of variation, e.g. 0.15): "
         "each step gets a seeded lognormal factor of mean 1. 0 (default): deterministic steps.",
     )  # fmt: skip
-    add_workload_args(parser, description="The traffic, as `poise bench` (the simulator ends "
+    lab_options.add_workload_args(parser, description="The traffic, as `poise bench` (the simulator ends "
                       "every request at max_tokens and does not sample: --no-ignore-eos and a "
                       "temperature are refused).")  # fmt: skip
-    add_slo_args(parser)
-    add_output_args(parser, "YAML record path, or a folder for <time>.yaml "
+    lab_options.add_slo_args(parser)
+    lab_options.add_output_args(parser, "YAML record path, or a folder for <time>.yaml "
                     "(default: sim-results/).", label=True, plots=False)  # fmt: skip
     add_engine_args(parser)
-    deprecate(parser, output="--out", plot="--plots", slo_ttft_ms="--slo-ttft-p95-ms",
+    lab_options.deprecate(parser, output="--out", plot="--plots", slo_ttft_ms="--slo-ttft-p95-ms",
               slo_tpot_ms="--slo-tpot-p50-ms")  # fmt: skip
     parser.set_defaults(func=run)
 
@@ -148,8 +139,8 @@ def prompt_lengths(tokenizer: str | None) -> Any:
 def _workload(args: argparse.Namespace) -> Any:
     """The workload flags; until the next release a bare engine ``--seed`` also seeds the
     request sample, as it did before ``--workload-seed`` existed."""
-    spec = workload_from_args(args)
-    if getattr(args, "seed", None) is not None and "seed" not in given_workload(args):
+    spec = lab_options.workload_from_args(args)
+    if getattr(args, "seed", None) is not None and "seed" not in lab_options.given_workload(args):
         print("poise simulate: --seed seeds the request sample only until the next release; "
               "use --workload-seed", file=sys.stderr)  # fmt: skip
         spec = dataclasses.replace(spec, seed=args.seed)
@@ -168,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
             _workload(args),
             base_url="simulated://",
             model=cost_model.name,
-            **slo_fields(args),
+            **lab_options.slo_fields(args),
             scrape=False,
             command=command_line(),
         )
@@ -178,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"poise simulate: error: {exc}", file=sys.stderr)
         return 2
-    out = record_path(args.out, "sim-results")
+    out = lab_options.record_path(args.out, "sim-results")
     finish_record(record, out, args)
     prov = record.provenance
     print(

@@ -6,17 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from poise.cli.lab_options import (
-    add_output_args,
-    add_server_args,
-    add_slo_args,
-    add_workload_args,
-    default_out,
-    deprecate,
-    server_env,
-    single_slos,
-    workload_from_args,
-)
+from poise.cli import lab_options
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -40,13 +30,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="Preset size divisor (CPU default 8, GPU 1).")  # fmt: skip
     g.add_argument("--kv-base", default=None, metavar="BYTES",
                    help="CPU presets: KV bytes at memory fraction 1.0 (default 512MiB).")  # fmt: skip
-    add_server_args(parser)
-    add_workload_args(parser, description="The traffic, as `poise bench`; every flag given "
+    lab_options.add_server_args(parser)
+    lab_options.add_workload_args(parser, description="The traffic, as `poise bench`; every flag given "
                       "overrides the preset's workload.")  # fmt: skip
-    add_slo_args(parser, per_class=False)
-    add_output_args(parser, "Output folder (default sweep-<time>); re-use it to resume.",
+    lab_options.add_slo_args(parser, per_class=False)
+    lab_options.add_output_args(parser, "Output folder (default sweep-<time>); re-use it to resume.",
                     plots=True)  # fmt: skip
-    deprecate(parser, threads="--omp-num-threads")
+    lab_options.deprecate(parser, threads="--omp-num-threads")
     parser.set_defaults(func=run)
 
 
@@ -59,9 +49,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.configs and not args.preset:
         print("poise sweep: give CONFIG files or --preset", file=sys.stderr)
         return 2
-    env = server_env(args)
+    env = lab_options.server_env(args)
     try:
-        slo_ttft, slo_tpot = single_slos(args)
+        slo_ttft, slo_tpot = lab_options.single_slos(args)
         specs = []
         base = WorkloadSpec()
         if args.preset:
@@ -74,11 +64,11 @@ def run(args: argparse.Namespace) -> int:
                 print(note)
         for path in args.configs:
             specs += load_specs(path, args.model, env)
-        workload = workload_from_args(args, base)
+        workload = lab_options.workload_from_args(args, base)
     except (ValueError, OSError) as exc:
         print(f"poise sweep: error: {exc}", file=sys.stderr)
         return 2
-    out = args.out or str(default_out("sweep"))
+    out = args.out or str(lab_options.default_out("sweep"))
     result = run_sweep(specs, workload, out, slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot,
                        plots=args.plots)  # fmt: skip
     for o in result.outcomes:

@@ -10,17 +10,7 @@ import sys
 from typing import Any
 
 from poise.bench.config import int_list
-from poise.cli.lab_options import (
-    add_output_args,
-    add_server_args,
-    add_slo_args,
-    add_workload_args,
-    default_out,
-    deprecate,
-    server_env,
-    single_slos,
-    workload_from_args,
-)
+from poise.cli import lab_options
 from poise.cli.options import add_engine_args, engine_kwargs_from_args
 
 TUNED = ("max_num_batched_tokens", "max_num_seqs", "scheduling_policy")
@@ -38,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "keeps headroom, tries the other scheduling policy, and prints both answers with "
         "the evidence and a ready command line. See docs/tuning.md.",
     )
-    add_slo_args(parser, required=True, per_class=False)
+    lab_options.add_slo_args(parser, required=True, per_class=False)
     g = parser.add_argument_group("search")
     g.add_argument("--budgets", type=int_list, default=None,
                    help=f"Token-budget ladder, ascending; the first is the baseline (CPU default {','.join(map(str, CPU_BUDGETS))}).")  # fmt: skip
@@ -56,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--no-trade", action="store_true", help="Do not trade budget for seqs.")
     g.add_argument("--no-latency-search", action="store_true",
                    help="Skip the latency-first descent.")  # fmt: skip
-    t = add_server_args(parser)
+    t = lab_options.add_server_args(parser)
     t.description = "poise by default; or another engine (a command template); or --simulate."
     t.add_argument("--command-template", default=None,
                    help="Start another engine: e.g. 'vllm serve M --port {port} "
@@ -70,11 +60,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--profile", help="--simulate: step-cost profile from `poise profile`.")
     t.add_argument("--accelerator", help="--simulate: roofline GPU (a10, l40s, a100, h100, h200).")
     t.add_argument("--model-shape", help="--simulate: roofline model shape.")
-    add_workload_args(parser, description="The traffic, as `poise bench`, held fixed while the "
+    lab_options.add_workload_args(parser, description="The traffic, as `poise bench`, held fixed while the "
                       "knobs move: one cell (the first value of each list).")  # fmt: skip
-    add_output_args(parser, "Output folder (default tune-<time>); re-use it to resume.")
+    lab_options.add_output_args(parser, "Output folder (default tune-<time>); re-use it to resume.")
     add_engine_args(parser)
-    deprecate(parser, threads="--omp-num-threads")
+    lab_options.deprecate(parser, threads="--omp-num-threads")
     parser.set_defaults(func=run)
 
 
@@ -113,7 +103,7 @@ def _probe(args: argparse.Namespace, fixed: dict[str, Any], workload: Any, out: 
         command=args.command_template,
         base_url=args.base_url,
         ready_paths=tuple(args.ready_path or DEFAULT_READY_PATHS),
-        env=server_env(args),
+        env=lab_options.server_env(args),
         startup_timeout_s=args.startup_timeout,
     )
     return LiveProbe(spec, workload, cell, out)
@@ -172,11 +162,11 @@ def run(args: argparse.Namespace) -> int:
     base_wl = WorkloadSpec(concurrency=(32,) if gpu else (4,), long_ratio=(0.0,),
                           max_tokens=160 if gpu else 32, num_requests=None if gpu else 12,
                           warmup=None if gpu else 2, long_repeat=220 if gpu else 27)  # fmt: skip
-    out = args.out or str(default_out("tune"))
+    out = args.out or str(lab_options.default_out("tune"))
     try:
-        workload = workload_from_args(args, base_wl, single=True)
+        workload = lab_options.workload_from_args(args, base_wl, single=True)
         budgets, seqs, try_policies = _ladders(args, gpu, workload.cells()[0])
-        slo_ttft, slo_tpot = single_slos(args)
+        slo_ttft, slo_tpot = lab_options.single_slos(args)
         if slo_ttft is None:
             raise ValueError("--slo-ttft-p95-ms: give the TTFT p95 target in ms")
         settings = TuneSettings(

@@ -112,3 +112,23 @@ def test_user_mix_replaces_the_base_and_bad_values_are_errors(
         workload_from_args(build_parser().parse_args(["sweep", "--class", "x:1"]))
     assert main(["bench", "--base-url", "http://h:1", "--long-ratio", "2"]) == 2
     assert "long_ratio" in capsys.readouterr().err
+
+
+def test_simulate_takes_the_same_workload_and_refuses_what_it_cannot_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["simulate", "--accelerator", "a10", "--model-shape", "SmolLM2-135M-Instruct",
+            "--request-rate", "40", "--num-requests", "12", "--warmup", "0", "--max-tokens", "16",
+            "--class", "a:1:100:16"]  # fmt: skip
+    out = tmp_path / "ok.yaml"
+    assert main([*base, "--slo-ttft-p95-ms", "1000,a=0.001", "-o", str(out)]) == 0
+    ov = yaml.safe_load(out.read_text())["results"][0]["metrics"]["overall"]
+    assert ov["num_ok"] == 12 and ov["goodput"]["slo_attainment"] == 0.0  # the class target
+    # A timeout below every request's end: each is recorded timed out, as a client sees it.
+    late = tmp_path / "late.yaml"
+    assert main([*base, "--request-timeout", "0.01", "-o", str(late)]) == 0
+    ov = yaml.safe_load(late.read_text())["results"][0]["metrics"]["overall"]
+    assert ov["num_ok"] == 0 and ov["num_timeouts"] == 12
+    capsys.readouterr()
+    assert main([*base, "--temperature", "0.7"]) == 2
+    assert "need a live server" in capsys.readouterr().err
