@@ -113,7 +113,6 @@ def build_step_inputs(
         num_decodes=len(decodes),
         decode_block_tables=to_dev(tables) if decodes else None,
         decode_context_lens=to_dev(ctx) if decodes else None,
-        decode_max_context=int(ctx.max()) if decodes else 0,
         decode_groups=decode_groups(pos_d // block_size + 1),
         prefills=chunks,
     )

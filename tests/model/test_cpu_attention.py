@@ -65,7 +65,6 @@ def _case(
         num_decodes=d,
         decode_block_tables=table,
         decode_context_lens=ctx,
-        decode_max_context=int(ctx.max()),
         decode_groups=decode_groups(((ctx - 1) // block_size + 1).numpy()),
         prefills=prefills,
     )

@@ -52,8 +52,6 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None
     # [D] int64: tokens visible to each decode query (its position + 1).
     decode_context_lens: torch.Tensor | None = None
-    # Longest decode context this step (bounds the gather).
-    decode_max_context: int = 0
     # (start, end, num_blocks): runs of decode rows whose contexts are within 2x of each
     # other, each attended with its own padded width (rows sorted longest first). Empty means
     # one group over all decodes at full width.
