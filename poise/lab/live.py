@@ -81,6 +81,9 @@ class SimProbe:
 
     def __init__(self, base_args: dict[str, Any], workload: WorkloadSpec, cell: CellSpec,
                  cost_model: Any, lengths: Any) -> None:  # fmt: skip
+        from poise.lab.sim_bridge import check_simulable
+
+        check_simulable(workload)  # at once, not as every probe's failure
         self.base_args = base_args
         self.workload = workload
         self.cell = cell

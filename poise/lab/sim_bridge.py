@@ -90,6 +90,14 @@ def _sim_summary(result: Any) -> dict[str, Any]:
     }
 
 
+def check_simulable(workload: Any) -> None:
+    """Refuse what the simulator cannot honour (rather than ignore it): it ends every request
+    at max_tokens and does not sample."""
+    if not workload.ignore_eos or workload.temperature != 0:
+        raise ValueError("the simulator ends every request at max_tokens and does not sample: "
+                         "--no-ignore-eos and --temperature need a live server")  # fmt: skip
+
+
 def simulate_bench_cell(
     cfg: Any, spec: Any, engine_config: Any, cost_model: Any, lengths: Any, salt: str | None
 ) -> tuple[Any, Any]:
@@ -99,9 +107,7 @@ def simulate_bench_cell(
     from poise.sim.simulator import SimCell, simulate_cell
     from poise.sim.tokens import to_sim_requests
 
-    if not cfg.ignore_eos or cfg.temperature != 0:
-        raise ValueError("the simulator ends every request at max_tokens and does not sample: "
-                         "--no-ignore-eos and --temperature need a live server")  # fmt: skip
+    check_simulable(cfg)
     warmup, _ = cell_counts(cfg, spec)
     reqs = cell_requests(cfg, spec)
     sched = {"send_class": cfg.send_class, "class_priority": cfg.class_priority}

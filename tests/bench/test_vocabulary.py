@@ -132,3 +132,8 @@ def test_simulate_takes_the_same_workload_and_refuses_what_it_cannot_model(
     capsys.readouterr()
     assert main([*base, "--temperature", "0.7"]) == 2
     assert "need a live server" in capsys.readouterr().err
+    tune = ["tune", "--simulate", "--accelerator", "h100", "--model-shape", "Qwen2.5-7B-Instruct",
+            "--device", "cuda", "--slo-ttft-p95-ms", "500", "--no-ignore-eos",
+            "--out", str(tmp_path / "t")]  # fmt: skip
+    assert main(tune) == 2
+    assert "need a live server" in capsys.readouterr().err
