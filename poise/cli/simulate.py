@@ -86,17 +86,12 @@ def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
     from poise.sim.fit import load_profile
     from poise.sim.roofline import RooflineCostModel
 
-    req = None if args.request_overhead_ms is None else args.request_overhead_ms / 1000
     step = None if args.step_overhead_ms is None else args.step_overhead_ms / 1000
     if args.profile:
         return load_profile(
             args.profile,
-            request_overhead_s=req,
             step_overhead_s=step,
             time_scale=args.time_scale,
-            request_overhead_cv=args.request_overhead_cv,
-            way_in_workers=args.way_in_workers,
-            way_in_s_per_token=args.way_in_us_per_token * 1e-6,
             step_jitter_cv=args.step_jitter,
         )
     if not args.accelerator:
@@ -105,12 +100,8 @@ def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
     # from its own files (checkpoint.resolve_model), never silently replaced.
     shape = args.model_shape or config.model.model or "SmolLM2-135M-Instruct"
     kw: dict[str, Any] = {
-        "request_overhead_s": req or 0.0,
         "step_overhead_s": step or 0.0,
         "time_scale": args.time_scale,
-        "request_overhead_cv": args.request_overhead_cv,
-        "way_in_workers": args.way_in_workers,
-        "way_in_s_per_token": args.way_in_us_per_token * 1e-6,
         "step_jitter_cv": args.step_jitter,
     }
     if args.compute_efficiency is not None:
@@ -119,6 +110,22 @@ def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
         kw["bandwidth_efficiency"] = args.bandwidth_efficiency
     dtype = config.model.dtype if config.model.dtype != "auto" else "bfloat16"
     return RooflineCostModel.build(shape, args.accelerator, dtype=dtype, **kw)
+
+
+def arrival_model_from_args(args: argparse.Namespace) -> Any:
+    """The client arrival model of the request-overhead and way-in flags."""
+    from poise.sim.arrival import ArrivalModel
+    from poise.sim.fit import profile_arrival
+
+    req = None if args.request_overhead_ms is None else args.request_overhead_ms / 1000
+    kw: dict[str, Any] = {
+        "request_overhead_cv": args.request_overhead_cv,
+        "way_in_workers": args.way_in_workers,
+        "way_in_s_per_token": args.way_in_us_per_token * 1e-6,
+    }
+    if args.profile:
+        return profile_arrival(args.profile, request_overhead_s=req, **kw)
+    return ArrivalModel(request_overhead_s=req or 0.0, **kw)
 
 
 def prompt_lengths(tokenizer: str | None) -> Any:
@@ -155,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine_config = engine_config_from_args(args)
         cost_model = cost_model_from_args(args, engine_config)
+        arrival = arrival_model_from_args(args)
         cfg = BenchConfig.for_workload(
             _workload(args),
             base_url="simulated://",
@@ -164,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
             command=command_line(),
         )
         record = simulate_matrix(
-            cfg, engine_config, cost_model, prompt_lengths(engine_config.model.tokenizer)
+            cfg, engine_config, cost_model, prompt_lengths(engine_config.model.tokenizer), arrival
         )
     except ValueError as exc:
         print(f"poise simulate: error: {exc}", file=sys.stderr)

@@ -99,11 +99,20 @@ def check_simulable(workload: Any) -> None:
 
 
 def simulate_bench_cell(
-    cfg: Any, spec: Any, engine_config: Any, cost_model: Any, lengths: Any, salt: str | None
+    cfg: Any,
+    spec: Any,
+    engine_config: Any,
+    cost_model: Any,
+    lengths: Any,
+    salt: str | None,
+    arrival: Any = None,
 ) -> tuple[Any, Any]:
-    """One bench cell through the simulator: (bench CellResult, SimResult)."""
+    """One bench cell through the simulator: (bench CellResult, SimResult). ``arrival``: the
+    client arrival model (``poise.sim.arrival.ArrivalModel``; None: requests reach the engine
+    as they are sent)."""
     from poise.bench.config import cell_counts, cell_requests
     from poise.bench.record import build_cell
+    from poise.sim.arrival import ArrivalModel
     from poise.sim.simulator import SimCell, simulate_cell
     from poise.sim.tokens import to_sim_requests
 
@@ -122,7 +131,9 @@ def simulate_bench_cell(
         open_loop=not spec.closed_loop,
         duration_s=cfg.duration,
     )
-    result = simulate_cell(engine_config, cost_model, cell, seed=cfg.seed)
+    result = simulate_cell(
+        engine_config, cost_model, cell, seed=cfg.seed, arrival=arrival or ArrivalModel()
+    )
     out = build_cell(
         cell_load(cfg, spec, salt),
         _records(result, cfg.timeout_s),
@@ -134,8 +145,13 @@ def simulate_bench_cell(
     return out, result
 
 
-def simulate_matrix(cfg: Any, engine_config: Any, cost_model: Any, lengths: Any) -> Any:
+def simulate_matrix(
+    cfg: Any, engine_config: Any, cost_model: Any, lengths: Any, arrival: Any = None
+) -> Any:
     """Every cell of a BenchConfig through the simulator: an ExperimentRecord (simulated)."""
+    from poise.sim.arrival import ArrivalModel
+
+    arrival = arrival or ArrivalModel()
     from poise.bench.record import ExperimentRecord
     from poise.bench.runner import experiment_block
 
@@ -145,7 +161,9 @@ def simulate_matrix(cfg: Any, engine_config: Any, cost_model: Any, lengths: Any)
     cells, total, sim_wall = [], 0, 0.0
     for i, spec in enumerate(cfg.cells()):
         salt = f"{run_salt}-{i}" if run_salt and cfg.salt_scope != "run" else run_salt
-        cell, result = simulate_bench_cell(cfg, spec, engine_config, cost_model, lengths, salt)
+        cell, result = simulate_bench_cell(
+            cfg, spec, engine_config, cost_model, lengths, salt, arrival
+        )
         cells.append(cell)
         total += len(result.requests)
         sim_wall += result.wall_s
@@ -167,6 +185,7 @@ def simulate_matrix(cfg: Any, engine_config: Any, cost_model: Any, lengths: Any)
             "simulated_requests": total,
             "simulated_requests_per_wall_s": round(total / sim_wall, 1) if sim_wall > 0 else None,
             "cost_model": cost_model.describe(),
+            "arrival_model": arrival.describe(),
             "config": cfg.to_dict(),
         },
     )

@@ -1,13 +1,16 @@
 """The simulator: the real EngineCore + Scheduler + KVCacheManager in virtual time.
 
-Stdlib only. Cost models (``cost``, ``roofline``, ``fit``) say how long a step takes;
-``SimExecutor`` advances a ``VirtualClock`` by that time instead of running a model;
-``simulate_cell`` drives closed- or open-loop workloads through it. See docs/simulator.md.
+Stdlib only. Cost models (``cost``, ``roofline``, ``fit``) say how long a step takes; the
+client arrival model (``arrival``) says when a sent request reaches the engine;
+``SimExecutor`` advances a ``VirtualClock`` by the step time instead of running a model;
+``simulate_cell`` drives closed- or open-loop workloads through it (``driver``, ``cell``).
+See docs/simulator.md.
 """
 
 from __future__ import annotations
 
 from poise.sim.accelerators import ACCELERATORS, Accelerator, get_accelerator
+from poise.sim.arrival import ArrivalModel
 from poise.sim.cost import CostModel, FixedCostModel, LinearCostModel, StepShape
 from poise.sim.executor import RecordingExecutor, SimExecutor, StepDecision
 from poise.sim.fit import fit_step_costs, load_profile
@@ -27,6 +30,7 @@ from poise.sim.tokens import PromptLengths, to_sim_requests
 __all__ = [
     "ACCELERATORS",
     "Accelerator",
+    "ArrivalModel",
     "CostModel",
     "FixedCostModel",
     "LinearCostModel",

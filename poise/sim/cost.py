@@ -159,21 +159,12 @@ class StepShape:
 class CostModel:
     """Base: step time plus what the runner would size. Subclasses override ``step_time``.
 
-    ``request_overhead_s`` is time a request spends before the engine sees it (HTTP parsing,
-    chat template, tokenization in the server); the simulator delays each arrival into the
-    engine by it while still measuring TTFT from the client's send time.
-    ``request_overhead_cv`` spreads that overhead per request (a seeded lognormal draw of
-    mean ``request_overhead_s``; 0: every request takes exactly the mean).
-    ``way_in_workers``: how many requests the server prepares at once (poise serve renders the
-    chat template and tokenizes on one thread); requests then queue for a worker in send order.
-    ``way_in_s_per_token``: how long one holds a worker, per prompt token (the serial part of
-    the request overhead; the rest, client and HTTP, overlaps between requests). A burst of
-    requests thus reaches the engine one after another, in send order, long prompts taking
-    longer. 0 workers: no queue, every request is delayed independently.
+    When each request reaches the engine is not the cost model's business but the client
+    arrival model's (``poise.sim.arrival.ArrivalModel``).
     ``step_overhead_s`` is added to every step (engine-loop work around the forward that a
     runner-only profile does not see: scheduling, streaming, detokenization).
     ``time_scale`` multiplies every step's modelled time: a machine slower (busier) now than
-    when it was profiled, calibrated from one measured load point.
+    when it was profiled, calibrated from one measured load point (``poise.sim.calibrate``).
     ``step_jitter_cv`` is the spread of real step times around the model (coefficient of
     variation; the simulator draws a seeded lognormal factor per step, see SimExecutor). 0
     keeps the simulation deterministic step for step.
@@ -184,20 +175,15 @@ class CostModel:
     model_max_len: int = 8192
     eos_token_ids: tuple[int, ...] = ()
     kv_bytes_per_token: int = 0
-    request_overhead_s: float = 0.0
-    request_overhead_cv: float = 0.0
-    way_in_workers: int = 0
-    way_in_s_per_token: float = 0.0
     step_overhead_s: float = 0.0
     time_scale: float = 1.0
     step_jitter_cv: float = 0.0
     provenance: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        # Negative overheads, spreads or workers would move requests back in time or silently
-        # switch a model off; a scale of 0 would make every step free.
-        for name in ("request_overhead_s", "request_overhead_cv", "way_in_s_per_token",
-                     "step_overhead_s", "step_jitter_cv", "way_in_workers"):  # fmt: skip
+        # A negative overhead or spread would move steps back in time; a scale of 0 would
+        # make every step free.
+        for name in ("step_overhead_s", "step_jitter_cv"):
             if getattr(self, name) < 0:
                 raise ValueError(f"cost model: {name} must be >= 0, got {getattr(self, name)}")
         if self.time_scale <= 0:
@@ -234,10 +220,6 @@ class CostModel:
         return {
             "kind": type(self).__name__,
             "name": self.name,
-            "request_overhead_s": self.request_overhead_s,
-            "request_overhead_cv": self.request_overhead_cv,
-            "way_in_workers": self.way_in_workers,
-            "way_in_s_per_token": self.way_in_s_per_token,
             "step_overhead_s": self.step_overhead_s,
             "time_scale": self.time_scale,
             "step_jitter_cv": self.step_jitter_cv,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from poise.sim.arrival import ArrivalModel
 from poise.sim.cost import DEFAULT_CPU_KV_BYTES, FEATURES, LinearCostModel, StepShape
 
 PROFILE_KIND = "poise-step-profile"
@@ -242,22 +243,22 @@ def merge_profiles(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def _read_profile(path: str | Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(Path(path).read_text())
+    if data.get("kind") != PROFILE_KIND:
+        raise ValueError(f"profile: {path} is not a {PROFILE_KIND} file")
+    return data
+
+
 def load_profile(
     path: str | Path,
     *,
-    request_overhead_s: float | None = None,
     step_overhead_s: float | None = None,
     time_scale: float = 1.0,
-    request_overhead_cv: float = 0.0,
-    way_in_workers: int = 0,
-    way_in_s_per_token: float = 0.0,
     step_jitter_cv: float = 0.0,
 ) -> LinearCostModel:
-    """A ``LinearCostModel`` from a profile file; the overhead terms can be overridden."""
-    data = json.loads(Path(path).read_text())
-    if data.get("kind") != PROFILE_KIND:
-        raise ValueError(f"profile: {path} is not a {PROFILE_KIND} file")
-    req = data.get("request_overhead_s", 0.0) if request_overhead_s is None else request_overhead_s
+    """A ``LinearCostModel`` from a profile file; the step overhead can be overridden."""
+    data = _read_profile(path)
     step = data.get("step_overhead_s", 0.0) if step_overhead_s is None else step_overhead_s
     return LinearCostModel(
         name=f"profile:{data['model']}",
@@ -268,12 +269,28 @@ def load_profile(
         eos_token_ids=tuple(data.get("eos_token_ids", ())),
         kv_bytes_per_token=int(data["kv_bytes_per_token"]),
         default_kv_budget_bytes=int(data.get("kv_budget_bytes", DEFAULT_CPU_KV_BYTES)),
-        request_overhead_s=float(req),
-        request_overhead_cv=request_overhead_cv,
-        way_in_workers=way_in_workers,
-        way_in_s_per_token=way_in_s_per_token,
         step_overhead_s=float(step),
         time_scale=time_scale,
         step_jitter_cv=step_jitter_cv,
         provenance={**data.get("provenance", {}), "profile_file": str(path), "fit": data["fit"]},
+    )
+
+
+def profile_arrival(
+    path: str | Path,
+    *,
+    request_overhead_s: float | None = None,
+    request_overhead_cv: float = 0.0,
+    way_in_workers: int = 0,
+    way_in_s_per_token: float = 0.0,
+) -> ArrivalModel:
+    """The client arrival model with the profile's stored request overhead (``poise profile``
+    stores 0: a runner-only profile sees no requests) unless ``request_overhead_s`` is given."""
+    data = _read_profile(path)
+    req = data.get("request_overhead_s", 0.0) if request_overhead_s is None else request_overhead_s
+    return ArrivalModel(
+        request_overhead_s=float(req),
+        request_overhead_cv=request_overhead_cv,
+        way_in_workers=way_in_workers,
+        way_in_s_per_token=way_in_s_per_token,
     )

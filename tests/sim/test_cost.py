@@ -199,13 +199,25 @@ def test_cached_chunk_rule_matches_the_cpu_kernel() -> None:
 
 @pytest.mark.parametrize(
     "field_value",
-    [("request_overhead_s", -0.001), ("request_overhead_cv", -1.0), ("way_in_workers", -1),
-     ("way_in_s_per_token", -1e-6), ("step_jitter_cv", -0.1), ("time_scale", 0.0)],
+    [("step_overhead_s", -0.001), ("step_jitter_cv", -0.1), ("time_scale", 0.0)],
 )  # fmt: skip
-def test_cost_model_refuses_negative_client_terms(field_value: tuple[str, float]) -> None:
+def test_cost_model_refuses_negative_step_terms(field_value: tuple[str, float]) -> None:
     name, value = field_value
     with pytest.raises(ValueError, match=name):
         FixedCostModel(**{name: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "field_value",
+    [("request_overhead_s", -0.001), ("request_overhead_cv", -1.0), ("way_in_workers", -1),
+     ("way_in_s_per_token", -1e-6)],
+)  # fmt: skip
+def test_arrival_model_refuses_negative_client_terms(field_value: tuple[str, float]) -> None:
+    from poise.sim.arrival import ArrivalModel
+
+    name, value = field_value
+    with pytest.raises(ValueError, match=name):
+        ArrivalModel(**{name: value})  # type: ignore[arg-type]
 
 
 def test_simulate_cli_rejects_a_negative_way_in(capsys: pytest.CaptureFixture[str]) -> None:

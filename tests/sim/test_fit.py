@@ -14,6 +14,7 @@ from poise.sim.fit import (
     least_squares,
     load_profile,
     merge_profiles,
+    profile_arrival,
     profile_record,
     save_profile,
     solve,
@@ -169,10 +170,12 @@ def test_profile_file_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-d
         kv_budget_bytes=1 << 24,
         provenance={"host": "test"},
     )
-    model = load_profile(save_profile(rec, tmp_path / "p.json"), request_overhead_s=0.003)
+    path = save_profile(rec, tmp_path / "p.json")
+    model = load_profile(path)
     for s in _grid():
         assert model.step_time(s) == pytest.approx(_truth(s), rel=1e-6)
-    assert model.request_overhead_s == 0.003
+    assert profile_arrival(path, request_overhead_s=0.003).request_overhead_s == 0.003
+    assert profile_arrival(path).request_overhead_s == 0.0
     config = EngineConfig.from_kwargs(block_size=16)
     assert model.num_kv_blocks(config) == (1 << 24) // (16 * 4096)
     assert model.max_model_len(EngineConfig.from_kwargs(max_model_len=4096)) == 2048

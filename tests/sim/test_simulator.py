@@ -7,6 +7,7 @@ import pytest
 from poise.config import EngineConfig
 from poise.engine.clock import VirtualClock
 from poise.engine.core import EngineCore
+from poise.sim.arrival import ArrivalModel
 from poise.sim.cost import FixedCostModel
 from poise.sim.executor import RecordingExecutor, SimExecutor, pick_token_id
 from poise.sim.simulator import SimCell, SimRequest, drive, simulate_cell
@@ -37,9 +38,9 @@ COST = FixedCostModel(step_s=0.01, per_token_s=1e-4, vocab_size=1000, model_max_
 
 
 def test_single_request_times_follow_the_cost_model() -> None:
-    cost = FixedCostModel(step_s=0.01, vocab_size=100, request_overhead_s=0.003)
+    cost = FixedCostModel(step_s=0.01, vocab_size=100)
     cell = SimCell([SimRequest(0, 10, 5)], concurrency=1)
-    res = simulate_cell(_config(), cost, cell)
+    res = simulate_cell(_config(), cost, cell, arrival=ArrivalModel(request_overhead_s=0.003))
     (r,) = res.requests
     assert r.ok and r.finish_reason == "length"
     # Sent at 0, reaches the engine at 3 ms, one prefill step, then four decode steps.
@@ -150,16 +151,16 @@ def test_request_overhead_spread_is_seeded_and_reorders_simultaneous_arrivals() 
     # with a spread, in a seeded random order, around the same mean.
     reqs = [SimRequest(i, 10 + i, 4, prompt_key=f"p{i}") for i in range(8)]
     cell = SimCell(reqs, concurrency=8)
-    fixed = dataclasses.replace(COST, request_overhead_s=0.005)
+    fixed = ArrivalModel(request_overhead_s=0.005)
     spread = dataclasses.replace(fixed, request_overhead_cv=0.3)
 
-    def first_scheduled(cost: FixedCostModel, seed: int) -> list[float]:
-        res = simulate_cell(_config(), cost, cell, seed=seed)
+    def first_scheduled(arrival: ArrivalModel, seed: int) -> list[float]:
+        res = simulate_cell(_config(), COST, cell, seed=seed, arrival=arrival)
         return [r.first_scheduled or 0.0 for r in sorted(res.requests, key=lambda r: r.index)]
 
-    def order(cost: FixedCostModel, seed: int) -> list[int]:
+    def order(arrival: ArrivalModel, seed: int) -> list[int]:
         cfg = _config()
-        res = simulate_cell(cfg, cost, cell, seed=seed, record_decisions=True)
+        res = simulate_cell(cfg, COST, cell, seed=seed, arrival=arrival, record_decisions=True)
         seen: list[int] = []
         for d in res.decisions:
             for rid, _, _ in d.scheduled:
@@ -183,11 +184,11 @@ def test_one_way_in_worker_admits_a_burst_in_send_order_spaced_by_tokenization()
     lens = [10, 5] * 4
     reqs = [SimRequest(i, n, 4, prompt_key=f"p{i}") for i, n in enumerate(lens)]
     cell = SimCell(reqs, concurrency=8)
-    parallel = dataclasses.replace(COST, request_overhead_s=0.03)
+    parallel = ArrivalModel(request_overhead_s=0.03)
     fifo = dataclasses.replace(parallel, way_in_workers=1, way_in_s_per_token=0.002)
 
-    def firsts(cost: FixedCostModel) -> list[float]:
-        res = simulate_cell(_config(), cost, cell)
+    def firsts(arrival: ArrivalModel) -> list[float]:
+        res = simulate_cell(_config(), COST, cell, arrival=arrival)
         return [r.first_scheduled or 0.0 for r in sorted(res.requests, key=lambda r: r.index)]
 
     assert max(firsts(parallel)) < 0.03 + COST.step_s + 1e-9
@@ -198,7 +199,7 @@ def test_one_way_in_worker_admits_a_burst_in_send_order_spaced_by_tokenization()
         assert arrival - 1e-9 <= t < arrival + COST.step_s + 1e-9  # the first step after it
     # Alone, a request arrives after exactly its overhead: what the c=1 calibration measures.
     alone = SimCell([SimRequest(0, 10, 4)], concurrency=1)
-    res = simulate_cell(_config(), fifo, alone)
+    res = simulate_cell(_config(), COST, alone, arrival=fifo)
     assert res.requests[0].first_scheduled == pytest.approx(0.03)
 
 
