@@ -39,6 +39,8 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+	# The simulator is held to --strict (no Any leaking in, every def typed).
+	$(BIN)/mypy --strict poise/sim
 
 check: lint typecheck test
 

@@ -69,6 +69,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Spread of real step times around the model (coefficient of variation, e.g. 0.15): "
         "each step gets a seeded lognormal factor of mean 1. 0 (default): deterministic steps.",
     )  # fmt: skip
+    g.add_argument(
+        "--calibrate-from", nargs="+", default=None, metavar="RECORD",
+        help="Bench records (YAML, with their step traces where linked) whose concurrency-1 "
+        "cells set the request overhead (and its spread without way-in workers), the way in "
+        "per token (when prompt lengths vary), the time scale and the step jitter; a term "
+        "set by a flag is kept (docs/simulator.md, Calibration).",
+    )  # fmt: skip
     lab_options.add_workload_args(parser, description="The traffic, as `poise bench` (the simulator ends "
                       "every request at max_tokens and does not sample: --no-ignore-eos and a "
                       "temperature are refused).")  # fmt: skip
@@ -163,6 +170,13 @@ def run(args: argparse.Namespace) -> int:
         engine_config = engine_config_from_args(args)
         cost_model = cost_model_from_args(args, engine_config)
         arrival = arrival_model_from_args(args)
+        calibration = None
+        if args.calibrate_from:
+            from poise.lab.calibration import calibrated_models
+
+            cost_model, arrival, calibration = calibrated_models(
+                args.calibrate_from, cost_model, arrival
+            )
         cfg = BenchConfig.for_workload(
             _workload(args),
             base_url="simulated://",
@@ -177,6 +191,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"poise simulate: error: {exc}", file=sys.stderr)
         return 2
+    if calibration is not None:
+        record.provenance["calibration"] = {
+            "records": args.calibrate_from,
+            **calibration.to_dict(),
+        }
     out = lab_options.record_path(args.out, "sim-results")
     finish_record(record, out, args)
     prov = record.provenance
