@@ -1,0 +1,253 @@
+"""Scheduling policies on the seed mix: SHORT TTFT vs throughput vs goodput, in one run.
+
+The seed workload (``poise.workload``: the SHORT and LONG chat prompts, LONG at ``--long-ratio``,
+evenly spread), every prompt salted with its own prefix so no LONG prompt shares a cached
+prefix with another (no prefix-cache shortcut), ``max_tokens`` output tokens with
+``ignore_eos``, greedy. For each policy the same requests go through the engine in this process
+(``EngineCore`` on the real clock, the embedded SmolLM2 in bfloat16 unless ``--model``):
+
+- closed loop at ``--concurrency`` (each finish sends the next request), and/or
+- open loop (Poisson arrivals) at ``--load`` x the capacity measured by the first policy's
+  closed loop (requests/s), with the same seeded arrival times for every policy.
+
+Policies: ``fifo`` and ``prefill_first`` as before (no traffic classes), ``priority`` (SHORT
+priority 0, LONG 1), ``slo`` (classes short/long with the targets below and shares 0.7/0.3),
+and ``slo+controller`` (``slo`` with the token-budget controller holding the SHORT TPOT
+target). Reported per cell: SHORT TTFT p50/p95, LONG TTFT p95, TPOT p50, output tok/s, goodput
+(requests meeting every target of their class, per second) and attainment per class.
+
+The in-process engine leaves HTTP out on purpose: the policies are the engine's, and on a
+shared 2-core machine the server's own CPU would add noise to every cell. Cells of one round
+run back to back, policy after policy, so they share the machine's load; ``--rounds`` repeats.
+
+    .venv/bin/python benchmarks/slo_scheduling.py --long-ratio 0.25 --concurrency 32 \
+        --requests 64 --max-tokens 160 --open-loop --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from poise.core.sampling_params import SamplingParams
+from poise.core.timing import derive, percentile
+from poise.errors import OverloadedError
+from poise.workload import long_positions, salted, seed_classes
+
+POLICIES = ("fifo", "prefill_first", "priority", "slo", "slo+controller")
+
+
+@dataclass
+class Done:
+    cls: str
+    ttft: float | None
+    tpot: float | None
+    output_tokens: int
+    rejected: bool = False
+
+
+@dataclass
+class CellResult:
+    policy: str
+    mode: str  # closed-<c> | open-<rate>
+    long_ratio: float
+    seconds: float
+    load_avg: float
+    done: list[Done] = field(default_factory=list)
+
+    def _vals(self, cls: str | None, attr: str) -> list[float]:
+        return [
+            getattr(d, attr)
+            for d in self.done
+            if (cls is None or d.cls == cls) and getattr(d, attr) is not None
+        ]
+
+    def summary(self, targets: dict[str, tuple[float, float]]) -> dict[str, Any]:
+        def ms(v: float | None) -> float | None:
+            return None if v is None else round(1000 * v, 1)
+
+        def meets(d: Done) -> bool:
+            ttft_t, tpot_t = targets[d.cls]
+            return (
+                not d.rejected and d.ttft is not None and d.ttft <= ttft_t
+                and (d.tpot is None or d.tpot <= tpot_t)
+            )  # fmt: skip
+
+        out: dict[str, Any] = {
+            "policy": self.policy,
+            "mode": self.mode,
+            "long_ratio": self.long_ratio,
+            "short_ttft_p50_ms": ms(percentile(self._vals("short", "ttft"), 50)),
+            "short_ttft_p95_ms": ms(percentile(self._vals("short", "ttft"), 95)),
+            "long_ttft_p95_ms": ms(percentile(self._vals("long", "ttft"), 95)),
+            "tpot_p50_ms": ms(percentile(self._vals(None, "tpot"), 50)),
+            "output_tok_s": round(sum(d.output_tokens for d in self.done) / self.seconds, 2),
+            "goodput_req_s": round(sum(meets(d) for d in self.done) / self.seconds, 3),
+            "rejected": sum(d.rejected for d in self.done),
+            "seconds": round(self.seconds, 1),
+            "load_avg": round(self.load_avg, 1),
+        }
+        for cls in ("short", "long"):
+            mine = [d for d in self.done if d.cls == cls]
+            out[f"attain_{cls}"] = round(sum(map(meets, mine)) / len(mine), 3) if mine else None
+        return out
+
+
+def engine_kwargs(policy: str, args: argparse.Namespace) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(
+        dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+        scheduling_policy=policy.split("+")[0],
+    )  # fmt: skip
+    if policy in ("priority", "slo", "slo+controller"):
+        kw["traffic_classes"] = (
+            f"short:ttft_p95_ms={args.short_ttft_ms},tpot_p50_ms={args.tpot_ms},share=0.7;"
+            f"long:prompt_tokens>=1024,ttft_p95_ms={args.long_ttft_ms},"
+            f"tpot_p50_ms={args.tpot_ms},share=0.3"
+        )
+    if policy == "slo+controller":
+        kw.update(token_budget_controller=True, target_tpot_ms=args.controller_tpot_ms)
+    return kw
+
+
+def make_requests(tok: Any, n: int, long_ratio: float, max_tokens: int, run_salt: str) -> list[Any]:
+    from poise.text import apply_chat_template
+
+    short, long = seed_classes(max_tokens)
+    reqs = []
+    for i, is_long in enumerate(long_positions(n, long_ratio)):
+        c = long if is_long else short
+        text = salted(c.prompt or "", f"{run_salt}-{i}")  # unique: no shared cached prefix
+        ids = apply_chat_template(tok, [{"role": "user", "content": text}])
+        prio = 1 if is_long else 0
+        reqs.append((c.name, ids, prio))
+    return reqs
+
+
+def run_cell(
+    core: Any, reqs: list[Any], max_tokens: int, *, concurrency: int | None,
+    arrivals: list[float] | None,
+) -> tuple[list[Done], float]:  # fmt: skip
+    """Closed loop (``concurrency``) or open loop (``arrivals``, seconds from the start)."""
+    clock = core.clock
+    done: list[Done] = []
+    classes: dict[str, str] = {}
+    next_i = in_flight = 0
+    start = clock.now()
+
+    def add(i: int, arrival: float) -> None:
+        nonlocal in_flight
+        cls, ids, prio = reqs[i]
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                priority=prio)  # fmt: skip
+        rid = f"r{i}-{start:.3f}"
+        try:
+            core.add_request(rid, ids, params, arrival_time=arrival)
+        except OverloadedError:
+            done.append(Done(cls, None, None, 0, rejected=True))
+            return
+        classes[rid] = cls
+        in_flight += 1
+
+    while next_i < len(reqs) or in_flight:
+        now = clock.now()
+        if arrivals is None:
+            while in_flight < (concurrency or 1) and next_i < len(reqs):
+                add(next_i, now)
+                next_i += 1
+        else:
+            while next_i < len(reqs) and start + arrivals[next_i] <= now:
+                add(next_i, start + arrivals[next_i])
+                next_i += 1
+            if not in_flight and next_i < len(reqs):
+                time.sleep(max(0.0, start + arrivals[next_i] - clock.now()))
+                continue
+        deltas, _ = core.step()
+        for d in deltas:
+            if d.finished and d.request_id in classes:
+                in_flight -= 1
+                m = derive(d.times) if d.times else None
+                done.append(Done(classes.pop(d.request_id), m and m.ttft, m and m.tpot,
+                                 m.num_output_tokens if m else 0))  # fmt: skip
+    return done, clock.now() - start
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--long-ratio", type=float, nargs="+", default=[0.25])
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--open-loop", action="store_true", help="Also the Poisson open loop.")
+    p.add_argument("--closed-loop", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--load", type=float, default=0.8, help="Open-loop rate / measured capacity.")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-kv-blocks", type=int, default=8192)
+    p.add_argument("--short-ttft-ms", type=float, default=3000)
+    p.add_argument("--long-ttft-ms", type=float, default=60000)
+    p.add_argument("--tpot-ms", type=float, default=600)
+    p.add_argument("--controller-tpot-ms", type=float, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+    from poise.engine.llm import LLM
+
+    targets = {"short": (args.short_ttft_ms / 1e3, args.tpot_ms / 1e3),
+               "long": (args.long_ttft_ms / 1e3, args.tpot_ms / 1e3)}  # fmt: skip
+    policies = args.policies.split(",")
+    engines = {pol: LLM(args.model, **engine_kwargs(pol, args)) for pol in policies}
+    tok = next(iter(engines.values())).tokenizer
+    rows: list[dict[str, Any]] = []
+    for rnd in range(args.rounds):
+        for lr in args.long_ratio:
+            reqs = make_requests(
+                tok, args.requests, lr, args.max_tokens, f"{time.time():.0f}-{rnd}"
+            )
+            capacity = None
+            modes: list[tuple[str, int | None, list[float] | None]] = []
+            if args.closed_loop:
+                modes.append((f"closed-{args.concurrency}", args.concurrency, None))
+            for mode, conc, _ in modes + ([("open", None, None)] if args.open_loop else []):
+                if mode == "open":
+                    assert capacity, "the open loop needs a closed-loop capacity first"
+                    rate = args.load * capacity
+                    rng = random.Random(args.seed)
+                    t, arrivals = 0.0, []
+                    for _ in reqs:
+                        arrivals.append(t)
+                        t += rng.expovariate(rate)
+                    mode = f"open-{rate:.2f}rps"
+                else:
+                    arrivals = None
+                for pol in policies:
+                    core = engines[pol].engine
+                    done, secs = run_cell(core, reqs, args.max_tokens, concurrency=conc,
+                                          arrivals=arrivals)  # fmt: skip
+                    cell = CellResult(pol, mode, lr, secs, os.getloadavg()[0], done)
+                    row = cell.summary(targets)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    if capacity is None and arrivals is None:
+                        capacity = len(reqs) / secs
+                    assert not core.has_unfinished_requests()
+                    assert core.kv.num_free_blocks == core.kv.num_blocks  # no leak
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "targets": targets, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
