@@ -22,6 +22,11 @@ run back to back, policy after policy, so they share the machine's load; ``--rou
 
     .venv/bin/python benchmarks/slo_scheduling.py --long-ratio 0.25 --concurrency 32 \
         --requests 64 --max-tokens 160 --open-loop --json out.json
+
+``--simulate ACCELERATOR:MODEL_SHAPE`` (e.g. ``h100:Qwen2.5-7B-Instruct``, a roofline) or
+``--simulate profile:FILE`` (a ``poise profile`` of this machine) runs the same cells through
+the simulator instead (``poise.sim.simulate_cell``, what ``poise simulate`` runs: the same
+scheduler code in virtual time), with the same prompts' lengths (chat template + salt).
 """
 
 from __future__ import annotations
@@ -177,6 +182,45 @@ def run_cell(
     return done, clock.now() - start
 
 
+def sim_cell(
+    engine_config: Any, cost: Any, reqs: list[Any], max_tokens: int, *, concurrency: int | None,
+    arrivals: list[float] | None,
+) -> tuple[list[Done], float]:  # fmt: skip
+    from poise.sim.simulator import SimCell, SimRequest, simulate_cell
+
+    sims = [
+        SimRequest(
+            i,
+            len(ids),
+            max_tokens,
+            arrival=arrivals[i] if arrivals else 0.0,
+            class_name=cls,
+            prompt_key=f"p{i}",
+            priority=prio,
+        )  # fmt: skip
+        for i, (cls, ids, prio) in enumerate(reqs)
+    ]
+    cell = SimCell(sims, concurrency=concurrency, open_loop=arrivals is not None)
+    res = simulate_cell(engine_config, cost, cell)
+    done = []
+    for r in res.requests:
+        n = len(r.token_times)
+        tpot = (r.token_times[-1] - r.token_times[0]) / (n - 1) if n > 1 else None
+        done.append(Done(r.class_name, r.ttft, tpot, n, rejected=not r.ok))
+    return done, res.duration_s
+
+
+def cost_model(spec: str, dtype: str) -> Any:
+    kind, _, rest = spec.partition(":")
+    if kind == "profile":
+        from poise.sim.fit import load_profile
+
+        return load_profile(rest)
+    from poise.sim.roofline import RooflineCostModel
+
+    return RooflineCostModel.build(rest, kind, dtype=dtype)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None)
@@ -198,17 +242,26 @@ def main() -> int:
     p.add_argument("--tpot-ms", type=float, default=600)
     p.add_argument("--controller-tpot-ms", type=float, default=300)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--simulate", default=None, metavar="ACCEL:SHAPE | profile:FILE")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+    from poise.config import EngineConfig
     from poise.engine.llm import LLM
+    from poise.text.tokenizer import load_tokenizer
 
     targets = {"short": (args.short_ttft_ms / 1e3, args.tpot_ms / 1e3),
                "long": (args.long_ttft_ms / 1e3, args.tpot_ms / 1e3)}  # fmt: skip
     policies = args.policies.split(",")
-    engines = {pol: LLM(args.model, **engine_kwargs(pol, args)) for pol in policies}
-    tok = next(iter(engines.values())).tokenizer
+    engines: dict[str, Any] = {}
+    if args.simulate:
+        cost = cost_model(args.simulate, args.dtype)
+        configs = {pol: EngineConfig.from_kwargs(**engine_kwargs(pol, args)) for pol in policies}
+        tok = load_tokenizer(args.model)
+    else:
+        engines = {pol: LLM(args.model, **engine_kwargs(pol, args)) for pol in policies}
+        tok = next(iter(engines.values())).tokenizer
     rows: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
         for lr in args.long_ratio:
@@ -232,17 +285,22 @@ def main() -> int:
                 else:
                     arrivals = None
                 for pol in policies:
-                    core = engines[pol].engine
-                    done, secs = run_cell(core, reqs, args.max_tokens, concurrency=conc,
-                                          arrivals=arrivals)  # fmt: skip
+                    if args.simulate:
+                        done, secs = sim_cell(configs[pol], cost, reqs, args.max_tokens,
+                                              concurrency=conc, arrivals=arrivals)  # fmt: skip
+                        mode = f"sim-{mode}" if not mode.startswith("sim-") else mode
+                    else:
+                        core = engines[pol].engine
+                        done, secs = run_cell(core, reqs, args.max_tokens, concurrency=conc,
+                                              arrivals=arrivals)  # fmt: skip
+                        assert not core.has_unfinished_requests()
+                        assert core.kv.num_free_blocks == core.kv.num_blocks  # no leak
                     cell = CellResult(pol, mode, lr, secs, os.getloadavg()[0], done)
                     row = cell.summary(targets)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     if capacity is None and arrivals is None:
                         capacity = len(reqs) / secs
-                    assert not core.has_unfinished_requests()
-                    assert core.kv.num_free_blocks == core.kv.num_blocks  # no leak
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "targets": targets, "rows": rows}, f, indent=1)

@@ -108,8 +108,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "FILE as JSON lines: to check a `poise profile` cost model against real traffic. "
         "(default: off)",
     )
+    server.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE",
+        help="A `poise profile` cost model of this machine: seeds the scheduler's online "
+        "step-cost estimate (TTFT forecasts, predictive admission, the budget controller) with "
+        "its per-step and per-token terms. (default: a rough CPU guess, refined as steps run)",
+    )
     add_engine_args(parser, positional_model=True)
     parser.set_defaults(func=run)
+
+
+def step_cost_prior(profile: str) -> dict[str, float]:
+    """The estimator's prior (seconds per step, per token) from a profile's linear fit."""
+    from poise.sim.fit import load_profile
+
+    model = load_profile(profile)
+    const = model.coefficients.get("const", 0.0) + model.step_overhead_s
+    per_token = model.coefficients.get("tokens", 0.0)
+    if const <= 0 or per_token <= 0:
+        raise ValueError(f"profile: {profile} has no positive const / tokens coefficients")
+    return {"step_cost_const_s": const, "step_cost_per_token_s": per_token}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,8 +137,9 @@ def run(args: argparse.Namespace) -> int:
     from poise.serving.settings import ServerSettings
 
     try:
-        config = engine_config_from_args(args)
-    except ValueError as exc:
+        prior = step_cost_prior(args.profile) if args.profile else {}
+        config = engine_config_from_args(args, **prior)
+    except (ValueError, OSError) as exc:
         print(f"poise serve: error: {exc}", file=sys.stderr)
         return 2
     settings = ServerSettings(

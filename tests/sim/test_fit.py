@@ -219,3 +219,21 @@ def test_merge_refuses_profiles_of_different_models() -> None:
     b = {**a, "kv_bytes_per_token": 8192}
     with pytest.raises(ValueError, match="kv_bytes_per_token"):
         merge_profiles([a, b])
+
+
+def test_serve_profile_seeds_the_step_cost_estimate(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from poise.cli.serve import step_cost_prior
+    from poise.sched.steering import Steering
+
+    samples = [(s, _truth(s)) for s in _grid()]
+    coef, q = fit_step_costs(samples)
+    rec = profile_record(
+        model="tiny", coefficients=coef, fit=q, samples=samples, vocab_size=1000,
+        max_model_len=2048, kv_bytes_per_token=4096, eos_token_ids=[2],
+        kv_budget_bytes=1 << 24, provenance={},
+    )  # fmt: skip
+    prior = step_cost_prior(str(save_profile(rec, tmp_path / "p.json")))
+    assert prior["step_cost_per_token_s"] == pytest.approx(coef["tokens"])
+    est = Steering(EngineConfig.from_kwargs(**prior).scheduler).estimator
+    assert est.per_token_s == pytest.approx(coef["tokens"])
+    assert est.const_s == pytest.approx(coef["const"])
