@@ -21,7 +21,8 @@ a ``Policy`` value made of those functions, not a branch in the loop:
   earliest-deadline-first corrected by the work left: no request starves). Slack is compared
   in steps (a one-step difference is a tie), ties go to the longest cached prefix (SGLang's
   longest-prefix match: the cache hit is used before it is evicted), then arrival. Victims are
-  chosen by cost: lowest priority, then most slack, then least work lost to the recompute;
+  chosen by cost: lowest priority, then most slack left after the recompute (in steps), then
+  least work lost;
   requests already preempted ``preemption_thrash_limit`` times are spared while others exist.
 
 ``priority`` and ``slo`` do not block the queue behind a request that does not fit: a smaller
@@ -153,10 +154,15 @@ def victim_cost_aware(
     pool = spared or pool
 
     def cost(r: Request) -> tuple[float, float, int]:
-        # Higher is a better victim: lowest priority (largest key), then the most slack, then
-        # the least work to recompute.
-        s = slack(r, ctx)
-        return (priority_key(r, ctx)[0], s if math.isfinite(s) else 1e18, -r.num_computed_tokens)
+        # Higher is a better victim: lowest priority (largest key), then the most slack it
+        # would have after losing its blocks (the whole recompute ahead of it; a request past
+        # its first token has no TTFT to miss), in steps, then the least work to recompute.
+        if r.times.first_token is not None:
+            after = math.inf
+        else:
+            left = deadline(r, ctx) - ctx.now - ctx.prefill_time(r.num_tokens)
+            after = math.floor(left / ctx.step_s) if ctx.step_s > 0 else left
+        return (priority_key(r, ctx)[0], after, -r.num_computed_tokens)
 
     return max(pool, key=cost)
 

@@ -130,3 +130,32 @@ def test_forecast_replays_decodes_slots_and_classes() -> None:
     fc = forecast(est, b)
     assert refusal(est, b, fc, target_s=1.0, margin=0.0) is None
     assert refusal(est, b, fc, target_s=0.4, margin=0.5) == pytest.approx(0.4)
+
+
+def test_cost_aware_victim_and_thrash_guard() -> None:
+    from poise.core.request import Request, SloTargets
+    from poise.core.sampling_params import SamplingParams
+    from poise.sched.ordering import PolicyContext, victim_cost_aware
+
+    def req(rid: str, prio: int, computed: int, preempted: int = 0, ttft: float = 1.0) -> Request:
+        r = Request(rid, list(range(100)), SamplingParams(), 0.0, priority=prio,
+                    slo=SloTargets("c", ttft_s=ttft))  # fmt: skip
+        r.num_computed_tokens, r.num_preemptions = computed, preempted
+        return r
+
+    ctx = PolicyContext(now=0.0, aging_s=0.0, prefill_time=lambda n: 0.001 * n,
+                        cached_tokens=lambda r: 0, step_s=0.05, default_ttft_s=10.0,
+                        preemption_thrash_limit=2)  # fmt: skip
+    current = req("cur", 0, 10)
+    # Lowest priority first (largest value), whatever the work lost.
+    low, high = req("low", 3, 90), req("high", 0, 5)
+    assert victim_cost_aware([high, low], current, ctx) is low
+    # Same priority: the one with more slack (a later deadline), then the least work lost.
+    tight, lax = req("tight", 1, 20, ttft=0.5), req("lax", 1, 20, ttft=5.0)
+    assert victim_cost_aware([lax, tight], current, ctx) is lax
+    small, big = req("small", 1, 10, ttft=5.0), req("big", 1, 80, ttft=5.0)
+    assert victim_cost_aware([big, small], current, ctx) is small
+    # The thrash guard: twice preempted is spared while another candidate exists.
+    worn = req("worn", 3, 10, preempted=2)
+    assert victim_cost_aware([worn, high], current, ctx) is high
+    assert victim_cost_aware([worn], req("cur2", 0, 10, preempted=5), ctx) is worn
