@@ -32,6 +32,7 @@ scheduler code in virtual time), with the same prompts' lengths (chat template +
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -236,7 +237,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--num-kv-blocks", type=int, default=8192)
+    p.add_argument("--num-kv-blocks", type=int, default=2048)
     p.add_argument("--short-ttft-ms", type=float, default=3000)
     p.add_argument("--long-ttft-ms", type=float, default=60000)
     p.add_argument("--tpot-ms", type=float, default=600)
@@ -254,14 +255,9 @@ def main() -> int:
     targets = {"short": (args.short_ttft_ms / 1e3, args.tpot_ms / 1e3),
                "long": (args.long_ttft_ms / 1e3, args.tpot_ms / 1e3)}  # fmt: skip
     policies = args.policies.split(",")
-    engines: dict[str, Any] = {}
-    if args.simulate:
-        cost = cost_model(args.simulate, args.dtype)
-        configs = {pol: EngineConfig.from_kwargs(**engine_kwargs(pol, args)) for pol in policies}
-        tok = load_tokenizer(args.model)
-    else:
-        engines = {pol: LLM(args.model, **engine_kwargs(pol, args)) for pol in policies}
-        tok = next(iter(engines.values())).tokenizer
+    configs = {pol: EngineConfig.from_kwargs(**engine_kwargs(pol, args)) for pol in policies}
+    cost = cost_model(args.simulate, args.dtype) if args.simulate else None
+    tok = load_tokenizer(args.model)
     rows: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
         for lr in args.long_ratio:
@@ -290,11 +286,15 @@ def main() -> int:
                                               concurrency=conc, arrivals=arrivals)  # fmt: skip
                         mode = f"sim-{mode}" if not mode.startswith("sim-") else mode
                     else:
-                        core = engines[pol].engine
+                        # One engine at a time: five KV pools at once would not fit beside
+                        # the other processes of a shared machine.
+                        core = LLM(args.model, **engine_kwargs(pol, args)).engine
                         done, secs = run_cell(core, reqs, args.max_tokens, concurrency=conc,
                                               arrivals=arrivals)  # fmt: skip
                         assert not core.has_unfinished_requests()
                         assert core.kv.num_free_blocks == core.kv.num_blocks  # no leak
+                        del core
+                        gc.collect()
                     cell = CellResult(pol, mode, lr, secs, os.getloadavg()[0], done)
                     row = cell.summary(targets)
                     rows.append(row)
