@@ -50,6 +50,7 @@ POLICIES = ("fifo", "prefill_first", "priority", "slo", "slo+controller")
 
 @dataclass
 class Done:
+    index: int  # the request's position in the sample (the first ``warmup`` are not counted)
     cls: str
     ttft: float | None
     tpot: float | None
@@ -65,6 +66,14 @@ class CellResult:
     seconds: float
     load_avg: float
     done: list[Done] = field(default_factory=list)
+    warmup: int = 0
+
+    def __post_init__(self) -> None:
+        # Rates (tok/s, goodput) count every request of the cell over its wall time; latency
+        # percentiles and attainment leave out the warm-up, like poise bench (a closed loop's
+        # first wave is a burst at t=0 that no steady state has).
+        self.all_done = self.done
+        self.done = [d for d in self.done if d.index >= self.warmup]
 
     def _vals(self, cls: str | None, attr: str) -> list[float]:
         return [
@@ -92,8 +101,8 @@ class CellResult:
             "short_ttft_p95_ms": ms(percentile(self._vals("short", "ttft"), 95)),
             "long_ttft_p95_ms": ms(percentile(self._vals("long", "ttft"), 95)),
             "tpot_p50_ms": ms(percentile(self._vals(None, "tpot"), 50)),
-            "output_tok_s": round(sum(d.output_tokens for d in self.done) / self.seconds, 2),
-            "goodput_req_s": round(sum(meets(d) for d in self.done) / self.seconds, 3),
+            "output_tok_s": round(sum(d.output_tokens for d in self.all_done) / self.seconds, 2),
+            "goodput_req_s": round(sum(map(meets, self.all_done)) / self.seconds, 3),
             "rejected": sum(d.rejected for d in self.done),
             "seconds": round(self.seconds, 1),
             "load_avg": round(self.load_avg, 1),
@@ -142,7 +151,7 @@ def run_cell(
     """Closed loop (``concurrency``) or open loop (``arrivals``, seconds from the start)."""
     clock = core.clock
     done: list[Done] = []
-    classes: dict[str, str] = {}
+    classes: dict[str, tuple[int, str]] = {}
     next_i = in_flight = 0
     start = clock.now()
 
@@ -155,9 +164,9 @@ def run_cell(
         try:
             core.add_request(rid, ids, params, arrival_time=arrival)
         except OverloadedError:
-            done.append(Done(cls, None, None, 0, rejected=True))
+            done.append(Done(i, cls, None, None, 0, rejected=True))
             return
-        classes[rid] = cls
+        classes[rid] = (i, cls)
         in_flight += 1
 
     while next_i < len(reqs) or in_flight:
@@ -178,7 +187,8 @@ def run_cell(
             if d.finished and d.request_id in classes:
                 in_flight -= 1
                 m = derive(d.times) if d.times else None
-                done.append(Done(classes.pop(d.request_id), m and m.ttft, m and m.tpot,
+                i, cls = classes.pop(d.request_id)
+                done.append(Done(i, cls, m and m.ttft, m and m.tpot,
                                  m.num_output_tokens if m else 0))  # fmt: skip
     return done, clock.now() - start
 
@@ -207,7 +217,7 @@ def sim_cell(
     for r in res.requests:
         n = len(r.token_times)
         tpot = (r.token_times[-1] - r.token_times[0]) / (n - 1) if n > 1 else None
-        done.append(Done(r.class_name, r.ttft, tpot, n, rejected=not r.ok))
+        done.append(Done(r.index, r.class_name, r.ttft, tpot, n, rejected=not r.ok))
     return done, res.duration_s
 
 
@@ -235,6 +245,7 @@ def main() -> int:
     p.add_argument("--closed-loop", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--load", type=float, default=0.8, help="Open-loop rate / measured capacity.")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--open-warmup", type=int, default=4, help="Open loop: requests not counted.")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-kv-blocks", type=int, default=2048)
@@ -295,7 +306,8 @@ def main() -> int:
                         assert core.kv.num_free_blocks == core.kv.num_blocks  # no leak
                         del core
                         gc.collect()
-                    cell = CellResult(pol, mode, lr, secs, os.getloadavg()[0], done)
+                    warm = (conc or 0) if arrivals is None else args.open_warmup
+                    cell = CellResult(pol, mode, lr, secs, os.getloadavg()[0], done, warm)
                     row = cell.summary(targets)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
