@@ -247,3 +247,23 @@ def test_outputs_identical_under_every_policy(config: dict[str, object]) -> None
     assert admitted == {k: expected[k] for k in admitted}
     assert len(admitted) >= 20
     assert engine.scheduler.num_preemptions_total > 0 or config.get("admission_control")
+
+
+def test_slo_ties_go_to_the_longest_cached_prefix() -> None:
+    engine, executor, clock = make_engine(
+        scheduling_policy="slo", max_num_seqs=1, enable_prefix_caching=True
+    )
+    shared = toks(32, 1)
+    drive(engine, [Arrival(0.0, "seed", shared + [7], params(1))])  # caches 8 blocks of shared
+    t = clock.now()
+    # Same arrival, same target: "hit" would reuse 32 cached tokens, "miss" none.
+    arrivals = [
+        Arrival(t, "miss", toks(33, 2), params(2)),
+        Arrival(t, "hit", shared + [9], params(2)),
+        Arrival(t, "other", toks(33, 3), params(2)),
+    ]
+    drive(engine, arrivals)
+    order = [o for o in admitted_order(executor) if o != "seed"]
+    assert order[0] == "hit"
+    first_hit = next(s for st in executor.steps for s in st.scheduled if s.request_id == "hit")
+    assert first_hit.start_position == 32
