@@ -57,6 +57,8 @@ class PolicyContext:
     # TTFT target for requests without one (seconds).
     default_ttft_s: float
     preemption_thrash_limit: int = 3
+    # How many of the first candidates a policy orders with its full (costlier) key.
+    lookahead: int = 64
 
 
 def is_partial_prefill(request: Request) -> bool:
@@ -75,17 +77,28 @@ def deadline(request: Request, ctx: PolicyContext) -> float:
     return request.arrival_time + target + request.priority * ctx.aging_s
 
 
-def slack(request: Request, ctx: PolicyContext) -> float:
+def slack(request: Request, ctx: PolicyContext, cached: int = 0) -> float:
+    """Seconds to spare before its TTFT deadline, after the prefill it still needs
+    (``cached``: prompt tokens the prefix cache would spare it)."""
     if request.times.first_token is not None and not is_partial_prefill(request):
         return math.inf  # its TTFT is behind it
-    left = request.num_tokens - max(request.num_computed_tokens, ctx.cached_tokens(request))
+    left = request.num_tokens - max(request.num_computed_tokens, cached)
     return deadline(request, ctx) - ctx.now - ctx.prefill_time(left)
 
 
+def _bucket(s: float, ctx: PolicyContext) -> float:
+    return math.floor(s / ctx.step_s) if ctx.step_s > 0 and math.isfinite(s) else s
+
+
+def slo_coarse_key(request: Request, ctx: PolicyContext) -> tuple[float, float]:
+    """Slack in steps, then arrival: the order without prefix lookups."""
+    return (_bucket(slack(request, ctx), ctx), request.arrival_time)
+
+
 def slo_key(request: Request, ctx: PolicyContext) -> tuple[float, int, float]:
-    s = slack(request, ctx)
-    bucket = math.floor(s / ctx.step_s) if ctx.step_s > 0 and math.isfinite(s) else s
-    return (bucket, -ctx.cached_tokens(request), request.arrival_time)
+    """The full order: slack in steps, then the longest cached prefix, then arrival."""
+    cached = ctx.cached_tokens(request)
+    return (_bucket(slack(request, ctx, cached), ctx), -cached, request.arrival_time)
 
 
 def is_overdue(request: Request, ctx: PolicyContext) -> bool:
@@ -125,7 +138,13 @@ def walk_slo(
 ) -> list[Request]:
     decodes = [r for r in running if not is_partial_prefill(r)]
     prefills = [r for r in running if is_partial_prefill(r)] + list(waiting)
-    return [*decodes, *sorted(prefills, key=lambda r: slo_key(r, ctx))]
+    # A prefix lookup per request per step is what a long queue would cost: order everyone
+    # by slack without it (conservative: a cache hit only adds slack), then refine the head
+    # that this step can reach with the full key (cache hits, ties to the longest prefix).
+    prefills.sort(key=lambda r: slo_coarse_key(r, ctx))
+    head = prefills[: ctx.lookahead]
+    head.sort(key=lambda r: slo_key(r, ctx))
+    return [*decodes, *head, *prefills[ctx.lookahead :]]
 
 
 # -- victims: who loses its blocks when a request cannot grow ---------------------------------
@@ -212,7 +231,8 @@ _REGISTRY: dict[str, Policy] = {
         displace_lower_priority, priority_key,
     ),
     "slo": Policy(
-        "slo", walk_slo, victim_cost_aware, is_overdue, displace_lower_priority, slo_key
+        "slo", walk_slo, victim_cost_aware, is_overdue, displace_lower_priority,
+        slo_coarse_key,
     ),
 }  # fmt: skip
 

@@ -78,6 +78,7 @@ class Steering:
             step_s=step_s,
             default_ttft_s=self.default_ttft_s,
             preemption_thrash_limit=self.config.preemption_thrash_limit,
+            lookahead=2 * self.config.max_num_seqs,
         )
 
     def step_budget(self, running: Sequence[Request]) -> int:
