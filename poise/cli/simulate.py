@@ -16,6 +16,7 @@ from typing import Any
 
 from poise.cli import lab_options
 from poise.cli.options import add_engine_args, engine_config_from_args
+from poise.cli.router_options import add_router_args, router_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -83,6 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lab_options.add_output_args(parser, "YAML record path, or a folder for <time>.yaml "
                     "(default: sim-results/).", label=True, plots=False)  # fmt: skip
     add_engine_args(parser)
+    add_router_args(parser)
     lab_options.deprecate(parser, output="--out", plot="--plots", slo_ttft_ms="--slo-ttft-p95-ms",
               slo_tpot_ms="--slo-tpot-p50-ms")  # fmt: skip
     parser.set_defaults(func=run)
@@ -185,8 +187,10 @@ def run(args: argparse.Namespace) -> int:
             scrape=False,
             command=command_line(),
         )
+        cluster = router_from_args(args, engine_config.cache.block_size)
         record = simulate_matrix(
-            cfg, engine_config, cost_model, prompt_lengths(engine_config.model.tokenizer), arrival
+            cfg, engine_config, cost_model, prompt_lengths(engine_config.model.tokenizer), arrival,
+            cluster=cluster if cluster["replicas"] > 1 else None,
         )
     except ValueError as exc:
         print(f"poise simulate: error: {exc}", file=sys.stderr)

@@ -17,6 +17,27 @@ from collections import OrderedDict
 BlockKey = tuple[int | None, tuple[int, ...]]
 
 
+def block_key(parent: BlockKey | None, tokens: tuple[int, ...]) -> BlockKey:
+    """The key of a block holding ``tokens`` after the block keyed ``parent`` (None: first)."""
+    return (None if parent is None else hash(parent), tokens)
+
+
+def prefix_keys(token_ids: list[int], block_size: int, max_blocks: int) -> list[BlockKey]:
+    """Keys of the first ``max_blocks`` full blocks of ``token_ids``, each chained to the last.
+
+    The router hashes a prompt's opening blocks with this so that its idea of "same prefix" is
+    the KV cache's own (python's hash of int tuples is the same in every process).
+    """
+    keys: list[BlockKey] = []
+    for i in range(min(max_blocks, len(token_ids) // block_size)):
+        keys.append(
+            block_key(
+                keys[-1] if keys else None, tuple(token_ids[i * block_size : (i + 1) * block_size])
+            )
+        )
+    return keys
+
+
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:

@@ -15,7 +15,7 @@ always recomputed, so the runner has a position to sample from.
 from __future__ import annotations
 
 from poise.core.request import Request
-from poise.kv.block_pool import BlockKey, BlockPool
+from poise.kv.block_pool import BlockKey, BlockPool, block_key
 
 
 class KVCacheManager:
@@ -62,14 +62,13 @@ class KVCacheManager:
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
         blocks: list[int] = []
-        parent: int | None = None
+        key: BlockKey | None = None
         for i in range(max_blocks):
-            key = (parent, tuple(request.token_ids_slice(i * bs, (i + 1) * bs)))
+            key = block_key(key, tuple(request.token_ids_slice(i * bs, (i + 1) * bs)))
             block = self.pool.lookup(key)
             if block is None:
                 break
             blocks.append(block)
-            parent = hash(key)
         return blocks
 
     def _register_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -77,8 +76,9 @@ class KVCacheManager:
         keys = self._keys.setdefault(request.request_id, [])
         bs = self.block_size
         for i in range(len(keys), num_computed_tokens // bs):
-            parent = hash(keys[-1]) if keys else None
-            key = (parent, tuple(request.token_ids_slice(i * bs, (i + 1) * bs)))
+            key = block_key(
+                keys[-1] if keys else None, tuple(request.token_ids_slice(i * bs, (i + 1) * bs))
+            )
             keys.append(key)
             self.pool.cache(table[i], key)
 

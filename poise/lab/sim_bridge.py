@@ -106,10 +106,12 @@ def simulate_bench_cell(
     lengths: Any,
     salt: str | None,
     arrival: Any = None,
+    cluster: dict[str, Any] | None = None,
 ) -> tuple[Any, Any]:
     """One bench cell through the simulator: (bench CellResult, SimResult). ``arrival``: the
     client arrival model (``poise.sim.arrival.ArrivalModel``; None: requests reach the engine
-    as they are sent)."""
+    as they are sent). ``cluster`` ({replicas, router_config, pools}): that many replicas
+    behind the router."""
     from poise.bench.config import cell_counts, cell_requests
     from poise.bench.record import build_cell
     from poise.sim.arrival import ArrivalModel
@@ -131,9 +133,18 @@ def simulate_bench_cell(
         open_loop=not spec.closed_loop,
         duration_s=cfg.duration,
     )
-    result = simulate_cell(
-        engine_config, cost_model, cell, seed=cfg.seed, arrival=arrival or ArrivalModel()
-    )
+    result: Any
+    if cluster:
+        from poise.sim.cluster import simulate_cluster
+
+        result = simulate_cluster(
+            engine_config, cost_model, cell, seed=cfg.seed, arrival=arrival or ArrivalModel(),
+            **cluster,
+        )  # fmt: skip
+    else:
+        result = simulate_cell(
+            engine_config, cost_model, cell, seed=cfg.seed, arrival=arrival or ArrivalModel()
+        )
     out = build_cell(
         cell_load(cfg, spec, salt),
         _records(result, cfg.timeout_s),
@@ -142,12 +153,15 @@ def simulate_bench_cell(
         started_at=None,
     )
     out.server["sim"] = _sim_summary(result)
+    if cluster:
+        out.server["router"] = result.router
     return out, result
 
 
 def simulate_matrix(
-    cfg: Any, engine_config: Any, cost_model: Any, lengths: Any, arrival: Any = None
-) -> Any:
+    cfg: Any, engine_config: Any, cost_model: Any, lengths: Any, arrival: Any = None,
+    cluster: dict[str, Any] | None = None,
+) -> Any:  # fmt: skip
     """Every cell of a BenchConfig through the simulator: an ExperimentRecord (simulated)."""
     from poise.sim.arrival import ArrivalModel
 
@@ -162,7 +176,7 @@ def simulate_matrix(
     for i, spec in enumerate(cfg.cells()):
         salt = f"{run_salt}-{i}" if run_salt and cfg.salt_scope != "run" else run_salt
         cell, result = simulate_bench_cell(
-            cfg, spec, engine_config, cost_model, lengths, salt, arrival
+            cfg, spec, engine_config, cost_model, lengths, salt, arrival, cluster
         )
         cells.append(cell)
         total += len(result.requests)
@@ -170,6 +184,9 @@ def simulate_matrix(
     wall = time.perf_counter() - t0
     exp = experiment_block(cfg, cost_model.name, "poise (simulated)")
     exp["server_args"] = engine_config.to_flat_dict()
+    exp["replicas"] = cluster["replicas"] if cluster else 1
+    if cluster:
+        exp["router"] = cluster["router_config"].policy
     exp["gpu"] = cost_model.describe().get("accelerator") or cost_model.provenance.get("device")
     return ExperimentRecord(
         experiment=exp,

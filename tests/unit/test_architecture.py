@@ -34,7 +34,18 @@ ALLOWED: dict[str, set[str]] = {
     "text": {"checkpoint", "core", "config", "errors"},
     "model": {"checkpoint", "config", "errors"},
     "runner": {"model", "checkpoint", "text", "core", "config", "errors"},
-    "sim": {"engine", "sched", "kv", "core", "config", "errors", "workload", "checkpoint"},
+    "router": {"sched", "kv", "core", "config", "errors"},
+    "sim": {
+        "engine",
+        "sched",
+        "kv",
+        "core",
+        "config",
+        "errors",
+        "workload",
+        "checkpoint",
+        "router",
+    },
     "bench": {"workload"},
     "lab": {"bench", "workload", "sim", "config", "errors"},
     "serving": {"engine", "text", "core", "config", "errors"},
@@ -54,7 +65,17 @@ HEAVY = {"torch", "transformers"}
 BANNED: dict[str, set[str]] = {
     **{
         u: HEAVY
-        for u in ("__init__", "__main__", "errors", "config", "workload", "core", "kv", "sched")
+        for u in (
+            "__init__",
+            "__main__",
+            "errors",
+            "config",
+            "workload",
+            "core",
+            "kv",
+            "sched",
+            "router",
+        )
     },
     **{u: HEAVY for u in ("engine", "sim", "bench", "lab", "serving")},
     "checkpoint": TORCH,  # transformers only inside gguf_tokenizer's functions
