@@ -189,7 +189,11 @@ def run(args: argparse.Namespace) -> int:
         )
         cluster = router_from_args(args, engine_config.cache.block_size)
         record = simulate_matrix(
-            cfg, engine_config, cost_model, prompt_lengths(engine_config.model.tokenizer), arrival,
+            cfg,
+            engine_config,
+            cost_model,
+            prompt_lengths(engine_config.model.tokenizer),
+            arrival,
             cluster=cluster if cluster["replicas"] > 1 else None,
         )
     except ValueError as exc:

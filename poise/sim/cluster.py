@@ -30,6 +30,7 @@ from poise.sim.cell import SimCell, SimResult
 from poise.sim.cost import CostModel
 from poise.sim.driver import _Driver
 from poise.sim.executor import SimExecutor
+from poise.sim.simulator import sim_engine
 
 # A replica that schedules nothing this many times in a row (without its clock moving) waits
 # for a new request rather than spinning.
@@ -166,15 +167,7 @@ def simulate_cluster(
     sims = [SimExecutor(cost_model, c, seed=seed + i) for i, c in enumerate(clocks)]
     num_blocks = cost_model.num_kv_blocks(engine_config)
     engines = [
-        EngineCore(
-            engine_config,
-            sim,
-            num_kv_blocks=num_blocks,
-            max_model_len=cost_model.max_model_len(engine_config),
-            vocab_size=cost_model.vocab_size,
-            eos_token_ids=frozenset(cost_model.eos_token_ids),
-            clock=clock,
-        )  # fmt: skip
+        sim_engine(engine_config, cost_model, sim, clock)
         for sim, clock in zip(sims, clocks, strict=True)
     ]
     states = [

@@ -38,6 +38,21 @@ __all__ = [
 ]
 
 
+def sim_engine(
+    engine_config: EngineConfig, cost_model: CostModel, executor: Executor, clock: VirtualClock
+) -> EngineCore:
+    """A real ``EngineCore`` sized by the cost model (KV blocks, model length, vocabulary)."""
+    return EngineCore(
+        engine_config,
+        executor,
+        num_kv_blocks=cost_model.num_kv_blocks(engine_config),
+        max_model_len=cost_model.max_model_len(engine_config),
+        vocab_size=cost_model.vocab_size,
+        eos_token_ids=frozenset(cost_model.eos_token_ids),
+        clock=clock,
+    )
+
+
 def simulate_cell(
     engine_config: EngineConfig,
     cost_model: CostModel,
@@ -56,16 +71,8 @@ def simulate_cell(
     clock = VirtualClock(0.0)
     sim = SimExecutor(cost_model, clock, seed=seed)
     executor: Executor = RecordingExecutor(sim) if record_decisions else sim
-    num_blocks = cost_model.num_kv_blocks(engine_config)
-    engine = EngineCore(
-        engine_config,
-        executor,
-        num_kv_blocks=num_blocks,
-        max_model_len=cost_model.max_model_len(engine_config),
-        vocab_size=cost_model.vocab_size,
-        eos_token_ids=frozenset(cost_model.eos_token_ids),
-        clock=clock,
-    )
+    engine = sim_engine(engine_config, cost_model, executor, clock)
+    num_blocks = engine.kv.num_blocks
     results, timeline, wall = drive(engine, clock, cell, arrival=arrival, seed=seed)
     first = min((r.sent for r in results), default=0.0)
     last = max((r.finished or r.sent for r in results), default=0.0)
