@@ -24,7 +24,6 @@ import asyncio
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -132,7 +131,6 @@ class AsyncEngine:
         self._live: set[str] = set()
         self._step_no = 0
         self._preemptions_seen = 0
-        self._class_preemptions_seen: Counter[str] = Counter()
         self._log = _ThroughputLog(log_interval_s)
 
     # ---- lifecycle (event loop) ---------------------------------------------------------
@@ -342,10 +340,7 @@ class AsyncEngine:
         if total > self._preemptions_seen:
             self.metrics.preemptions.inc(total - self._preemptions_seen)
             self._preemptions_seen = total
-            for cls, n in sched.steer.preemptions_by_class.items():
-                if n > self._class_preemptions_seen[cls]:
-                    self.metrics.preempted(cls, n - self._class_preemptions_seen[cls])
-                    self._class_preemptions_seen[cls] = n
+            self.metrics.class_preemptions(sched.steer.preemptions_by_class)
         self.metrics.token_budget.set(sched.steer.budget)
 
     def _die(self, exc: Exception) -> None:

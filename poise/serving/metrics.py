@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 from prometheus_client import (
     CollectorRegistry,
@@ -150,6 +151,7 @@ class ServingMetrics:
         )
         ProcessCollector(registry=r)
         self._model_name = model_name
+        self._class_preemptions_seen: dict[str, int] = {}
 
     # -- engine thread ---------------------------------------------------------------------
 
@@ -221,10 +223,15 @@ class ServingMetrics:
         if good:
             self._goodput.labels(**labels).inc(m.num_output_tokens)
 
-    def preempted(self, class_name: str, count: int) -> None:
-        self._class_preemptions.labels(model_name=self._model_name, **{"class": class_name}).inc(
-            count
-        )
+    def class_preemptions(self, totals: Mapping[str, int]) -> None:
+        """The scheduler's running totals per class; counts what is new since the last call."""
+        for cls, total in totals.items():
+            new = total - self._class_preemptions_seen.get(cls, 0)
+            if new > 0:
+                self._class_preemptions.labels(model_name=self._model_name, **{"class": cls}).inc(
+                    new
+                )
+                self._class_preemptions_seen[cls] = total
 
     # -- event loop ------------------------------------------------------------------------
 

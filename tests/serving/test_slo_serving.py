@@ -69,3 +69,16 @@ def test_predictive_admission_answers_429_with_a_computed_retry_after(smol_token
                 assert int(r.headers["Retry-After"]) >= 1
         text = httpx.get(server.base_url + "/metrics").text
         assert metric_value(text, "poise:requests_rejected_total", reason="slo") == codes.count(429)
+
+
+def test_class_preemptions_and_token_budget_metrics() -> None:
+    from poise.serving.metrics import ServingMetrics
+
+    m = ServingMetrics("m")
+    m.class_preemptions({"short": 2})
+    m.class_preemptions({"short": 3, "long": 1})  # running totals: only what is new counts
+    m.token_budget.set(512)
+    text = m.render().decode()
+    assert metric_value(text, "poise:class_preemptions_total", **{"class": "short"}) == 3
+    assert metric_value(text, "poise:class_preemptions_total", **{"class": "long"}) == 1
+    assert metric_value(text, "poise:token_budget") == 512
