@@ -3,41 +3,45 @@
 For the seed workload (SHORT/LONG prompts, ``--long-ratio`` 0.25, ``--max-tokens`` 160,
 closed loop at ``--concurrency`` 8, 16, 32) on the embedded SmolLM2 on this CPU.
 
+A thin driver of the lab's own pieces: the server is ``poise.lab.server.ManagedServer``, the
+load is ``poise.bench.runner.run_matrix`` (what `poise bench` runs), the simulations are
+``poise.lab.sim_bridge.simulate_matrix`` (what `poise simulate` runs) and the calibration is
+``poise.sim.calibrate`` read from the bench records by ``poise.lab.calibration`` (what
+`poise simulate --calibrate-from` runs). Only the protocol and the report are here.
+
 A shared 2-core machine drifts by tens of percent over minutes, as much as the tolerance, so
 the run is built so that the profile and the measurements see the same machine:
 
 1. ``--rounds`` R rounds. Each is a ``poise profile`` slice (the runner alone, ``--clock cpu``:
    the runner thread's CPU time) followed, on one ``poise serve`` (started with
    ``--step-trace``), by the cells: optionally (``--calibrate``) a concurrency-1 cell of SHORT
-   prompts, then each concurrency with ``--requests-per-stream`` x c measured requests. A last
-   profile slice closes the window; ``poise profile --merge`` makes one profile of the whole
-   window (median time per shape).
-2. Real metrics are pooled over the rounds (TTFT percentiles over all measured requests,
-   tokens/s as all tokens over all windows); the report also shows each round's deviation from
-   the pooled value, the measurement's own noise.
+   prompts, then each concurrency with ``--requests-per-stream`` x c measured requests. Each
+   cell's record links its span of the step trace (``artifacts.step_trace``). A last profile
+   slice closes the window; ``poise profile --merge`` makes one profile of the whole window.
+2. Real metrics are pooled over the rounds (``poise.lab.calibration.pooled_metrics``: TTFT
+   percentiles over all measured requests, tokens/s as all tokens over all windows); the
+   report also shows each round's deviation from the pooled value, the measurement's noise.
 3. The step trace gives, per cell, the server's measured step times over the merged profile's
    predictions for the same steps: how fast the machine really was under each load.
-4. Simulations of the same matrix (as many measured requests as all rounds together).
-   Calibration reads only the c=1 cells and facts of the server, never a compared cell:
+4. Simulations of the same matrix, one per round as the rounds were measured. Calibration
+   reads only the c=1 cells and facts of the server, never a compared cell
+   (docs/simulator.md, Calibration):
    - request overhead: the median response-header latency at c=1;
    - the way in: poise serve renders the chat template and tokenizes on ONE thread, in
      arrival order; its time per prompt token is timed here with the server's own functions
-     on the seed prompts (``--way-in-workers 1 --way-in-us-per-token``). A burst (a closed
-     loop's start, a wave coming back) thus reaches the engine in send order, which is what
-     decides the loop's first waves and so its TTFT percentiles;
+     on the seed prompts (``way_in_workers`` 1). A burst (a closed loop's start, a wave coming
+     back) thus reaches the engine in send order, which decides the loop's first waves;
    - time scale and step jitter from the c=1 cell's step trace (measured over predicted: its
-     ratio, and its CV within a round).
+     ratio, and its CV); round r takes the mean of the c=1 cells before and after it.
    Variants: *profile only*; the **primary** one above (the target is judged on it);
-   *TPOT scale*, the same from the c=1 client records alone (TPOT ratio, inter-token gap CV);
-   *independent way in* (each request delayed on its own, spread by the c=1 CV: the previous
-   protocol's model, which forms different waves); and *diagnostic*, each cell scaled by its
-   own step-trace ratio: not a prediction, but what is left of the error once step times are
-   right (the scheduling and queueing part).
+   *TPOT scale*, the same from the c=1 client records alone (TPOT over the profile's decode
+   step, inter-token gap CV); *independent way in* (each request delayed on its own, spread by
+   the c=1 CV); and *diagnostic*, each cell scaled by its own step-trace ratio: not a
+   prediction, but what is left of the error once step times are right.
 5. Tables of TTFT p50, TTFT p95 and output tokens/s, simulated vs measured, with the relative
    error.
-6. The simulator is stochastic (step jitter), and a closed loop's TTFT percentiles have a long
-   memory: the calibrated variants are simulated with ``--sim-seeds`` seeds and the median over
-   seeds is compared, with the seeds' range shown (whether the real value falls inside it).
+6. The simulator is stochastic (step jitter): the calibrated variants are simulated with
+   ``--sim-seeds`` seeds and the median over seeds is compared, with the seeds' range shown.
    Exit 0 when the primary variant's median is within ``--tolerance`` (15 %) in every cell.
 
 Others may edit the tree while this runs (the server and the profile must run the same model
@@ -58,10 +62,10 @@ Torch threads are pinned (``--threads``, default 1) for both the profile and the
 from __future__ import annotations
 
 import argparse
-import contextlib
+import asyncio
+import dataclasses
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -72,12 +76,28 @@ from typing import Any
 
 import yaml
 
+from poise.bench.config import BenchConfig, WorkloadSpec
+from poise.bench.record import ExperimentRecord
+from poise.bench.runner import run_matrix
+from poise.cli.options import add_engine_args, engine_config_from_args
+from poise.config import EngineConfig
+from poise.lab.calibration import calibration_cells, link_step_trace, pooled_metrics
+from poise.lab.server import ManagedServer, ServerSpec
+from poise.lab.sim_bridge import simulate_matrix
+from poise.sim import calibrate as cal
+from poise.sim.arrival import ArrivalModel
+from poise.sim.cost import CostModel
+from poise.sim.fit import load_profile
+from poise.sim.tokens import PromptLengths
+from poise.sim.trace import predicted_vs_measured, read_trace
+
 REPO = Path(__file__).resolve().parents[1]
-POISE = [sys.executable, "-m", "poise"]
 METRICS = ("p50_ttft_ms", "p95_ttft_ms", "output_tokens_per_s")
 # The prediction the target is judged on (its median over --sim-seeds seeds): calibrated only
 # from the c=1 cell, with the server's way in as it is.
 PRIMARY = "calibrated per round (c=1 step-trace scale and jitter)"
+CAL_REQUESTS, CAL_WARMUP = 8, 1
+Span = tuple[int, int]
 
 
 def _commit() -> str | None:
@@ -96,241 +116,72 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def threads_env(threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
-def env(threads: int) -> dict[str, str]:
-    e = dict(os.environ)
-    e["OMP_NUM_THREADS"] = str(threads)
-    e["MKL_NUM_THREADS"] = str(threads)
-    return e
+def profile(args: list[str], threads: int, log: Path) -> None:
+    """``poise profile ARGS`` in its own process (its own torch, pinned threads)."""
+    print("$ poise profile", " ".join(args), flush=True)
+    with open(log, "w") as out:
+        subprocess.run([sys.executable, "-m", "poise", "profile", *args], cwd=REPO,
+                       env={**os.environ, **threads_env(threads)}, check=True, stdout=out,
+                       stderr=out)  # fmt: skip
 
 
-def run(cmd: list[str], threads: int, log: Path | None = None) -> None:
-    print("$", " ".join(cmd[2:] if cmd[:2] == POISE[:2] else cmd), flush=True)
-    out = open(log, "w") if log else None  # noqa: SIM115
-    try:
-        subprocess.run(cmd, cwd=REPO, env=env(threads), check=True, stdout=out, stderr=out)
-    finally:
-        if out:
-            out.close()
-
-
-def simulate_in_process(args: list[str], log: Path) -> None:
-    """``poise simulate ARGS`` in this process (hundreds of short simulations: no interpreter
-    start-up each), its output to ``log``."""
-    from poise.cli import main as poise_main
-
-    print("$ poise simulate", " ".join(args), flush=True)
-    with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-        rc = poise_main(["simulate", *args])
-    if rc:
-        raise RuntimeError(f"poise simulate failed (exit {rc}), see {log}")
-
-
-def start_server(engine: list[str], threads: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    import httpx
-
-    port = free_port()
-    cmd = [*POISE, "serve", "--port", str(port), "--log-interval", "0", *engine]
-    print("$ poise", " ".join(cmd[3:]), flush=True)
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env(threads), stdout=f, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"poise serve exited ({proc.returncode}); see {log}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.terminate()
-    raise RuntimeError("poise serve did not become healthy")
-
-
-def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()  # by PID: only the process this script started
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def load_args(a: argparse.Namespace, concurrency: str, long_ratio: str, n: int | None,
-              warmup: int | None, max_tokens: int) -> list[str]:  # fmt: skip
-    out = [
-        "--concurrency",
-        concurrency,
-        "--long-ratio",
-        long_ratio,
-        "--max-tokens",
-        str(max_tokens),
-    ]
-    if n is not None:
-        out += ["--num-requests", str(n)]
-    if warmup is not None:
-        out += ["--warmup", str(warmup)]
-    return out
-
-
-def templates(path: Path) -> list[dict[str, Any]]:
-    rec = yaml.safe_load(path.read_text())
-    return list(rec["experiment"]["metrics"])
-
-
-def overall(path: Path) -> list[dict[str, Any]]:
-    rec = yaml.safe_load(path.read_text())
-    return [c["metrics"]["overall"] for c in rec["results"]]
-
-
-CALIBRATION = ["--concurrency", "1", "--long-ratio", "0"]
-CAL_REQUESTS, CAL_WARMUP = 8, 1
-
-
-def records_of(path: Path) -> list[Any]:
-    from poise.bench.record import ExperimentRecord
-
-    return list(ExperimentRecord.load(path).cells[0].records)
-
-
-def pooled_metrics(paths: list[Path]) -> dict[str, Any]:
-    """TTFT p50/p95 over the measured requests of all ``paths`` (one cell each, e.g. the rounds
-    of one load point) and output tokens/s as all their tokens over all their windows: the
-    numbers `poise bench` reports for one cell, computed over several."""
-    from poise.bench.metrics import cell_metrics, derive, percentile
-
-    ttfts: list[float] = []
-    tokens, window, tpots, rounds = 0, 0.0, [], []
-    for p in paths:
-        recs = records_of(p)
-        m = cell_metrics(recs)
-        ov = m["overall"]
-        ok = [r for r in recs if not r.warmup and r.ok]
-        stats = [derive(r) for r in ok]
-        ttfts += [st.ttft for st in stats if st.ttft is not None]
-        tpots += [st.tpot for st in stats if st.tpot is not None]
-        tokens += ov["output_tokens"]
-        window += m["window_s"]
-        rounds.append({"p50_ttft_ms": ov["ttft_ms"]["p50"], "p95_ttft_ms": ov["ttft_ms"]["p95"],
-                       "output_tokens_per_s": ov["output_tokens_per_s"]})  # fmt: skip
-
-    def ms(q: float, xs: list[float]) -> float:
-        v = percentile(xs, q)
-        return float("nan") if v is None else v * 1000
-
-    return {
-        "p50_ttft_ms": ms(50, ttfts),
-        "p95_ttft_ms": ms(95, ttfts),
-        "output_tokens_per_s": tokens / window if window > 0 else float("nan"),
-        "p50_tpot_ms": ms(50, tpots),
-        "num_requests": len(ttfts),
-        "rounds": rounds,
-    }
-
-
-def step_jitter(paths: list[Path]) -> float:
-    """Coefficient of variation of the inter-token gaps at concurrency 1 (after the first two
-    tokens): steps of one shape, so their spread is the machine's, not the model's."""
-    gaps: list[float] = []
-    for p in paths:
-        for rec in records_of(p):
-            if rec.warmup or not rec.ok:
-                continue
-            times = [t for t, chars in zip(rec.events, rec.event_chars, strict=False) if chars]
-            gaps += [b - a for a, b in zip(times[1:], times[2:], strict=False)]
-    return coefficient_of_variation(gaps)
-
-
-def trace_step_jitter(model: Any, trace: Path, spans: list[tuple[int, int]]) -> float:
-    """Spread of the server's own step times around the model: the CV of measured / predicted
-    over each span's steps (one round of a cell, so the drift between rounds, which the time
-    scale carries, stays out), the median over spans. The client's inter-token gaps overstate
-    it 2-3x: a detokenizer that holds a token back merges two steps into one gap."""
-    per_span = []
-    for span in spans:
-        steps = trace_steps(trace, [span])
-        per_span.append(coefficient_of_variation(
-            [s.wall_s / model.step_time(s.shape) for s in steps if model.step_time(s.shape) > 0]
-        ))  # fmt: skip
-    return statistics.median(per_span) if per_span else 0.0
-
-
-def coefficient_of_variation(xs: list[float]) -> float:
-    if len(xs) < 2 or statistics.mean(xs) <= 0:
-        return 0.0
-    return statistics.pstdev(xs) / statistics.mean(xs)
-
-
-def header_latencies(paths: list[Path]) -> list[float]:
-    """Seconds from sending each measured request to its response headers."""
-    return [r.header - r.start for p in paths for r in records_of(p)
-            if not r.warmup and r.header is not None]  # fmt: skip
-
-
-def request_overhead_cv(paths: list[Path]) -> float:
-    """Coefficient of variation of the response-header latency at concurrency 1."""
-    return coefficient_of_variation(header_latencies(paths))
-
-
-def request_overhead(paths: list[Path]) -> float:
-    """Median seconds from sending a request to its response headers, at concurrency 1.
-
-    poise sends headers once the engine has taken the request; an idle engine takes it at once,
-    so this is the request's way in (client, HTTP, template, tokenization). Measured directly
-    rather than as "TTFT minus simulated prefill": that residual goes to 0 whenever the time
-    scale overshoots, and a closed-loop request that reaches the engine at the very instant the
-    previous one finished joins the step already under way instead of waiting for the next one,
-    which takes a whole step off every simulated TTFT.
-    """
-    gaps = sorted(header_latencies(paths))
-    if not gaps:
-        raise RuntimeError("calibration: no response header times to calibrate from")
-    return gaps[len(gaps) // 2]
-
-
-def way_in_us_per_token(engine: list[str], repeats: int = 20) -> float:
-    """Microseconds per prompt token that poise serve's one tokenizer thread spends on a seed
-    request (chat template + tokenization, the serial part of its way in), timed here with the
-    server's own functions on the seed prompts. A machine fact, not fitted to any cell."""
-    from poise.cli.options import add_engine_args, engine_config_from_args
-    from poise.text.tokenizer import apply_chat_template, load_tokenizer
-    from poise.workload import seed_classes
-
+def engine_config(engine: list[str]) -> EngineConfig:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    config = engine_config_from_args(parser.parse_args(engine))
-    tok = load_tokenizer(config.model.tokenizer or config.model.model)
-    seconds = tokens = 0.0
-    for cls in seed_classes():
-        messages = [{"role": "user", "content": cls.prompt or ""}]
-        tokens += len(apply_chat_template(tok, messages))
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            apply_chat_template(tok, messages)
-            times.append(time.perf_counter() - t0)
-        seconds += statistics.median(times)
-    return seconds / tokens * 1e6
+    return engine_config_from_args(parser.parse_args(engine))
 
 
-def trace_steps(trace: Path, spans: list[tuple[int, int]]) -> list[Any]:
-    """The traced steps inside the given (first, end) step-index spans."""
-    from poise.sim.trace import read_trace
-
-    _, steps = read_trace(trace)
-    return [s for a, b in spans for s in steps[a:b]]
+def server_spec(engine: list[str], threads: int, trace: Path) -> ServerSpec:
+    """poise serve with the given engine flags (those that differ from the defaults), its step
+    trace and no periodic log."""
+    config = engine_config(engine).to_flat_dict()
+    default = engine_config([]).to_flat_dict()
+    args = {k: v for k, v in config.items() if k != "model" and v != default.get(k)}
+    return ServerSpec(
+        name="poise", model=config.get("model"),
+        args={**args, "log_interval": 0, "step_trace": str(trace)},
+        env=threads_env(threads), startup_timeout_s=600.0,
+    )  # fmt: skip
 
 
 def count_steps(trace: Path) -> int:
     """Steps written so far (read_trace's index of the next one)."""
     return sum(1 for line in trace.read_text().splitlines() if line.startswith('{"start_s"'))
+
+
+def bench(base_url: str, spec: WorkloadSpec) -> ExperimentRecord:
+    """One `poise bench` cell against the server (the bench's own runner, in this process)."""
+    cfg = BenchConfig.for_workload(spec, base_url=base_url)
+    record = asyncio.run(run_matrix(cfg))
+    record.provenance["label"] = "measured"
+    return record
+
+
+def way_in_s_per_token(config: EngineConfig) -> float:
+    """Seconds per prompt token that poise serve's one tokenizer thread spends on a seed
+    request (chat template + tokenization), timed with the server's own functions. A machine
+    fact, not fitted to any cell."""
+    from poise.text.tokenizer import apply_chat_template, load_tokenizer
+    from poise.workload import seed_classes
+
+    tok = load_tokenizer(config.model.tokenizer or config.model.model)
+
+    def job(prompt: str) -> Callable[[], int]:
+        return lambda: len(apply_chat_template(tok, [{"role": "user", "content": prompt}]))
+
+    return cal.time_per_token([job(c.prompt or "") for c in seed_classes()])
+
+
+def simulate(spec: WorkloadSpec, config: EngineConfig, model: CostModel, arrival: ArrivalModel,
+             out: Path, label: str) -> Path:  # fmt: skip
+    cfg = BenchConfig.for_workload(spec, base_url="simulated://", model=model.name, scrape=False)
+    record = simulate_matrix(cfg, config, model, PromptLengths(), arrival)
+    record.provenance["label"] = label
+    return record.save(out)
 
 
 def rel(sim: float, real: float) -> float | None:
@@ -400,10 +251,11 @@ def by_class(paths: list[Path]) -> dict[str, dict[str, float]]:
     """Per request class: admission (send to response headers: the way in plus the wait for
     the step under way) and TTFT, p50 in ms, over the measured requests of ``paths``."""
     from poise.bench.metrics import derive, percentile
+    from poise.bench.record import ExperimentRecord
 
     out: dict[str, dict[str, list[float]]] = {}
     for p in paths:
-        for r in records_of(p):
+        for r in ExperimentRecord.load(p).cells[0].records:
             if r.warmup or not r.ok:
                 continue
             d = out.setdefault(r.class_name, {"header": [], "ttft": []})
@@ -432,7 +284,7 @@ def class_table(title: str, rows: dict[int, tuple[dict[str, Any], dict[str, Any]
     return "\n".join(lines)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -452,7 +304,7 @@ def main() -> int:
     )  # fmt: skip
     p.add_argument("--rounds", type=int, default=3, help="Measurement rounds, pooled.")
     p.add_argument("--concurrency", default="8,16,32")
-    p.add_argument("--long-ratio", default="0.25")
+    p.add_argument("--long-ratio", type=float, default=0.25)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument(
         "--requests-per-stream", type=int, default=2,
@@ -479,184 +331,197 @@ def main() -> int:
         "engine", nargs=argparse.REMAINDER, help="-- then engine flags for serve/simulate."
     )
     a = p.parse_args()
-    engine = [x for x in a.engine if x != "--"]
-    out = a.reuse or a.out_dir / time.strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    concs = [int(x) for x in a.concurrency.split(",") if x.strip()]
-    rounds = range(a.rounds)
-    trace = out / "steps.jsonl"
+    a.engine = [x for x in a.engine if x != "--"]
+    a.concs = [int(x) for x in a.concurrency.split(",") if x.strip()]
+    return a
 
-    def load_for(c: int, per_stream: int) -> list[str]:
-        return load_args(a, str(c), a.long_ratio, per_stream * c, a.warmup_per_stream * c,
-                         a.max_tokens)  # fmt: skip
 
-    cal_load = [*CALIBRATION, "--max-tokens", str(a.calibration_tokens)]
+@dataclasses.dataclass
+class Run:
+    """One run's folder and protocol: the workloads of its cells and where their files are."""
 
-    def cal_for(n_rounds: int) -> list[str]:
-        return [*cal_load, "--num-requests", str(CAL_REQUESTS * n_rounds),
-                "--warmup", str(CAL_WARMUP)]  # fmt: skip
+    a: argparse.Namespace
+    out: Path
 
+    @property
+    def trace(self) -> Path:
+        return self.out / "steps.jsonl"
+
+    def load(self, c: int, seed: int = 0) -> WorkloadSpec:
+        """Cell c of one round: per-stream counts x c, the seed mix at --long-ratio."""
+        a = self.a
+        return WorkloadSpec(
+            concurrency=(c,), long_ratio=(a.long_ratio,), max_tokens=a.max_tokens,
+            num_requests=a.requests_per_stream * c, warmup=a.warmup_per_stream * c,
+            timeout_s=a.timeout, seed=seed,
+        )  # fmt: skip
+
+    def calibration(self) -> WorkloadSpec:
+        """The c=1 cell: SHORT prompts only, short outputs."""
+        return WorkloadSpec(
+            concurrency=(1,), long_ratio=(0.0,), max_tokens=self.a.calibration_tokens,
+            num_requests=CAL_REQUESTS, warmup=CAL_WARMUP, timeout_s=self.a.timeout,
+        )  # fmt: skip
+
+    def real(self, name: str, r: int) -> Path:
+        return self.out / f"real-{name}-r{r}.yaml"
+
+
+def measure(run: Run) -> tuple[dict[str, list[Span]], dict[str, list[float]], list[Path]]:
+    """The profile slices and the rounds on one traced server: (spans, CPU shares, slices)."""
+    a, out = run.a, run.out
     slices: list[Path] = []
 
     def profile_slice(i: int) -> None:
         path = out / f"profile-slice{i}.json"
-        run(
-            [*POISE, "profile", "--grid", a.profile_grid, "--repeats", str(a.profile_repeats),
-             "--threads", str(a.threads), "--clock", a.profile_clock, "-o", str(path), *engine],
-            a.threads, out / f"profile-slice{i}.log",
-        )  # fmt: skip
+        profile(["--grid", a.profile_grid, "--repeats", str(a.profile_repeats), "--threads",
+                 str(a.threads), "--clock", a.profile_clock, "-o", str(path), *a.engine],
+                a.threads, out / f"profile-slice{i}.log")  # fmt: skip
         slices.append(path)
 
-    spans: dict[str, list[tuple[int, int]]] = {}
+    spans: dict[str, list[Span]] = {}
     shares: dict[str, list[float]] = {}
+    server: ManagedServer | None = None
+    try:
+        # With --calibrate a last c=1 cell closes the window, so every round's cells are
+        # bracketed by a c=1 cell before and one after (the next round's).
+        for r in range(a.rounds + 1 if a.calibrate else a.rounds):
+            last = r == a.rounds
+            if a.profile is None and not last:
+                profile_slice(r)
+            if server is None:
+                server = ManagedServer(
+                    server_spec(a.engine, a.threads, run.trace), out / "serve.log"
+                )
+                server.__enter__()  # started and ready; stopped in finally
+            cells = [("cal", run.calibration())] if a.calibrate else []
+            if not last:
+                cells += [(f"c{c}", run.load(c)) for c in a.concs]
+            for name, load in cells:
+                assert server.pid is not None
+                first, cpu0, w0 = count_steps(run.trace), cpu_seconds(server.pid), time.monotonic()
+                print(f"round {r} {name}: bench {server.base_url}", flush=True)
+                record = bench(server.base_url, load)
+                span = (first, count_steps(run.trace))
+                share = (cpu_seconds(server.pid) - cpu0) / (time.monotonic() - w0)
+                # The record names its span of the trace: `poise simulate --calibrate-from`
+                # reads the c=1 cells' step times from it.
+                link_step_trace(record, run.trace.name, [span])
+                record.save(run.real(name, r))
+                spans.setdefault(name, []).append(span)
+                shares.setdefault(name, []).append(share)
+                print(f"round {r} {name}: the server got {share:.2f} of a core", flush=True)
+        (out / "spans.json").write_text(json.dumps({"spans": spans, "shares": shares}))
+    finally:
+        if server is not None:
+            server.stop()
+    if a.profile is None:
+        profile_slice(a.rounds)  # the last slice closes the window
+    return spans, shares, slices
+
+
+Flags = Callable[[int, int], tuple[CostModel, ArrivalModel]]  # (concurrency, round) -> models
+
+
+def calibrated_variants(
+    run: Run, model: CostModel, speed_rounds: dict[str, list[float]]
+) -> tuple[list[tuple[str, str, Flags, int]], dict[str, Any]]:
+    """The calibrated variants (name, tag, models per cell and round, seeds) and what they
+    were calibrated to."""
+    a = run.a
+    # Every c=1 cell: one per round and one closing the window (runs from before it: none).
+    paths = [run.real("cal", r) for r in range(a.rounds + 1) if run.real("cal", r).exists()]
+    cells = [c for p in paths for c in calibration_cells(p)]
+    pooled = cal.calibrate(model, cells)
+    n = a.rounds
+    # Round r's cells ran between c=1 cells r and r+1: each value is the mean of the two.
+    trace_scales = cal.bracket([cal.trace_time_scale(model, c.steps or ()) for c in cells], n)
+    trace_cvs = cal.bracket([cal.trace_step_jitter(model, c.steps or ()) for c in cells], n)
+    tpot_scales = cal.bracket([cal.tpot_time_scale(model, c.requests) for c in cells], n)
+    gap_cvs = cal.bracket([cal.gap_jitter(c.requests) for c in cells], n)
+    way_in = way_in_s_per_token(engine_config(a.engine))
+    # poise serve's way in as it is: the client and HTTP part of the overhead overlaps, the
+    # chat template and tokenization run on one thread, in arrival order.
+    queued = ArrivalModel(pooled.request_overhead_s, 0.0, 1, way_in)
+    independent = ArrivalModel(pooled.request_overhead_s, pooled.request_overhead_cv)
+
+    def timed(scale: float, cv: float) -> CostModel:
+        return dataclasses.replace(model, time_scale=scale, step_jitter_cv=cv)
+
+    variants: list[tuple[str, str, Flags, int]] = [
+        (PRIMARY, "trace",
+         lambda c, r: (timed(trace_scales[r], trace_cvs[r]), queued), a.sim_seeds),
+        ("calibrated (c=1 TPOT scale, client gaps' jitter)", "tpot",
+         lambda c, r: (timed(tpot_scales[r], gap_cvs[r]), queued), a.sim_seeds),
+        ("calibrated (c=1 step-trace scale), independent way in", "random",
+         lambda c, r: (timed(trace_scales[r], trace_cvs[r]), independent), a.sim_seeds),
+        ("diagnostic: each cell's own step-trace scale", "oracle",
+         lambda c, r: (timed(speed_rounds[f"c{c}"][r], trace_cvs[r]), queued), 1),
+    ]  # fmt: skip
+    facts = {
+        "request_overhead_s": pooled.request_overhead_s,
+        "request_overhead_cv": pooled.request_overhead_cv, "way_in_s_per_token": way_in,
+        "trace_scale_by_round": trace_scales, "trace_step_jitter_cv_by_round": trace_cvs,
+        "tpot_scale_by_round": tpot_scales, "gap_jitter_cv_by_round": gap_cvs,
+        "real_c1": pooled_metrics(paths),
+    }  # fmt: skip
+    print(f"calibration: request overhead {pooled.request_overhead_s * 1000:.1f} ms (CV "
+          f"{pooled.request_overhead_cv:.2f}), way in {way_in * 1e6:.2f} us/token on one thread; "
+          f"per round: step-trace scale {', '.join(f'{x:.3f}' for x in trace_scales)} (jitter CV "
+          f"{', '.join(f'{x:.3f}' for x in trace_cvs)}), TPOT scale "
+          f"{', '.join(f'{x:.3f}' for x in tpot_scales)}")  # fmt: skip
+    return variants, facts
+
+
+def main() -> int:
+    a = parse_args()
+    run = Run(a, a.reuse or a.out_dir / time.strftime("%Y%m%d-%H%M%S"))
+    out = run.out
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    concs, rounds = a.concs, range(a.rounds)
     if a.reuse is None:
-        proc = None
-        try:
-            # With --calibrate a last c=1 cell closes the window, so every round's cells are
-            # bracketed by a c=1 cell before and one after (the next round's).
-            for r in range(a.rounds + 1 if a.calibrate else a.rounds):
-                last = r == a.rounds
-                if a.profile is None and not last:
-                    profile_slice(r)
-                if proc is None:
-                    proc, base = start_server([*engine, "--step-trace", str(trace)], a.threads,
-                                              out / "serve.log")  # fmt: skip
-                cells: list[tuple[str, list[str]]] = []
-                if a.calibrate:
-                    cells.append(("cal", cal_for(1)))
-                if not last:
-                    cells += [(f"c{c}", load_for(c, a.requests_per_stream)) for c in concs]
-                for name, load in cells:
-                    first, cpu0, w0 = count_steps(trace), cpu_seconds(proc.pid), time.monotonic()
-                    run([*POISE, "bench", "--base-url", base + "/v1", *load, "--no-progress",
-                         "--timeout", str(a.timeout), "-o", str(out / f"real-{name}-r{r}.yaml"),
-                         "--label", "measured"], a.threads, out / f"bench-{name}-r{r}.log")  # fmt: skip
-                    share = (cpu_seconds(proc.pid) - cpu0) / (time.monotonic() - w0)
-                    spans.setdefault(name, []).append((first, count_steps(trace)))
-                    shares.setdefault(name, []).append(share)
-                    print(f"round {r} {name}: the server got {share:.2f} of a core", flush=True)
-            (out / "spans.json").write_text(json.dumps({"spans": spans, "shares": shares}))
-        finally:
-            if proc is not None:
-                stop_server(proc)
-        if a.profile is None:
-            profile_slice(a.rounds)  # the last slice closes the window
+        spans, shares, slices = measure(run)
     else:
         saved = json.loads((out / "spans.json").read_text())
-        spans = {k: [tuple(x) for x in v] for k, v in saved["spans"].items()}  # type: ignore[misc]
-        shares = saved["shares"]
-        slices = sorted(out.glob("profile-slice*.json"))
+        spans = {k: [(int(x), int(y)) for x, y in v] for k, v in saved["spans"].items()}
+        shares, slices = saved["shares"], sorted(out.glob("profile-slice*.json"))
     if a.profile is None:
         a.profile = out / "profile-merged.json"
-        run([*POISE, "profile", "--merge", *map(str, slices), "-o", str(a.profile)], a.threads,
-            out / "profile-merge.log")  # fmt: skip
-
-    from poise.sim.fit import load_profile
-    from poise.sim.trace import predicted_vs_measured
-
+        profile(["--merge", *map(str, slices), "-o", str(a.profile)], a.threads,
+                out / "profile-merge.log")  # fmt: skip
     model = load_profile(a.profile)
-    real = {c: pooled_metrics([out / f"real-c{c}-r{r}.yaml" for r in rounds]) for c in concs}
+    config = engine_config(a.engine)
+    real = {c: pooled_metrics([run.real(f"c{c}", r) for r in rounds]) for c in concs}
     # Step times on the server against the profile, per cell: how fast the machine really
     # was while each load ran (a diagnostic: no prediction below uses a compared cell's steps).
-    speed = {
-        name: predicted_vs_measured(model, trace_steps(trace, sp)).to_dict()
-        for name, sp in spans.items()
-    }
-    speed_rounds = {
-        name: [predicted_vs_measured(model, trace_steps(trace, [s])).ratio for s in sp]
-        for name, sp in spans.items()
-    }
+    _, steps = read_trace(run.trace)
+    speed = {name: predicted_vs_measured(model, [s for x, y in sp for s in steps[x:y]]).to_dict()
+             for name, sp in spans.items()}  # fmt: skip
+    speed_rounds = {name: [predicted_vs_measured(model, steps[x:y]).ratio for x, y in sp]
+                    for name, sp in spans.items()}  # fmt: skip
     report: dict[str, Any] = {
         "out_dir": str(out), "profile": str(a.profile), "profile_slices": [str(x) for x in slices],
         "commit": os.environ.get("POISE_COMMIT") or _commit(), "rounds": a.rounds,
         "server_cpu_share": shares, "step_time_vs_profile": speed,
-        "step_time_vs_profile_by_round": speed_rounds, "engine": engine, "threads": a.threads,
+        "step_time_vs_profile_by_round": speed_rounds, "engine": a.engine, "threads": a.threads,
         "real": real,
     }  # fmt: skip
     # Each round is simulated as it was measured (its requests, its warm-up, a fresh closed
     # loop) with the calibration of the c=1 cells around it, and the rounds are pooled like
-    # the real ones: the machine's speed moves between rounds (the c=1 step-trace ratio
-    # 1.04-1.38 in one run), and a real cell's TTFT distribution pools those speeds.
-    Flags = Callable[[int, int], list[str]]  # (concurrency, round) -> simulate flags
-    variants: list[tuple[str, str, Flags, int]] = [("profile only", "plain", lambda c, r: [], 1)]
+    # the real ones: the machine's speed moves between rounds.
+    variants: list[tuple[str, str, Flags, int]] = [
+        ("profile only", "plain", lambda c, r: (model, ArrivalModel()), 1)
+    ]
     if a.calibrate:
-        # Every c=1 cell: one per round and one closing the window (runs from before it: none).
-        cal_paths = [out / f"real-cal-r{r}.yaml" for r in range(len(spans["cal"]))]
-        req_s = request_overhead(cal_paths)
-        cal_sim = out / f"calibration-sim-{a.profile.stem}.yaml"
-        simulate_in_process(["--profile", str(a.profile), *cal_for(a.rounds), "-o", str(cal_sim),
-                             *engine], out / "calibration-sim.log")  # fmt: skip
-        real_cal, sim_cal = pooled_metrics(cal_paths), pooled_metrics([cal_sim])
+        calibrated, report["calibration"] = calibrated_variants(run, model, speed_rounds)
+        variants += calibrated
 
-        # Round r's cells ran between c=1 cells r and r+1: each calibration value is the mean of
-        # the two (the machine drifts within minutes; one short c=1 cell was up to 20 % off the
-        # cells after it). Without the closing cell the last round uses its own.
-        def bracket(xs: list[float]) -> list[float]:
-            return [statistics.mean(xs[r : r + 2]) for r in rounds]
-
-        tpot_scales = bracket(
-            [pooled_metrics([p])["p50_tpot_ms"] / sim_cal["p50_tpot_ms"] for p in cal_paths]
-        )
-        gap_cvs = bracket([step_jitter([p]) for p in cal_paths])
-        trace_scales = bracket(speed_rounds["cal"])
-        trace_cvs = bracket([trace_step_jitter(model, trace, [sp]) for sp in spans["cal"]])
-        req_cv = request_overhead_cv(cal_paths)
-        way_in_us = way_in_us_per_token(engine)
-        overhead = ["--request-overhead-ms", f"{req_s * 1000:.3f}"]
-        # poise serve's way in as it is: the client and HTTP part of the overhead overlaps,
-        # the chat template and tokenization run on one thread, in arrival order.
-        way_in = ["--way-in-workers", "1", "--way-in-us-per-token", f"{way_in_us:.3f}"]
-
-        def timing(scale: float, cv: float) -> list[str]:
-            return ["--time-scale", f"{scale:.4f}", "--step-jitter", f"{cv:.4f}"]
-
-        variants += [
-            # From the round's c=1 step trace: time scale (measured / predicted) and jitter.
-            (PRIMARY, "trace",
-             lambda c, r: [*overhead, *way_in, *timing(trace_scales[r], trace_cvs[r])],
-             a.sim_seeds),
-            # From the round's c=1 client records alone: TPOT ratio and inter-token gap CV.
-            ("calibrated (c=1 TPOT scale, client gaps' jitter)", "tpot",
-             lambda c, r: [*overhead, *way_in, *timing(tpot_scales[r], gap_cvs[r])],
-             a.sim_seeds),
-            # The previous protocol's way in: each request delayed on its own by a draw of the
-            # c=1 overhead's spread, so a burst reaches the engine in a random order.
-            ("calibrated (c=1 step-trace scale), independent way in", "random",
-             lambda c, r: [*overhead, "--request-overhead-cv", f"{req_cv:.4f}",
-                           *timing(trace_scales[r], trace_cvs[r])],
-             a.sim_seeds),
-            # Not a prediction: each cell and round simulated with its own measured step-time
-            # ratio. What is left is the scheduling-and-queueing part of the error.
-            ("diagnostic: each cell's own step-trace scale", "oracle",
-             lambda c, r: [*overhead, *way_in,
-                           *timing(speed_rounds[f"c{c}"][r], trace_cvs[r])],
-             1),
-        ]  # fmt: skip
-        report["calibration"] = {
-            "request_overhead_s": req_s, "request_overhead_cv": req_cv,
-            "way_in_us_per_token": way_in_us, "trace_scale_by_round": trace_scales,
-            "trace_step_jitter_cv_by_round": trace_cvs, "tpot_scale_by_round": tpot_scales,
-            "gap_jitter_cv_by_round": gap_cvs, "real_c1": real_cal, "sim_c1": sim_cal,
-        }  # fmt: skip
-        print(f"calibration: request overhead {req_s * 1000:.1f} ms (CV {req_cv:.2f}), "
-              f"way in {way_in_us:.2f} us/token on one thread; per round: step-trace scale "
-              f"{', '.join(f'{x:.3f}' for x in trace_scales)} (jitter CV "
-              f"{', '.join(f'{x:.3f}' for x in trace_cvs)}), TPOT scale "
-              f"{', '.join(f'{x:.3f}' for x in tpot_scales)}")  # fmt: skip
-
-    def simulate(tag: str, name: str, c: int, flags: Flags, seed: int) -> list[Path]:
+    def simulate_cell(tag: str, name: str, c: int, models: Flags, seed: int) -> list[Path]:
         """One simulated measurement of cell c: a simulation per round, as the real rounds."""
-        paths = []
-        for r in rounds:
-            path = out / f"sim-{tag}-{a.profile.stem}-c{c}-r{r}-seed{seed}.yaml"
-            simulate_in_process(
-                ["--profile", str(a.profile), *load_for(c, a.requests_per_stream), *flags(c, r),
-                 "-o", str(path), "--label", name, *engine, "--seed", str(seed * 100 + r)],
-                path.with_suffix(".log"),
-            )  # fmt: skip
-            paths.append(path)
-        return paths
+        return [simulate(run.load(c, seed=seed * 100 + r), config, *models(c, r),
+                         out / f"sim-{tag}-{a.profile.stem}-c{c}-r{r}-seed{seed}.yaml", name)
+                for r in rounds]  # fmt: skip
 
     md = [f"# sim vs real ({time.strftime('%Y-%m-%d %H:%M')}, threads {a.threads}, "
           f"{a.rounds} rounds x {a.requests_per_stream} requests per stream, "
@@ -671,52 +536,20 @@ def main() -> int:
         md.append(f"| {name} | {rs} | {d['ratio']:.3f} | {cpu} | {sh} |")
     md += ["", spread_table(real), ""]
     target_ok: bool | None = None
-    for name, tag, flags, n_seeds in variants:
-        by_seed = {c: [simulate(tag, name, c, flags, seed) for seed in range(n_seeds)]
+    for name, tag, models, n_seeds in variants:
+        by_seed = {c: [simulate_cell(tag, name, c, models, seed) for seed in range(n_seeds)]
                    for c in concs}  # fmt: skip
-        seeded = {c: [pooled_metrics(paths) for paths in by_seed[c]] for c in concs}
-        rows, ok = {}, True
-        for c in concs:
-            rows[c], k = compare(real[c], seeded[c][0], a.tolerance)
-            ok = ok and k
-        speeds = [
-            yaml.safe_load(by_seed[c][0][0].read_text())["provenance"].get(
-                "simulated_requests_per_wall_s"
-            )
-            for c in concs
-        ]
-        report[name] = {"rows": rows, "within_tolerance": ok, "sim_requests_per_wall_s": speeds,
-                        "flags_round0": {c: flags(c, 0) for c in concs}}  # fmt: skip
-        md += [table(f"{name}, seed 0: {'PASS' if ok else 'FAIL'} at ±{a.tolerance:.0%}", rows),
-               ""]  # fmt: skip
+        section, ok = judge(name, real, by_seed, a.tolerance)
+        report[name] = section
+        report[name]["models_round0"] = {c: [m.describe() for m in models(c, 0)] for c in concs}
+        md += section.pop("md")
         if tag == "trace":
-            classes = {
-                c: (by_class([out / f"real-c{c}-r{r}.yaml" for r in rounds]),
-                    by_class(by_seed[c][0]))
-                for c in concs
-            }  # fmt: skip
+            classes = {c: (by_class([run.real(f"c{c}", r) for r in rounds]),
+                           by_class(by_seed[c][0])) for c in concs}  # fmt: skip
             report[name]["by_class"] = classes
             md += [class_table(f"{name}, by request class", classes), ""]
-        band_ok = ok
-        if n_seeds > 1:
-            # The simulator is stochastic (step jitter): its prediction is a distribution.
-            # Seed 0 above is one draw; the median over seeds is the point estimate, the band
-            # says how far one run of this size can fall from it.
-            band_rows, band_ok = {}, True
-            for c in concs:
-                med = {m: statistics.median(d[m] for d in seeded[c]) for m in METRICS}
-                row, k = compare(real[c], med, a.tolerance)
-                for m in METRICS:
-                    vals = [d[m] for d in seeded[c]]
-                    row[m]["sim_seeds"] = [min(vals), max(vals)]
-                    row[m]["real_in_band"] = min(vals) <= real[c][m] <= max(vals)
-                band_rows[c], band_ok = row, band_ok and k
-            report[name]["seeds"] = {"n": n_seeds, "rows": band_rows, "within_tolerance": band_ok}
-            md += [band_table(f"{name}, median over {n_seeds} simulator seeds: "
-                              f"{'PASS' if band_ok else 'FAIL'} at ±{a.tolerance:.0%}",
-                              band_rows), ""]  # fmt: skip
         if name == PRIMARY:
-            target_ok = band_ok
+            target_ok = ok
     report["target"] = {"variant": PRIMARY, "median_of_seeds": a.sim_seeds > 1,
                         "within_tolerance": target_ok}  # fmt: skip
     md.insert(2, f"**Target** ({PRIMARY}, median of {a.sim_seeds} seeds) within "
@@ -727,6 +560,43 @@ def main() -> int:
     print("\n".join(md))
     print(f"results: {out}")
     return 0 if target_ok else 1
+
+
+def judge(
+    name: str, real: dict[int, Any], by_seed: dict[int, list[list[Path]]], tolerance: float
+) -> tuple[dict[str, Any], bool]:
+    """One variant against the real cells: seed 0's table and, with several seeds, the median
+    over seeds with their range. Returns (report section with its markdown, within tolerance:
+    of the median when seeded, else of seed 0)."""
+    seeded = {c: [pooled_metrics(paths) for paths in runs] for c, runs in by_seed.items()}
+    rows, ok = {}, True
+    for c in seeded:
+        rows[c], k = compare(real[c], seeded[c][0], tolerance)
+        ok = ok and k
+    speeds = [yaml.safe_load(runs[0][0].read_text())["provenance"].get(
+        "simulated_requests_per_wall_s") for runs in by_seed.values()]  # fmt: skip
+    section: dict[str, Any] = {"rows": rows, "within_tolerance": ok,
+                               "sim_requests_per_wall_s": speeds}  # fmt: skip
+    md = [table(f"{name}, seed 0: {'PASS' if ok else 'FAIL'} at ±{tolerance:.0%}", rows), ""]
+    n_seeds = len(next(iter(seeded.values())))
+    if n_seeds > 1:
+        # The simulator is stochastic (step jitter): its prediction is a distribution. Seed 0
+        # above is one draw; the median over seeds is the point estimate, the band says how
+        # far one run of this size can fall from it.
+        band_rows, ok = {}, True
+        for c in seeded:
+            med = {m: statistics.median(d[m] for d in seeded[c]) for m in METRICS}
+            row, k = compare(real[c], med, tolerance)
+            for m in METRICS:
+                vals = [d[m] for d in seeded[c]]
+                row[m]["sim_seeds"] = [min(vals), max(vals)]
+                row[m]["real_in_band"] = min(vals) <= real[c][m] <= max(vals)
+            band_rows[c], ok = row, ok and k
+        section["seeds"] = {"n": n_seeds, "rows": band_rows, "within_tolerance": ok}
+        md += [band_table(f"{name}, median over {n_seeds} simulator seeds: "
+                          f"{'PASS' if ok else 'FAIL'} at ±{tolerance:.0%}", band_rows), ""]  # fmt: skip
+    section["md"] = md
+    return section, ok
 
 
 if __name__ == "__main__":

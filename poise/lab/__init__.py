@@ -5,5 +5,6 @@ Layout: ``metrics`` (one measured cell as flat numbers), ``probe`` (config -> me
 server + bench, mock function, simulator), ``tune`` (the decision procedure), ``server`` (start,
 wait-ready, stop by PID), ``bench_adapter`` (the one seam to ``poise.bench``), ``store``
 (per-cell results on disk), ``sweep``, ``report``, ``presets`` (the lab's A/B/C scaled to the
-machine). Nothing here imports torch; ``poise.sim`` and ``poise.bench`` are imported lazily.
+machine), ``calibration`` (bench records -> the simulator's calibration; imported on demand).
+Nothing here imports torch; ``poise.sim`` and ``poise.bench`` are imported lazily.
 """
