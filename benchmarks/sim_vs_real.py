@@ -393,7 +393,7 @@ def measure(run: Run) -> tuple[dict[str, list[Span]], dict[str, list[float]], li
                 server = ManagedServer(
                     server_spec(a.engine, a.threads, run.trace), out / "serve.log"
                 )
-                server.__enter__()  # started and ready; stopped in finally
+                server.start().wait_ready()  # stopped in finally, whatever happens
             cells = [("cal", run.calibration())] if a.calibrate else []
             if not last:
                 cells += [(f"c{c}", run.load(c)) for c in a.concs]

@@ -12,9 +12,9 @@ simulation will be compared with:
   time scale overshoots;
 - its spread (``request_overhead_cv``): the coefficient of variation of the same latencies;
 - the way in per prompt token (``way_in_s_per_token``): the slope of header latency over
-  prompt tokens, when the cells hold prompts of different lengths (None otherwise: a cell of
-  one prompt length cannot separate it from the fixed part); or timed directly with the
-  server's own template and tokenizer (``time_per_token``);
+  prompt tokens, when the cells hold prompts of clearly different lengths (None otherwise: a
+  cell of one prompt length cannot separate it from the fixed part); or timed directly with
+  the server's own template and tokenizer (``time_per_token``);
 - time scale (``CostModel.time_scale``): with a step trace of the cell (``poise serve
   --step-trace``), the server's measured step times over the model's prediction for the same
   steps; without one, the median measured TPOT over the model's predicted decode step;
@@ -44,6 +44,10 @@ from typing import Any
 from poise.sim.arrival import ArrivalModel
 from poise.sim.cost import CostModel, StepShape
 from poise.sim.trace import TracedStep, predicted_vs_measured
+
+# How much longer the longest calibration prompt must be than the shortest for the way in per
+# token to be estimated from header latencies (see way_in_per_token).
+WAY_IN_MIN_SPREAD = 2.0
 
 # The model terms calibration sets (CostModel and ArrivalModel fields).
 CALIBRATED = (
@@ -150,8 +154,10 @@ def request_overhead(latencies: Sequence[float]) -> float:
 
 def way_in_per_token(latencies: Sequence[float], prompt_tokens: Sequence[int]) -> float | None:
     """Seconds per prompt token of the way in: the least-squares slope of header latency over
-    prompt length (clamped at 0). None when the prompts are all of one length."""
-    if len(set(prompt_tokens)) < 2:
+    prompt length (clamped at 0). None unless the longest prompt is at least
+    ``WAY_IN_MIN_SPREAD`` times the shortest: prompts of one length salted differently (a few
+    tokens apart) would turn the latency's noise into a slope of milliseconds per token."""
+    if not prompt_tokens or max(prompt_tokens) < WAY_IN_MIN_SPREAD * max(min(prompt_tokens), 1):
         return None
     mx, my = statistics.mean(prompt_tokens), statistics.mean(latencies)
     sxx = sum((x - mx) ** 2 for x in prompt_tokens)

@@ -94,6 +94,7 @@ def test_estimator_edges() -> None:
     with pytest.raises(ValueError, match="header"):
         request_overhead([])
     assert way_in_per_token([0.01, 0.02], [30, 30]) is None  # one prompt length: not separable
+    assert way_in_per_token([0.01, 0.02], [30, 32]) is None  # salts a few tokens apart: noise
     assert way_in_per_token([0.02, 0.01], [10, 20]) == 0.0  # never negative
     assert coefficient_of_variation([5.0]) == 0.0
     assert pool([1.0, 2.0]) == 1.5
