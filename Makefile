@@ -30,7 +30,14 @@ generate: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
-test-all: $(STAMP)
+SCALE_STAMP := $(VENV)/.installed-scale
+
+# The optional Ray Serve extra (replicas), only for the full suite.
+$(SCALE_STAMP): $(STAMP)
+	$(PIP) install -q -c constraints.txt -e '.[dev,scale]'
+	touch $(SCALE_STAMP)
+
+test-all: $(SCALE_STAMP)
 	$(BIN)/python -m pytest -q -m '' $(ARGS)
 
 lint: $(STAMP)

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from poise.cli.options import add_engine_args, engine_config_from_args
+from poise.cli.router_options import add_router_args, router_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -117,6 +118,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "its per-step and per-token terms. (default: a rough CPU guess, refined as steps run)",
     )
     add_engine_args(parser, positional_model=True)
+    add_router_args(parser)
     parser.set_defaults(func=run)
 
 
@@ -156,8 +158,31 @@ def run(args: argparse.Namespace) -> int:
         enable_api_docs=args.enable_api_docs,
         step_trace=args.step_trace,
     )
+    if args.replicas > 1:
+        return _serve_replicas(args, config)
     state = build_state_from_config(config, settings)
     return serve(state, settings)
+
+
+def _serve_replicas(args: argparse.Namespace, config: Any) -> int:
+    """N engine replicas on a local Ray Serve instance behind poise's router."""
+    try:
+        import ray  # noqa: F401  (the optional extra: say so before anything starts)
+
+        from poise.deploy.app import DeploySpec
+        from poise.deploy.launch import serve_replicas
+    except ImportError:
+        print("poise serve: error: --replicas needs Ray Serve: pip install 'poise[scale]'",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        router = router_from_args(args, config.cache.block_size)
+    except ValueError as exc:
+        print(f"poise serve: error: {exc}", file=sys.stderr)
+        return 2
+    spec = DeploySpec(config, router["replicas"], router["router_config"], router["pools"],
+                      served_model_names=list(args.served_model_name or []))  # fmt: skip
+    return serve_replicas(spec, args.host, args.port)
 
 
 def _number(text: str, kind: type, ok: Any, what: str) -> Any:

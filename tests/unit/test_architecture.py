@@ -49,6 +49,7 @@ ALLOWED: dict[str, set[str]] = {
     "bench": {"workload"},
     "lab": {"bench", "workload", "sim", "config", "errors"},
     "serving": {"engine", "text", "core", "config", "errors"},
+    "deploy": {"router", "serving", "text", "config", "errors"},
     "cli": {"*"},  # the entry point wires everything; its imports before dispatch are tested below
 }
 # Edges allowed only inside a function, so importing the importer does not load the target.
@@ -77,7 +78,7 @@ BANNED: dict[str, set[str]] = {
             "router",
         )
     },
-    **{u: HEAVY for u in ("engine", "sim", "bench", "lab", "serving")},
+    **{u: HEAVY for u in ("engine", "sim", "bench", "lab", "serving", "deploy")},
     "checkpoint": TORCH,  # transformers only inside gguf_tokenizer's functions
     "text": TORCH,  # transformers only inside load_tokenizer
     "model": set(),

@@ -1,0 +1,58 @@
+"""``poise serve --replicas N`` on this machine: a local Ray instance, the application, and a
+clean shutdown (Serve, then Ray) on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any
+
+from poise.deploy.app import DeploySpec, build_app
+
+logger = logging.getLogger(__name__)
+
+# A small object store: replicas exchange only request bodies and response chunks.
+OBJECT_STORE_BYTES = 200 * 1024 * 1024
+
+
+def start_local(spec: DeploySpec, host: str, port: int, num_cpus: int | None = None) -> None:
+    """Start Ray (if not yet) and Serve on host:port, and deploy ``spec``; returns when ready."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        cpus = num_cpus if num_cpus is not None else max(1, int(spec.num_cpus * spec.replicas))
+        ray.init(num_cpus=cpus, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)  # fmt: skip
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(spec), name="poise", route_prefix="/")
+
+
+def stop_local() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def serve_replicas(spec: DeploySpec, host: str, port: int) -> int:
+    done = threading.Event()
+
+    def _stop(signum: int, _frame: Any) -> None:
+        done.set()
+
+    old = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        start_local(spec, host, port)
+        print(f"poise: {spec.replicas} replicas behind the {spec.router.policy} router on "
+              f"http://{host}:{port}", flush=True)  # fmt: skip
+        done.wait()
+    finally:
+        stop_local()
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 0
