@@ -68,6 +68,12 @@ def _chat(base: str, question: str, **kw: Any) -> httpx.Response:
     return httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
 
 
+def _user(base: str, content: str) -> httpx.Response:
+    body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 200,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    return httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+
+
 def _metric(text: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in text.splitlines():
@@ -114,16 +120,23 @@ def _replica_pid(name: str) -> int:
 
 
 def test_a_killed_replica_loses_no_unstarted_request_and_hangs_no_stream(cluster: str) -> None:
-    body = {"model": "m", "messages": [{"role": "user", "content": "count"}], "max_tokens": 400,
+    # The others share the stream's opening blocks: prefix affinity sends them to its replica.
+    story = "Tell me a long story about the sea and the ships on it. " * 8
+    body = {"model": "m", "messages": [{"role": "user", "content": story}], "max_tokens": 400,
             "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
     with httpx.stream("POST", cluster + "/v1/chat/completions", json=body, timeout=120) as resp:
         victim = resp.headers["x-poise-replica"]
         lines = resp.iter_lines()
         next(ln for ln in lines if ln.startswith("data: "))  # started
         with cf.ThreadPoolExecutor(6) as pool:
-            futs = [pool.submit(_chat, cluster, f"q{i} " * 30, max_tokens=200, ignore_eos=True)
-                    for i in range(6)]  # fmt: skip
-            time.sleep(0.2)
+            futs = [pool.submit(_user, cluster, story + f"Part {i}.") for i in range(6)]
+            # Kill once all six are placed (on the stream's replica, by affinity).
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                text = httpx.get(cluster + "/metrics", timeout=30).text
+                if _metric(text, "poise_router_in_flight", replica=victim) >= 7:
+                    break
+                time.sleep(0.05)
             os.kill(_replica_pid(victim), signal.SIGKILL)
             t0 = time.monotonic()
             rest = [ln for ln in lines if ln.startswith("data: ")]
