@@ -8,15 +8,15 @@ One engine step is three calls::
 
 ``ScheduledRequest`` carries everything the runner needs to build its flat inputs for one
 request: the tokens to feed, where they start, and the request's whole block table. The runner
-keeps no scheduling state, only caches keyed by request id that it drops when the id appears in
-``finished_request_ids``.
+keeps no scheduling state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from poise.core.request import RequestTimes, SloTargets
+from poise.core.request import Request, RequestTimes, SloTargets
 from poise.core.sampling_params import SamplingParams
 
 
@@ -54,9 +54,6 @@ class SchedulerOutput:
     # The engine clock when the step was scheduled (start of the step).
     schedule_time: float = 0.0
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    # Requests that finished/aborted/were preempted since the previous step: the runner drops
-    # any per-request state it keeps for them.
-    finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
@@ -95,6 +92,23 @@ class RequestDelta:
     # Set on the delta with the first token (with ``times``, so TTFT is observed at once) and on
     # the finishing one: the request's class and targets, for per-class SLO metrics.
     slo: SloTargets | None = None
+
+
+def finishing_delta(request: Request, new_token_ids: Sequence[int] = ()) -> RequestDelta:
+    """The last delta of a finished request: its status, reason and what metrics need."""
+    return RequestDelta(
+        request_id=request.request_id,
+        new_token_ids=list(new_token_ids),
+        finished=True,
+        finish_reason=request.status.finish_reason,
+        stop_reason=request.stop_reason,
+        error_message=request.error_message,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        num_preemptions=request.num_preemptions,
+        times=request.times,
+        slo=request.slo,
+    )
 
 
 @dataclass

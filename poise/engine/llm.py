@@ -70,8 +70,8 @@ class LLM:
         from poise.text.tokenizer import apply_chat_template
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        token_lists = [apply_chat_template(self.tokenizer, conv) for conv in conversations]  # type: ignore[arg-type]
-        return self.generate(token_lists, sampling_params)  # type: ignore[arg-type]
+        token_lists = [apply_chat_template(self.tokenizer, conv) for conv in conversations]
+        return self.generate(token_lists, sampling_params)
 
     def _run(
         self, token_lists: list[list[int]], params: list[SamplingParams]

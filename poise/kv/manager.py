@@ -10,6 +10,15 @@ With prefix caching on, every *full* block of a request is registered under a ke
 from its parent's, so a later request whose prompt starts with the same tokens takes those
 blocks (reference-counted) instead of recomputing them. At least the last prompt token is
 always recomputed, so the runner has a position to sample from.
+
+The scheduler's calls, in this order (each step, per request)::
+
+    find_cached_prefix(request)                    admission only: blocks to reuse
+    allocate_slots(id, num_computed_tokens=start,  table covers start + n tokens, or None
+                   num_new_tokens=n, ...)          (nothing changed: preempt or wait)
+    ... the executor writes KV for [start, start + n) ...
+    cache_full_blocks(request, start + n)          after update advanced num_computed_tokens
+    free(request)                                  on finish or preemption
 """
 
 from __future__ import annotations
@@ -71,7 +80,50 @@ class KVCacheManager:
             blocks.append(block)
         return blocks
 
-    def _register_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+    # -- allocation -----------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        *,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        cached_blocks: list[int] | None = None,
+        reserve_blocks: int = 0,
+    ) -> list[int] | None:
+        """Make the table cover ``num_computed_tokens + num_new_tokens`` tokens; None if it can't.
+
+        Returns the newly allocated block ids; None means nothing changed. The caller passes
+        where the request stands (``num_computed_tokens``, counting an admission's cached
+        prefix) rather than this reading it off the request, because the scheduler only moves
+        ``num_computed_tokens`` after a successful allocation. ``cached_blocks`` (from
+        ``find_cached_prefix``, on admission) are taken before any new block.
+        ``reserve_blocks`` must stay free afterwards (the admission safety margin).
+        """
+        table = self._tables.get(request_id, [])
+        cached = cached_blocks or []
+        total_tokens = num_computed_tokens + num_new_tokens
+        if not cached and table and total_tokens <= len(table) * self.block_size:
+            return []  # fast path (most decode steps): the new tokens fit in the last block
+        need = self.blocks_for(total_tokens) - len(table) - len(cached)
+        # Cached blocks sitting in the free queue stop being free when taken.
+        revived = sum(1 for b in cached if self.pool.ref_counts[b] == 0)
+        if need + revived + reserve_blocks > self.pool.num_free_blocks:
+            return None
+        if cached:
+            self.pool.touch(cached)
+        new_blocks = self.pool.allocate(max(need, 0))
+        self._tables[request_id] = table + cached + new_blocks
+        return new_blocks
+
+    def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the full blocks among the first ``num_computed_tokens`` tokens for reuse.
+
+        Called after a step computed them (``update`` advanced ``num_computed_tokens``), never
+        before: a registered block must hold the tokens its key names.
+        """
+        if not self.enable_prefix_caching or request.request_id not in self._tables:
+            return
         table = self._tables[request.request_id]
         keys = self._keys.setdefault(request.request_id, [])
         bs = self.block_size
@@ -81,47 +133,6 @@ class KVCacheManager:
             )
             keys.append(key)
             self.pool.cache(table[i], key)
-
-    # -- allocation -----------------------------------------------------------------------
-
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        cached_blocks: list[int] | None = None,
-        reserve_blocks: int = 0,
-    ) -> list[int] | None:
-        """Make room for ``num_new_tokens`` more tokens; return the new block ids, or None.
-
-        ``cached_blocks`` (from ``find_cached_prefix``, on admission) are taken before any new
-        block. ``reserve_blocks`` must stay free afterwards (the admission safety margin).
-        None means nothing changed.
-        """
-        rid = request.request_id
-        table = self._tables.get(rid, [])
-        if not cached_blocks and table:
-            # Fast path (most decode steps): the new tokens fit in the last block.
-            total = request.num_computed_tokens + num_new_tokens
-            if total <= len(table) * self.block_size:
-                return []
-        cached = cached_blocks or []
-        num_cached_tokens = len(cached) * self.block_size
-        total_tokens = max(request.num_computed_tokens, num_cached_tokens) + num_new_tokens
-        need = self.blocks_for(total_tokens) - len(table) - len(cached)
-        # Cached blocks sitting in the free queue stop being free when taken.
-        revived = sum(1 for b in cached if self.pool.ref_counts[b] == 0)
-        if need + revived + reserve_blocks > self.pool.num_free_blocks:
-            return None
-        if cached:
-            self.pool.touch(cached)
-        new_blocks = self.pool.allocate(max(need, 0))
-        self._tables[rid] = table + cached + new_blocks
-        return new_blocks
-
-    def commit_computed(self, request: Request) -> None:
-        """Called after a step advanced num_computed_tokens: cache newly full blocks."""
-        if self.enable_prefix_caching and request.request_id in self._tables:
-            self._register_full_blocks(request, request.num_computed_tokens)
 
     def free(self, request: Request) -> None:
         table = self._tables.pop(request.request_id, None)

@@ -4,8 +4,8 @@ Per step: build flat inputs (runner/inputs.py), one model forward over all sched
 with the attention backend the runner was built with (runner/attention.py chooses it),
 logits only at the sampled positions (the last token of each request with ``sample=True``),
 then ``sampler.sample``. The runner keeps no per-request state: everything it needs is in the
-``ScheduledRequest`` (tokens, start position, block table), so finished/preempted ids need no
-cleanup here.
+``ScheduledRequest`` (tokens, start position, block table), so finished or preempted requests
+need no cleanup here.
 """
 
 from __future__ import annotations

@@ -5,22 +5,33 @@ and the simulator. Each step distributes ``max_num_batched_tokens`` in the vLLM 
 request has ``num_computed_tokens`` catching up with ``num_tokens``; a decode is a request one
 token behind, a prefill (possibly a chunk of it) is one further behind.
 
-Step order by policy (see ``policies.py``):
-- fifo (decode-first): running requests in admission order (decodes and unfinished chunked
-  prefills alike), then waiting requests in arrival order.
-- prefill_first: unfinished chunked prefills, then waiting requests, then decodes.
+One step, as ``schedule`` walks it:
 
-Admission of a waiting request needs a free ``max_num_seqs`` slot, token budget, and KV blocks
-that leave ``safety_margin`` of the pool free (ignored when nothing runs, so a big prompt cannot
-block the queue forever). When a running request cannot get a block, the most recently
-admitted running request not yet scheduled in this step is preempted (recompute: its blocks are
-freed, it goes back to the front of the queue); if there is none, the request preempts itself.
+1. Walk: the policy lists the candidates in the order they get budget (``ordering.py``: fifo,
+   prefill_first, priority, slo); the step's budget comes from ``Steering`` (fixed, or the
+   token-budget controller's), class shares from its ``ShareLedger``.
+2. Size: every candidate gets ``_chunk_size`` tokens: what it still lacks, within the budget it
+   may use, and at most ``long_prefill_token_threshold`` for a prefill unless the request is
+   alone in the engine.
+3. Make room (running candidates, ``_make_room``): when one cannot get a KV block, the policy's
+   victim among the running requests not yet scheduled in this step is preempted (recompute:
+   its blocks are freed, it goes back to the front of the queue); if there is none, the request
+   preempts itself.
+4. Admit (waiting candidates, ``_admit``): needs a ``max_num_seqs`` slot (the policy may
+   displace a running request for it), token budget, and KV blocks that leave ``safety_margin``
+   of the pool free (ignored when nothing runs, so a big prompt cannot block the queue
+   forever). It starts after its longest cached prefix. The policy says whether a request that
+   does not fit stops admission behind it.
+
+KV ordering: ``schedule`` allocates blocks for ``[num_computed_tokens, num_computed_tokens + n)``
+passing the start explicitly, the executor computes those tokens, and ``update`` advances
+``num_computed_tokens`` and only then registers the newly full blocks for prefix caching.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from poise.config import SchedulerConfig
 from poise.core.outputs import (
@@ -29,9 +40,11 @@ from poise.core.outputs import (
     ScheduledRequest,
     SchedulerOutput,
     StepStats,
+    finishing_delta,
 )
 from poise.core.request import Request, RequestStatus
 from poise.kv.manager import KVCacheManager
+from poise.sched.limits import rejection_reason
 from poise.sched.ordering import PolicyContext, is_partial_prefill
 from poise.sched.policies import StepPlan
 from poise.sched.predictor import Forecast, prefill_left
@@ -52,10 +65,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self._step_id = 0
-        self._finished_ids: list[str] = []
-        self._pending_deltas: list[RequestDelta] = []
+        # Finishing deltas of requests rejected in add_request, handed out by the next update.
+        self._rejected: list[RequestDelta] = []
         self._reserve_blocks = int(config.safety_margin * kv.num_blocks)
-        self._step_start = 0.0
+        # Whether decodes were running when the step was scheduled (for the budget controller).
         self._had_decodes = False
         # Policy, classes, step-cost estimate, budget controller, forecasts (sched/steering.py).
         self.steer = Steering(config)
@@ -76,29 +89,11 @@ class Scheduler:
         return self.kv.usage
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self._pending_deltas)
+        return bool(self.waiting or self.running or self._rejected)
 
     def rejection_reason(self, num_prompt_tokens: int) -> str | None:
         """Why a prompt of this length can never be served here, or None."""
-        if num_prompt_tokens >= self.kv.capacity_tokens:
-            return (
-                f"prompt has {num_prompt_tokens} tokens, more than the whole KV cache holds "
-                f"({self.kv.num_blocks} blocks x {self.kv.block_size} = "
-                f"{self.kv.capacity_tokens} tokens, one needed for the first output token)"
-            )
-        if num_prompt_tokens >= self.max_len:
-            return (
-                f"prompt has {num_prompt_tokens} tokens; max_model_len is {self.max_len}, "
-                f"which leaves room for at most {self.max_len - 1} prompt tokens"
-            )
-        if not self.config.enable_chunked_prefill and (
-            num_prompt_tokens > self.config.max_num_batched_tokens
-        ):
-            return (
-                f"prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens "
-                f"{self.config.max_num_batched_tokens}, and chunked prefill is disabled"
-            )
-        return None
+        return rejection_reason(num_prompt_tokens, self.kv, self.max_len, self.config)
 
     # -- request lifecycle ------------------------------------------------------------------
 
@@ -108,7 +103,9 @@ class Scheduler:
         self.requests[request.request_id] = request
         if reason is not None:
             request.error_message = reason
-            self._finish(request, RequestStatus.FINISHED_REJECTED, request.arrival_time)
+            self._rejected.append(
+                self._finish(request, RequestStatus.FINISHED_REJECTED, request.arrival_time)
+            )
             return
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
@@ -126,31 +123,22 @@ class Scheduler:
                 self.running.remove(request)
             elif request in self.waiting:
                 self.waiting.remove(request)
-            self._finish(request, status, now)
-            deltas.append(self._pending_deltas.pop())
+            deltas.append(self._finish(request, status, now))
         return deltas
 
-    def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
+    def _finish(
+        self,
+        request: Request,
+        status: RequestStatus,
+        now: float,
+        new_token_ids: Sequence[int] = (),
+    ) -> RequestDelta:
+        """Free the request's blocks and forget it; return its finishing delta."""
         request.status = status
         request.times.finished = now
         self.kv.free(request)
-        self._finished_ids.append(request.request_id)
         del self.requests[request.request_id]
-        self._pending_deltas.append(
-            RequestDelta(
-                request_id=request.request_id,
-                new_token_ids=[],
-                finished=True,
-                finish_reason=status.finish_reason,
-                stop_reason=request.stop_reason,
-                error_message=request.error_message,
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=request.num_cached_tokens,
-                num_preemptions=request.num_preemptions,
-                times=request.times,
-                slo=request.slo,
-            )
-        )
+        return finishing_delta(request, new_token_ids)
 
     # -- admission forecasts -------------------------------------------------------------------
 
@@ -168,8 +156,15 @@ class Scheduler:
     # -- scheduling -------------------------------------------------------------------------
 
     def schedule(self, now: float) -> SchedulerOutput:
+        """Decide the next step: which requests run, from which position, with which tokens.
+
+        Follows the module docstring: walk the policy's candidates, size each with
+        ``_chunk_size``, ``_make_room`` for running ones (preempting if needed), ``_admit``
+        waiting ones. On return every scheduled request holds the KV blocks for its new tokens;
+        its ``num_computed_tokens`` moves only in ``update`` (admission sets it to the cached
+        prefix). ``now`` stamps the step start and first-scheduled times.
+        """
         self._step_id += 1
-        self._step_start = now
         self._had_decodes = any(not is_partial_prefill(r) for r in self.running)
         plan = StepPlan(budget=self.steer.step_budget(self.running))
         ctx = self.context(now)
@@ -188,7 +183,7 @@ class Scheduler:
                     self._schedule_running(plan, request, ledger, ctx)
             elif admitting:
                 admitting = self._admit(plan, request, ledger, ctx, now)
-        return self._build_output(plan)
+        return self._build_output(plan, now)
 
     def context(self, now: float) -> PolicyContext:
         memo: dict[str, int] = {}  # one prefix lookup per request per step
@@ -203,10 +198,15 @@ class Scheduler:
 
         return self.steer.context(now, cached_tokens)
 
-    def _chunk_size(self, request: Request, plan: StepPlan) -> int:
-        """Tokens this request may take now under the budget and the long-prefill cap."""
-        remaining = request.num_tokens - request.num_computed_tokens
-        n = min(remaining, plan.budget)
+    def _chunk_size(self, remaining: int, budget: int) -> int:
+        """Tokens a request ``remaining`` tokens behind takes out of ``budget`` now.
+
+        ``budget``: what is left of the step's for this request (less what other classes hold
+        reserved, for a prefill). A prefill (more than one token behind) takes at most
+        ``long_prefill_token_threshold`` unless the request is alone in the engine, so one long
+        prompt cannot take the whole budget from short ones.
+        """
+        n = min(remaining, budget)
         threshold = self.config.long_prefill_token_threshold
         alone = len(self.running) + len(self.waiting) <= 1
         if threshold > 0 and remaining > 1 and not alone:
@@ -216,24 +216,42 @@ class Scheduler:
     def _schedule_running(
         self, plan: StepPlan, request: Request, ledger: ShareLedger, ctx: PolicyContext
     ) -> None:
-        n = self._chunk_size(request, plan)
+        cls = request.slo.class_name
         prefill = is_partial_prefill(request)
-        if prefill:
-            n = min(n, ledger.token_allowance(request.slo.class_name, plan.budget))
+        budget = ledger.token_allowance(cls, plan.budget) if prefill else plan.budget
+        n = self._chunk_size(request.num_tokens - request.num_computed_tokens, budget)
         if n <= 0:
-            ledger.passed(request.slo.class_name, prefill_left(request))
+            ledger.passed(cls, prefill_left(request))
             return
-        while self.kv.allocate_slots(request, n) is None:
+        if not self._make_room(request, n, plan, ctx):
+            return
+        plan.add(request, n)
+        if prefill:
+            ledger.took_prefill(cls, n)
+
+    def _make_room(
+        self, request: Request, num_new_tokens: int, plan: StepPlan, ctx: PolicyContext
+    ) -> bool:
+        """Get KV blocks for a running request's next tokens, preempting the policy's victims
+        (running requests not yet in this step) until they fit. False when the request had to
+        preempt itself."""
+        while (
+            self.kv.allocate_slots(
+                request.request_id,
+                num_computed_tokens=request.num_computed_tokens,
+                num_new_tokens=num_new_tokens,
+            )
+            is None
+        ):
             others = [r for r in self.running if r is not request and not plan.contains(r)]
             victim = self.policy.victim(others, request, ctx)
             self._preempt(victim, plan)
             if victim is request:
-                return
-        plan.add(request, n)
-        if prefill:
-            ledger.took_prefill(request.slo.class_name, n)
+                return False
+        return True
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Recompute preemption: free the blocks, forget progress, back to the queue's front."""
         plan.remove(request)  # a request displaced after it was scheduled gives its tokens back
         self.running.remove(request)
         self.kv.free(request)
@@ -243,7 +261,6 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.steer.preemptions_by_class[request.slo.class_name] += 1
         self.waiting.appendleft(request)
-        self._finished_ids.append(request.request_id)  # the runner may drop its state
         plan.preempted_ids.append(request.request_id)
 
     def _admit(
@@ -254,7 +271,8 @@ class Scheduler:
         ctx: PolicyContext,
         now: float,
     ) -> bool:
-        """Try to admit one waiting request; False when admission must stop behind it."""
+        """Try to admit one waiting request (its ``num_computed_tokens`` is 0: new, or reset by
+        a preemption); False when admission must stop behind it."""
         cls = request.slo.class_name
         free = self.config.max_num_seqs - len(self.running)
         if free <= 0:
@@ -267,13 +285,10 @@ class Scheduler:
         if not ledger.slot_allowed(cls, free):
             ledger.left_waiting(cls)
             return True  # the slot is held for another class that has work waiting
-        cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
-        num_cached_tokens = len(cached) * self.kv.block_size
-        remaining = request.num_tokens - num_cached_tokens
-        n = min(remaining, plan.budget, ledger.token_allowance(cls, plan.budget))
-        threshold = self.config.long_prefill_token_threshold
-        if threshold > 0 and remaining > 1 and (self.running or len(self.waiting) > 1):
-            n = min(n, threshold)
+        cached = self.kv.find_cached_prefix(request)
+        start = len(cached) * self.kv.block_size  # the cached prefix counts as computed
+        remaining = request.num_tokens - start
+        n = self._chunk_size(remaining, ledger.token_allowance(cls, plan.budget))
         # Without chunked prefill a prompt goes in whole; recomputes after preemption may
         # still be chunked, or a preempted request longer than the budget could never return.
         whole_only = not self.config.enable_chunked_prefill and not request.num_preemptions
@@ -282,14 +297,18 @@ class Scheduler:
             ledger.left_waiting(cls)
             return True
         if (n < remaining and whole_only) or self.kv.allocate_slots(
-            request, n, cached, reserve_blocks=reserve
+            request.request_id,
+            num_computed_tokens=start,
+            num_new_tokens=n,
+            cached_blocks=cached,
+            reserve_blocks=reserve,
         ) is None:
             ledger.left_waiting(cls)
             ledger.passed(cls, remaining)
             return not self.policy.blocks_queue(request, ctx)
         self.waiting.remove(request)
-        request.num_computed_tokens = num_cached_tokens
-        request.num_cached_tokens = num_cached_tokens
+        request.num_computed_tokens = start
+        request.num_cached_tokens = start
         request.status = RequestStatus.RUNNING
         if request.times.first_scheduled is None:
             request.times.first_scheduled = now
@@ -299,11 +318,8 @@ class Scheduler:
         ledger.took_prefill(cls, n)
         return True
 
-    def _build_output(self, plan: StepPlan) -> SchedulerOutput:
-        out = SchedulerOutput(step_id=self._step_id, schedule_time=self._step_start)
-        if plan.items:
-            # An empty step never reaches the executor: keep the ids for the next real one.
-            out.finished_request_ids, self._finished_ids = self._finished_ids, []
+    def _build_output(self, plan: StepPlan, now: float) -> SchedulerOutput:
+        out = SchedulerOutput(step_id=self._step_id, schedule_time=now)
         for request, n in plan.items:
             start = request.num_computed_tokens
             sample = start + n == request.num_tokens
@@ -331,15 +347,23 @@ class Scheduler:
     def update(
         self, output: SchedulerOutput, result: ModelRunnerOutput, now: float
     ) -> tuple[list[RequestDelta], StepStats]:
-        deltas = self._pending_deltas
-        self._pending_deltas = []
+        """Apply a step's results: advance progress, append sampled tokens, finish requests.
+
+        For each request of ``output`` still running: ``num_computed_tokens`` advances by the
+        tokens it was given, then the KV manager caches its newly full blocks; if it sampled,
+        the token is appended and the stop rules decide whether it finishes (its blocks are
+        freed at once). ``now`` stamps token and finish times. Returns the step's deltas (the
+        finishing deltas of requests rejected since the last update first) and its stats.
+        Requests aborted while the step ran are skipped.
+        """
+        deltas, self._rejected = self._rejected, []
         num_prefill_reqs = num_decode_reqs = 0
         for sched in output.scheduled:
             request = self.requests.get(sched.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += sched.num_tokens
-            self.kv.commit_computed(request)
+            self.kv.cache_full_blocks(request, request.num_computed_tokens)
             if sched.num_tokens == 1 and request.num_output_tokens > 0:
                 num_decode_reqs += 1
             else:
@@ -363,10 +387,7 @@ class Scheduler:
                 )
                 continue
             self.running.remove(request)
-            self._finish(request, status, now)
-            finished = self._pending_deltas.pop()
-            finished.new_token_ids = [token]
-            deltas.append(finished)
+            deltas.append(self._finish(request, status, now, [token]))
         if output.scheduled:
             self.steer.observe_step(
                 output.total_num_scheduled_tokens, now - output.schedule_time, self._had_decodes

@@ -158,11 +158,11 @@ def test_dummy_weights(tiny_checkpoints: dict[str, Path]) -> None:
     assert s1.run(r1) == s2.run(r2)  # same seed, same weights, same tokens
 
 
-def test_finished_ids_and_unsampled_chunks(tiny_checkpoints: dict[str, Path]) -> None:
+def test_unsampled_chunks_and_empty_steps(tiny_checkpoints: dict[str, Path]) -> None:
     runner, _ = make_runner(tiny_checkpoints["llama"])
     params = SamplingParams(temperature=0.0)
     req = ScheduledRequest("x", [1, 2, 3, 4, 5], 0, [7, 9], False, params, 0, 10)
-    out = runner.execute(SchedulerOutput(step_id=1, scheduled=[req], finished_request_ids=["z"]))
+    out = runner.execute(SchedulerOutput(step_id=1, scheduled=[req]))
     assert out.sampled_token_ids == {}
     assert runner.execute(SchedulerOutput(step_id=2)).sampled_token_ids == {}
 
