@@ -14,18 +14,16 @@ One step, as ``schedule`` walks it:
    may use, and at most ``long_prefill_token_threshold`` for a prefill unless the request is
    alone in the engine.
 3. Make room (running candidates, ``_make_room``): when one cannot get a KV block, the policy's
-   victim among the running requests not yet scheduled in this step is preempted (recompute:
-   its blocks are freed, it goes back to the front of the queue); if there is none, the request
-   preempts itself.
+   victim among the running requests not yet in this step is preempted (recompute: blocks
+   freed, back to the front of the queue); if there is none, the request preempts itself.
 4. Admit (waiting candidates, ``_admit``): needs a ``max_num_seqs`` slot (the policy may
    displace a running request for it), token budget, and KV blocks that leave ``safety_margin``
    of the pool free (ignored when nothing runs, so a big prompt cannot block the queue
    forever). It starts after its longest cached prefix. The policy says whether a request that
    does not fit stops admission behind it.
 
-KV ordering: ``schedule`` allocates blocks for ``[num_computed_tokens, num_computed_tokens + n)``
-passing the start explicitly, the executor computes those tokens, and ``update`` advances
-``num_computed_tokens`` and only then registers the newly full blocks for prefix caching.
+KV ordering (see ``kv/manager.py``): ``schedule`` allocates blocks for ``[start, start + n)``
+passing ``start`` explicitly; ``update`` advances ``num_computed_tokens``, then caches blocks.
 """
 
 from __future__ import annotations
@@ -229,20 +227,12 @@ class Scheduler:
         if prefill:
             ledger.took_prefill(cls, n)
 
-    def _make_room(
-        self, request: Request, num_new_tokens: int, plan: StepPlan, ctx: PolicyContext
-    ) -> bool:
-        """Get KV blocks for a running request's next tokens, preempting the policy's victims
-        (running requests not yet in this step) until they fit. False when the request had to
-        preempt itself."""
-        while (
-            self.kv.allocate_slots(
-                request.request_id,
-                num_computed_tokens=request.num_computed_tokens,
-                num_new_tokens=num_new_tokens,
-            )
-            is None
-        ):
+    def _make_room(self, request: Request, n: int, plan: StepPlan, ctx: PolicyContext) -> bool:
+        """Get KV blocks for a running request's next ``n`` tokens, preempting the policy's
+        victims (running requests not yet in this step) until they fit. False when the request
+        had to preempt itself."""
+        rid, start = request.request_id, request.num_computed_tokens
+        while self.kv.allocate_slots(rid, num_computed_tokens=start, num_new_tokens=n) is None:
             others = [r for r in self.running if r is not request and not plan.contains(r)]
             victim = self.policy.victim(others, request, ctx)
             self._preempt(victim, plan)
@@ -296,13 +286,11 @@ class Scheduler:
         if n <= 0:  # the budget left is reserved for other classes: not a reason to block
             ledger.left_waiting(cls)
             return True
+        rid = request.request_id
         if (n < remaining and whole_only) or self.kv.allocate_slots(
-            request.request_id,
-            num_computed_tokens=start,
-            num_new_tokens=n,
-            cached_blocks=cached,
+            rid, num_computed_tokens=start, num_new_tokens=n, cached_blocks=cached,
             reserve_blocks=reserve,
-        ) is None:
+        ) is None:  # fmt: skip
             ledger.left_waiting(cls)
             ledger.passed(cls, remaining)
             return not self.policy.blocks_queue(request, ctx)
