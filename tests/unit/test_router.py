@@ -88,9 +88,9 @@ def test_prefix_keys_are_the_kv_caches_own_chain() -> None:
     tokens = list(range(50))
     kv = KVCacheManager(16, BS, enable_prefix_caching=True)
     req = Request("k", tokens, SamplingParams(max_tokens=1), 0.0)
-    kv.allocate_slots(req, len(tokens))
+    kv.allocate_slots("k", num_computed_tokens=0, num_new_tokens=len(tokens))
     req.num_computed_tokens = len(tokens)
-    kv.commit_computed(req)
+    kv.cache_full_blocks(req, req.num_computed_tokens)
     keys = prefix_keys(tokens, BS, 8)
     assert len(keys) == 3
     assert [kv.pool.lookup(k) for k in keys] == kv.get_block_ids("k")[:3]
