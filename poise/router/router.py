@@ -27,7 +27,7 @@ from poise.router.state import Decision, InFlight, ReplicaState, RouteRequest
 class RouterConfig:
     policy: str = "balanced"
     block_size: int = 16  # the replicas' KV block size: the prefix table hashes whole blocks
-    prefix_blocks: int = 32  # how many opening blocks of a prompt the prefix table follows
+    prefix_blocks: int = 256  # opening blocks of a prompt the prefix table follows (4096 tokens)
     max_imbalance: int = 8  # prefix_affinity: in-flight requests the affine replica may lead by
     long_prompt_tokens: int = 1024  # pools: a prompt this long is "long" traffic
     table_size: int = 65536  # prefix keys remembered (least recently used dropped)
