@@ -115,6 +115,8 @@ class Scrape:
     ttft_buckets: list[tuple[float, float]] = field(default_factory=list)
     # Other server histograms by common name ("queue_time", "prefill_time").
     hists: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    # Replicas in rotation behind a poise router (``poise serve --replicas``); None: one server.
+    replicas: float | None = None
 
 
 def _first(values: dict[str, float], names: Sequence[str]) -> float | None:
@@ -124,12 +126,19 @@ def _first(values: dict[str, float], names: Sequence[str]) -> float | None:
     return None
 
 
+# poise's router (poise/deploy/metrics.py): 1 per replica in rotation, so the sum counts them.
+REPLICAS_METRIC = "poise_router_replica_healthy"
+
+
 def map_scrape(t: float, text: str, adapter: Adapter) -> Scrape:
     values, hists = parse_samples(text)
     kv = _first(values, adapter.kv_usage)
     if kv is None and adapter.kv_ratio is not None:
         num, den = (values.get(n) for n in adapter.kv_ratio)
         kv = num / den if num is not None and den else None
+    replicas = values.get(REPLICAS_METRIC)
+    if kv is not None and replicas:
+        kv /= replicas  # the replicas' usages are summed over their label: report the mean
     ttft = next((hists[n] for n in adapter.ttft if n in hists), [])
     extra = {}
     for common, names in (
@@ -147,6 +156,7 @@ def map_scrape(t: float, text: str, adapter: Adapter) -> Scrape:
         _first(values, adapter.preemptions),
         ttft,
         extra,
+        replicas,
     )
 
 

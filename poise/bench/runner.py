@@ -276,14 +276,21 @@ async def run_matrix(
     async with make_session() as session:
         ep = await open_endpoint(cfg, session)
         engine = cfg.engine
+        # Replicas behind a poise router, from its metrics (1: a plain server; None: not scraped).
+        replicas: int | None = None
         if engine is None and cfg.scrape:
             scraper = Scraper(cfg.metrics_endpoint())
             await scraper.start()
             await scraper.stop()
             engine = scraper.engine if scraper.scrapes else None
+            if scraper.scrapes:
+                replicas = int(scraper.scrapes[-1].replicas or 1)
         version = cfg.version or await discover_version(session, cfg.server_root)
         record = ExperimentRecord(
-            experiment=experiment_block(cfg, ep.model, engine, version),
+            experiment={
+                **experiment_block(cfg, ep.model, engine, version),
+                "replicas": replicas,
+            },  # fmt: skip
             cells=[],
             capabilities={**ep.capabilities, "ignore_eos_requested": cfg.ignore_eos},
             provenance=_provenance(cfg),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -74,3 +75,14 @@ def test_metrics_carry_each_replica_and_the_router() -> None:
     assert 'poise_router_decisions_total{policy="prefix_affinity",reason="affinity_hit"} 1.0' in out
     assert "poise_router_prefix_affinity_hit_rate 0.5" in out
     assert 'poise_router_in_flight{replica="engine-0"} 2.0' in out
+
+
+def test_bench_reads_the_replica_count_and_averages_kv_usage_over_replicas() -> None:
+    from poise.bench.prom import ADAPTERS, map_scrape
+
+    router = Router([ReplicaState("engine-0"), ReplicaState("engine-1")])
+    gauge = '# TYPE poise:kv_cache_usage_perc gauge\npoise:kv_cache_usage_perc{model_name="m"} '
+    texts = {"engine-0": gauge + "0.2\n", "engine-1": gauge + "0.6\n"}
+    scrape = map_scrape(0.0, exposition(texts, router).decode(), ADAPTERS["poise"])
+    assert scrape.replicas == 2
+    assert scrape.kv_usage == pytest.approx(0.4)
