@@ -8,12 +8,15 @@ class PoiseError(Exception):
 
 
 class InvalidRequestError(PoiseError, ValueError):
-    """The request can never be served as asked (HTTP 400). ``param`` names the field."""
+    """The request can never be served as asked (HTTP 400). ``param`` names the field;
+    ``reason`` labels the rejection counter: ``invalid``, or ``too_long`` (the prompt exceeds
+    max_model_len, the KV pool, or a token budget it must fit whole)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, reason: str = "invalid") -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.reason = reason
 
 
 class OverloadedError(PoiseError):
@@ -38,3 +41,17 @@ class EngineDeadError(PoiseError):
 class ShuttingDownError(PoiseError):
     """The server is shutting down and stopped this request (HTTP 503; in a stream, an error
     event then ``[DONE]``)."""
+
+
+class StepFailedError(PoiseError):
+    """An engine step raised after it was scheduled (in the executor, or applying its result).
+
+    ``request_ids``: the requests that step scheduled, so the caller can fail exactly those
+    (``EngineCore.fail``). Until then they keep their blocks and progress: nothing of the step
+    was applied (unless applying its result raised part-way). ``__cause__`` is the original.
+    """
+
+    def __init__(self, step_id: int, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"engine step {step_id} failed: {type(cause).__name__}: {cause}")
+        self.step_id = step_id
+        self.request_ids = request_ids

@@ -9,6 +9,14 @@ One engine step is three calls::
 ``ScheduledRequest`` carries everything the runner needs to build its flat inputs for one
 request: the tokens to feed, where they start, and the request's whole block table. The runner
 keeps no scheduling state.
+
+The decode rule (``is_decode``) is decided here and nowhere else: a chunk of exactly one token
+is a decode. It is one query row attending to its context, whatever that token is: a running
+request's last sampled token, a one-token prompt, the one token left after a prefix-cache hit,
+or a one-token piece of a recompute. The runner batches it on its decode path, the cost model
+prices it as a decode, and ``SchedulerOutput.num_decode_tokens`` / ``StepStats`` count it as
+one. A request is decoding (``Request.is_decoding``) when it is one token behind, which is
+exactly when its next chunk is a decode.
 """
 
 from __future__ import annotations
@@ -16,14 +24,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from poise.core.request import Request, RequestTimes, SloTargets
+from poise.core.request import Request, RequestTimes, SloTargets, is_decode
 from poise.core.sampling_params import SamplingParams
 
 
 @dataclass
 class ScheduledRequest:
     request_id: str
-    # Tokens fed this step: all_token_ids[start_position : start_position + len(token_ids)].
+    # Tokens fed this step: (prompt + output tokens)[start_position : + len(token_ids)].
     token_ids: list[int]
     # num_computed_tokens before this step = position of token_ids[0].
     start_position: int
@@ -41,11 +49,9 @@ class ScheduledRequest:
         return len(self.token_ids)
 
     @property
-    def is_prefill(self) -> bool:
-        """A chunk that covers prompt tokens (or recomputes after preemption)."""
-        return self.start_position + len(self.token_ids) <= self.num_prompt_tokens or (
-            len(self.token_ids) > 1
-        )
+    def is_decode(self) -> bool:
+        """One token fed: a decode (the module docstring's rule); otherwise a prefill chunk."""
+        return is_decode(len(self.token_ids))
 
 
 @dataclass
@@ -55,12 +61,20 @@ class SchedulerOutput:
     schedule_time: float = 0.0
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
+    # Prompt tokens that requests admitted in this step took from the prefix cache (not fed).
+    num_prefix_cache_hit_tokens: int = 0
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for s in self.scheduled if s.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled if not s.is_decode)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
+        return sum(s.num_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -117,16 +131,16 @@ class StepStats:
     # When the step was scheduled and when its results were applied (engine clock).
     start_time: float
     end_time: float
+    # Tokens fed in prefill chunks and in decodes (one each), by ``is_decode``.
     num_prefill_tokens: int
     num_decode_tokens: int
-    num_prefill_requests: int
-    num_decode_requests: int
     num_running: int
     num_waiting: int
     kv_cache_usage: float
     num_preemptions: int
     # Requests that finished in this step (for metrics and the simulator's records).
     num_finished: int = 0
+    # Prompt tokens served from the prefix cache to requests admitted in this step.
     num_prefix_cache_hit_tokens: int = 0
 
     @property

@@ -3,7 +3,8 @@
 The vLLM framing: ``num_computed_tokens`` (tokens whose KV is in the cache) catches up with
 ``num_tokens`` (prompt + generated). Prefill and decode are not separate phases: a request whose
 ``num_computed_tokens == num_tokens - 1`` is decoding; anything further behind is prefilling
-(possibly in chunks, possibly again after a preemption).
+(possibly in chunks, possibly again after a preemption). ``is_decode`` is that rule, the only
+place it is written (see ``outputs.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ import enum
 from dataclasses import dataclass, field
 
 from poise.core.sampling_params import SamplingParams
+
+
+def is_decode(num_new_tokens: int) -> bool:
+    """The decode rule: feeding exactly one token is a decode (one query row); more, a prefill."""
+    return num_new_tokens == 1
 
 
 class RequestStatus(enum.Enum):
@@ -101,12 +107,9 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    def token_id_at(self, index: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+    def is_decoding(self) -> bool:
+        """One token behind: its next chunk is a decode (``is_decode``)."""
+        return is_decode(self.num_tokens - self.num_computed_tokens)
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)
@@ -119,8 +122,3 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
-
-    @property
-    def max_total_tokens(self) -> int:
-        """Upper bound on this request's length: prompt + max_tokens."""
-        return self.num_prompt_tokens + self.sampling_params.max_tokens

@@ -7,17 +7,28 @@ Kept separate from ``core.py`` so that importing the engine never imports torch;
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from poise.config import EngineConfig
 from poise.engine.clock import Clock
 from poise.engine.core import EngineCore
+from poise.engine.observer import EngineObserver
 
 if TYPE_CHECKING:
     from poise.runner.factory import ModelInfo
 
 
-def build_engine(config: EngineConfig, clock: Clock | None = None) -> tuple[EngineCore, ModelInfo]:
+def build_engine(
+    config: EngineConfig,
+    clock: Clock | None = None,
+    observers: Callable[[ModelInfo], Sequence[EngineObserver]] | None = None,
+) -> tuple[EngineCore, ModelInfo]:
+    """Load the model and build the engine around it.
+
+    ``observers`` makes the engine's observers from what the load found (a step trace's header
+    names the model, dtype and device), before the engine exists.
+    """
     from poise.runner.factory import create_model_runner
 
     runner, info = create_model_runner(config)
@@ -29,6 +40,7 @@ def build_engine(config: EngineConfig, clock: Clock | None = None) -> tuple[Engi
         vocab_size=info.vocab_size,
         eos_token_ids=info.eos_token_ids,
         clock=clock,
+        observers=observers(info) if observers is not None else (),
     )
     freeze_startup_heap()
     return engine, info

@@ -3,17 +3,22 @@
 One step::
 
     out = scheduler.schedule(clock.now())
+    observers: on_step_start(out)
     result = executor.execute(out)
+    observers: on_step_end(out, result)
     deltas, stats = scheduler.update(out, result, clock.now())
 
-No torch and no wall clock here: the executor and the clock are injected, so the simulator runs
-exactly this code with a SimExecutor and a VirtualClock.
+No torch and no wall clock here: the executor, the clock and the observers are injected when
+the engine is built (nothing replaces them later), so the simulator runs exactly this code with
+a SimExecutor and a VirtualClock. A step that raises after scheduling raises StepFailedError
+naming the requests it scheduled. ``snapshot()`` is the read-only state the server publishes.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from types import MappingProxyType
 
 from poise.config import EngineConfig
 from poise.core.outputs import ModelRunnerOutput, RequestDelta, StepStats
@@ -21,7 +26,9 @@ from poise.core.request import Request, RequestStatus
 from poise.core.sampling_params import SamplingParams
 from poise.engine.clock import Clock, MonotonicClock
 from poise.engine.executor import Executor
-from poise.errors import InvalidRequestError, OverloadedError
+from poise.engine.observer import EngineObserver
+from poise.engine.state import EngineState
+from poise.errors import InvalidRequestError, OverloadedError, StepFailedError
 from poise.kv.manager import KVCacheManager
 from poise.sched.scheduler import Scheduler
 
@@ -39,9 +46,11 @@ class EngineCore:
         vocab_size: int | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
         clock: Clock | None = None,
+        observers: Sequence[EngineObserver] = (),
     ) -> None:
         self.config = config
-        self.executor = executor
+        self._executor = executor
+        self._observers = tuple(observers)
         self.clock: Clock = clock or MonotonicClock()
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -67,7 +76,7 @@ class EngineCore:
                 )
         reason = self.scheduler.rejection_reason(len(prompt_token_ids))
         if reason is not None:
-            raise InvalidRequestError(reason, "prompt")
+            raise InvalidRequestError(reason, "prompt", reason="too_long")
         # An unknown class name is a 400 naming the field.
         self.scheduler.steer.classes.assign(len(prompt_token_ids), sampling_params.traffic_class)
 
@@ -170,14 +179,40 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def get_request(self, request_id: str) -> Request | None:
-        return self.scheduler.requests.get(request_id)
-
     def step(self) -> tuple[list[RequestDelta], StepStats | None]:
-        """Run one engine step. Returns (deltas, None) when there was nothing to compute."""
+        """Run one engine step. Returns (deltas, None) when there was nothing to compute.
+
+        Raises StepFailedError (with the scheduled request ids) when the executor, an observer
+        or applying the result raises; an exception while scheduling propagates as it is.
+        """
         output = self.scheduler.schedule(self.clock.now())
         if output.is_empty:
             deltas, _ = self.scheduler.update(output, ModelRunnerOutput(), self.clock.now())
             return deltas, None
-        result = self.executor.execute(output)
-        return self.scheduler.update(output, result, self.clock.now())
+        try:
+            for observer in self._observers:
+                observer.on_step_start(output)
+            result = self._executor.execute(output)
+            for observer in self._observers:
+                observer.on_step_end(output, result)
+            return self.scheduler.update(output, result, self.clock.now())
+        except Exception as exc:
+            for observer in self._observers:
+                observer.on_step_failed(output, exc)
+            ids = [s.request_id for s in output.scheduled]
+            raise StepFailedError(output.step_id, ids, exc) from exc
+
+    def snapshot(self) -> EngineState:
+        """The engine's state now, as an immutable value another thread may keep and read."""
+        sched = self.scheduler
+        return EngineState(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            kv_cache_usage=self.kv.usage,
+            num_kv_blocks=self.kv.num_blocks,
+            num_free_kv_blocks=self.kv.num_free_blocks,
+            token_budget=sched.steer.budget,
+            num_preemptions=sched.num_preemptions_total,
+            preemptions_by_class=MappingProxyType(dict(sched.steer.preemptions_by_class)),
+            queue_full=self.queue_is_full(),
+        )

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 from poise.config import EngineConfig
-from poise.core.outputs import ModelRunnerOutput, SchedulerOutput
 from poise.core.sampling_params import SamplingParams
 from poise.engine.core import EngineCore
 from poise.engine.executor import Executor
+from poise.engine.observer import StepTimer
 
 
 class EngineLimits(Protocol):
@@ -34,21 +34,6 @@ class EngineLimits(Protocol):
     def eos_token_ids(self) -> frozenset[int]: ...
 
 
-class _TimedExecutor:
-    """Wraps the runner to time its ``execute`` inside engine steps."""
-
-    def __init__(self, inner: Executor, tick: Callable[[], float]) -> None:
-        self.inner = inner
-        self.tick = tick
-        self.times: list[float] = []
-
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        t0 = self.tick()
-        result = self.inner.execute(scheduler_output)
-        self.times.append(self.tick() - t0)
-        return result
-
-
 def measure_engine_overhead(
     config: EngineConfig,
     runner: Executor,
@@ -58,24 +43,25 @@ def measure_engine_overhead(
     tick: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Median seconds per engine step spent outside ``runner.execute`` (scheduler, updates)."""
-    timed = _TimedExecutor(runner, tick)
+    timer = StepTimer(tick)
     engine = EngineCore(
         config,
-        timed,
+        runner,
         num_kv_blocks=info.num_kv_blocks,
         max_model_len=info.max_model_len,
         vocab_size=info.vocab_size,
         eos_token_ids=info.eos_token_ids,
+        observers=[timer],
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(num_requests):
         engine.add_request(f"o{i}", [11 + (i + j) % 50 for j in range(24)], params)
     overheads: list[float] = []
     while engine.has_unfinished_requests():
-        n_before = len(timed.times)
+        n_before = len(timer.durations)
         t0 = tick()
         engine.step()
         total = tick() - t0
-        if len(timed.times) > n_before:
-            overheads.append(max(0.0, total - timed.times[-1]))
+        if len(timer.durations) > n_before:
+            overheads.append(max(0.0, total - timer.durations[-1]))
     return statistics.median(overheads) if overheads else 0.0

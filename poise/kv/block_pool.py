@@ -95,10 +95,6 @@ class BlockPool:
             self._cached[key] = block
             self._block_key[block] = key
 
-    def reset_prefix_cache(self) -> None:
-        self._cached.clear()
-        self._block_key = [None] * self.num_blocks
-
     def check_invariants(self) -> None:
         assert len(self._free) == sum(1 for r in self.ref_counts if r == 0), "free queue size"
         for block, ref in enumerate(self.ref_counts):

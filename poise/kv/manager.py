@@ -141,11 +141,6 @@ class KVCacheManager:
             # Tail first: the end of a sequence is the least likely to be shared.
             self.pool.free(table[::-1])
 
-    def reset_prefix_cache(self) -> None:
-        self.pool.reset_prefix_cache()
-        for keys in self._keys.values():
-            keys.clear()
-
     def check_invariants(self) -> None:
         self.pool.check_invariants()
         refs = [0] * self.pool.num_blocks

@@ -79,9 +79,9 @@ def build_step_inputs(
 ) -> StepInputs:
     # Longest context first, so decode_groups are contiguous runs (see decode_groups).
     decodes = sorted(
-        (r for r in scheduled if r.num_tokens == 1), key=lambda r: r.start_position, reverse=True
+        (r for r in scheduled if r.is_decode), key=lambda r: r.start_position, reverse=True
     )
-    prefills = [r for r in scheduled if r.num_tokens > 1]
+    prefills = [r for r in scheduled if not r.is_decode]
     ids_d, pos_d, slots_d, tables, ctx = _decode_part(decodes, block_size)
     ids_parts, pos_parts, slot_parts = [ids_d], [pos_d], [slots_d]
     chunks: list[PrefillChunk] = []

@@ -181,10 +181,7 @@ def make_output(
             scheduled.append(
                 ScheduledRequest(rid, tokens, p.prefill_start, blocks, sample, params, 0, end)
             )
-    out = SchedulerOutput(step_id=step_id, scheduled=scheduled)
-    out.num_decode_tokens = p.batch
-    out.num_prefill_tokens = p.prefill * (p.chunks if p.prefill else 0)
-    return out
+    return SchedulerOutput(step_id=step_id, scheduled=scheduled)
 
 
 # What a step's "time" is. wall: elapsed time, right on a machine of one's own. cpu: the

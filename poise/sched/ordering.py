@@ -63,7 +63,7 @@ class PolicyContext:
 
 def is_partial_prefill(request: Request) -> bool:
     """More than one token behind: a chunked prefill (or a recompute) is still in progress."""
-    return request.num_tokens - request.num_computed_tokens > 1
+    return not request.is_decoding
 
 
 def priority_key(request: Request, ctx: PolicyContext) -> tuple[float, float]:

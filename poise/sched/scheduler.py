@@ -301,7 +301,7 @@ class Scheduler:
         if request.times.first_scheduled is None:
             request.times.first_scheduled = now
         self.running.append(request)
-        plan.add(request, n)
+        plan.add(request, n, cached_tokens=start)
         ledger.admitted(cls)
         ledger.took_prefill(cls, n)
         return True
@@ -323,11 +323,8 @@ class Scheduler:
                     num_prompt_tokens=request.num_prompt_tokens,
                 )
             )
-            if sample and n == 1 and request.num_output_tokens > 0:
-                out.num_decode_tokens += 1
-            else:
-                out.num_prefill_tokens += n
         out.preempted_request_ids = plan.preempted_ids
+        out.num_prefix_cache_hit_tokens = sum(plan.cached_tokens.values())
         return out
 
     # -- applying results ---------------------------------------------------------------------
@@ -345,17 +342,12 @@ class Scheduler:
         Requests aborted while the step ran are skipped.
         """
         deltas, self._rejected = self._rejected, []
-        num_prefill_reqs = num_decode_reqs = 0
         for sched in output.scheduled:
             request = self.requests.get(sched.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += sched.num_tokens
             self.kv.cache_full_blocks(request, request.num_computed_tokens)
-            if sched.num_tokens == 1 and request.num_output_tokens > 0:
-                num_decode_reqs += 1
-            else:
-                num_prefill_reqs += 1
             if not sched.sample:
                 continue
             token = result.sampled_token_ids[sched.request_id]
@@ -386,12 +378,11 @@ class Scheduler:
             end_time=now,
             num_prefill_tokens=output.num_prefill_tokens,
             num_decode_tokens=output.num_decode_tokens,
-            num_prefill_requests=num_prefill_reqs,
-            num_decode_requests=num_decode_reqs,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv.usage,
             num_preemptions=len(output.preempted_request_ids),
             num_finished=sum(1 for d in deltas if d.finished),
+            num_prefix_cache_hit_tokens=output.num_prefix_cache_hit_tokens,
         )
         return deltas, stats

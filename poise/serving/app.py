@@ -86,8 +86,7 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
 def map_exception(exc: Exception, metrics: Any) -> JSONResponse:
     """The HTTP answer for an exception raised before a response started."""
     if isinstance(exc, InvalidRequestError):
-        reason = "too_long" if "max_model_len" in exc.message or "KV" in exc.message else "invalid"
-        metrics.rejected(reason)
+        metrics.rejected(exc.reason)
         return error_response(400, exc.message, param=exc.param)
     if isinstance(exc, OverloadedError):
         metrics.rejected(exc.reason)

@@ -11,11 +11,13 @@ Invariants:
   so an abort frees its KV blocks before the next step is scheduled.
 - Only the event loop touches ``_streams`` and the asyncio queues; the engine thread hands
   results over with ``loop.call_soon_threadsafe``, once per step for all deltas.
-- An exception in a step fails the requests that step scheduled (``EngineCore.fail``: blocks
-  freed, finishing delta with ``finish_reason="error"``), is logged with the step number and
-  kept in ``last_error`` for /health; the engine goes on. After ``max_consecutive_failures``
+- An exception in a step fails the requests that step scheduled (``StepFailedError`` names
+  them; ``EngineCore.fail``: blocks freed, finishing delta with ``finish_reason="error"``), is
+  logged with the step number and kept in ``last_error`` for /health; the engine goes on. After ``max_consecutive_failures``
   failing steps in a row (or a failure outside a step) the engine is dead: every live request
   fails, later ones get EngineDeadError, and ``error`` says why.
+- Other threads read the engine through ``state``, the ``EngineState`` snapshot the engine
+  thread publishes after every step and drain (gauges, counters, readiness), never the core.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from poise.core.outputs import ModelRunnerOutput, RequestDelta, SchedulerOutput, StepStats
+from poise.core.outputs import RequestDelta, StepStats
 from poise.core.sampling_params import SamplingParams
-from poise.errors import EngineDeadError, OverloadedError
+from poise.engine.clock import Clock
+from poise.engine.state import EngineState
+from poise.errors import EngineDeadError, OverloadedError, StepFailedError
 from poise.serving.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
@@ -39,8 +43,7 @@ logger = logging.getLogger(__name__)
 class CoreLike(Protocol):
     """What the AsyncEngine needs from poise.engine.core.EngineCore."""
 
-    scheduler: Any
-    clock: Any
+    clock: Clock  # read, for arrival times on the engine's clock
 
     def validate(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None: ...
     def add_request(
@@ -54,21 +57,8 @@ class CoreLike(Protocol):
     def finish(self, request_id: str) -> RequestDelta | None: ...
     def step(self) -> tuple[list[RequestDelta], StepStats | None]: ...
     def has_unfinished_requests(self) -> bool: ...
-    def queue_is_full(self) -> bool: ...
     def fail(self, request_ids: Iterable[str], message: str) -> list[RequestDelta]: ...
-
-
-class _RecordingExecutor:
-    """Wraps the core's executor to remember which requests the current step scheduled, so a
-    failing step fails exactly those."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.last_ids: list[str] = []
-
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.last_ids = [s.request_id for s in scheduler_output.scheduled]
-        return self.inner.execute(scheduler_output)  # type: ignore[no-any-return]
+    def snapshot(self) -> EngineState: ...
 
 
 @dataclass
@@ -113,8 +103,9 @@ class AsyncEngine:
         self.num_failed_steps = 0
         self.max_consecutive_failures = max_consecutive_failures
         self._consecutive_failures = 0
-        self._recorder = _RecordingExecutor(core.executor)  # type: ignore[attr-defined]
-        core.executor = self._recorder  # type: ignore[attr-defined]
+        # The latest snapshot, replaced (never mutated) by the engine thread.
+        self.state: EngineState = core.snapshot()
+        metrics.track_engine_state(lambda: self.state)
         self.accepting = True
         # What readers of requests aborted by the server (only shutdown does) are told.
         self.shutdown_message = "the server is shutting down and stopped this request"
@@ -130,7 +121,6 @@ class AsyncEngine:
         self._awaiting_first: dict[str, int] = {}
         self._live: set[str] = set()
         self._step_no = 0
-        self._preemptions_seen = 0
         self._log = _ThroughputLog(log_interval_s)
 
     # ---- lifecycle (event loop) ---------------------------------------------------------
@@ -167,8 +157,8 @@ class AsyncEngine:
         return len(self._streams)
 
     def can_accept(self) -> bool:
-        """Ready: alive, not stopping, and the waiting queue has room (read off-thread)."""
-        return self.alive and self.accepting and not self.core.queue_is_full()
+        """Ready: alive, not stopping, and the waiting queue has room (as of the last step)."""
+        return self.alive and self.accepting and not self.state.queue_full
 
     # ---- requests (event loop) ----------------------------------------------------------
 
@@ -263,18 +253,18 @@ class AsyncEngine:
                 return
 
     def _guarded_step(self) -> None:
-        self._recorder.last_ids = []
         try:
             self._step()
         except Exception as exc:  # noqa: BLE001 - fail the step's requests, keep serving
             self._consecutive_failures += 1
             self.num_failed_steps += 1
-            self.last_error = f"engine step {self._step_no} failed: {type(exc).__name__}: {exc}"
+            # A failure after scheduling names its requests; one while scheduling fails all.
+            ids = exc.request_ids if isinstance(exc, StepFailedError) else list(self._live)
+            self.last_error = f"engine step {self._step_no} failed: {_describe(exc)}"
             logger.exception("engine step %d failed", self._step_no)
             self.metrics.engine_errors.inc()
             if self._consecutive_failures >= self.max_consecutive_failures:
                 raise
-            ids = self._recorder.last_ids or list(self._live)
             self._publish(self.core.fail(ids, self.last_error))
             self._refresh_state()
         else:
@@ -316,7 +306,7 @@ class AsyncEngine:
         self._publish(deltas)
         self._refresh_state()
         self.metrics.engine_thread_cpu.set(time.thread_time())
-        self._log.maybe_log(self.core.scheduler, self._preemptions_seen)
+        self._log.maybe_log(self.state)
 
     def _publish(self, deltas: list[RequestDelta]) -> None:
         if not deltas:
@@ -334,17 +324,10 @@ class AsyncEngine:
         self._loop.call_soon_threadsafe(self._route, deltas)
 
     def _refresh_state(self) -> None:
-        sched = self.core.scheduler
-        self.metrics.set_state(sched.num_running, sched.num_waiting, sched.kv_cache_usage)
-        total = int(sched.num_preemptions_total)
-        if total > self._preemptions_seen:
-            self.metrics.preemptions.inc(total - self._preemptions_seen)
-            self._preemptions_seen = total
-            self.metrics.class_preemptions(sched.steer.preemptions_by_class)
-        self.metrics.token_budget.set(sched.steer.budget)
+        self.state = self.core.snapshot()
 
     def _die(self, exc: Exception) -> None:
-        self.error = f"engine dead after step {self._step_no}: {type(exc).__name__}: {exc}"
+        self.error = f"engine dead after step {self._step_no}: {_describe(exc)}"
         self.last_error = self.last_error or self.error
         logger.exception("engine died after step %d", self._step_no)
         failed = [
@@ -364,6 +347,13 @@ class AsyncEngine:
             loop.call_soon_threadsafe(self._resolve, add.admitted, EngineDeadError(self.error))
 
 
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of what went wrong (a StepFailedError's original exception)."""
+    if isinstance(exc, StepFailedError) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {exc}"
+
+
 class _ThroughputLog:
     """The periodic 'engine busy' log line: tokens/s since the last line, queue and KV state."""
 
@@ -380,7 +370,7 @@ class _ThroughputLog:
         """Called when the engine goes idle, so a line never averages over idle time."""
         self.last, self.prompt_tokens, self.generation_tokens = time.monotonic(), 0, 0
 
-    def maybe_log(self, sched: Any, preemptions: int) -> None:
+    def maybe_log(self, state: EngineState) -> None:
         now = time.monotonic()
         elapsed = now - self.last
         if self.interval_s <= 0 or elapsed < self.interval_s:
@@ -390,9 +380,9 @@ class _ThroughputLog:
             "preemptions %d",
             self.prompt_tokens / elapsed,
             self.generation_tokens / elapsed,
-            sched.num_running,
-            sched.num_waiting,
-            100.0 * sched.kv_cache_usage,
-            preemptions,
+            state.num_running,
+            state.num_waiting,
+            100.0 * state.kv_cache_usage,
+            state.num_preemptions,
         )
         self.last, self.prompt_tokens, self.generation_tokens = now, 0, 0

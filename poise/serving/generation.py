@@ -114,7 +114,10 @@ class Generator:
                     raise ShuttingDownError(self.engine.shutdown_message)
                 if delta.finish_reason == "rejected":
                     done = True
-                    raise InvalidRequestError(delta.error_message or "request rejected")
+                    # Only a prompt over a limit finishes as rejected (Scheduler.add_request).
+                    raise InvalidRequestError(
+                        delta.error_message or "request rejected", "prompt", reason="too_long"
+                    )
                 n_tokens += len(delta.new_token_ids)
                 out = detok.update(delta.new_token_ids, delta.finished)
                 if out.stopped and not delta.finished:

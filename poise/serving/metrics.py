@@ -1,4 +1,4 @@
-"""Prometheus metrics for one server, fed from StepStats and RequestDeltas.
+"""Prometheus metrics for one server, fed from StepStats, RequestDeltas and EngineState.
 
 Invariants:
 - One ``CollectorRegistry`` per ``ServingMetrics`` (per app); nothing is registered globally.
@@ -13,6 +13,9 @@ Invariants:
   (``slo_ttft_total`` / ``slo_tpot_total`` with ``result`` met or missed, for requests whose
   class or request names a target), goodput tokens (output tokens of served requests that met
   every target they had) and preemptions.
+- Engine state (running, waiting, KV usage, token budget, preemptions) is read at scrape time
+  from the latest ``EngineState`` snapshot the engine published: gauges are its values and the
+  preemption counters its own totals, never re-derived here.
 - Methods are called from the engine thread (steps, deltas) and the event loop (rejections);
   prometheus_client's metric objects are thread-safe.
 """
@@ -20,7 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -30,10 +33,13 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from poise.core.outputs import RequestDelta, StepStats
 from poise.core.request import SloTargets
 from poise.core.timing import derive
+from poise.engine.state import EngineState
 
 P = "poise:"
 
@@ -102,19 +108,12 @@ class ServingMetrics:
         self._goodput = class_counter(
             "goodput_tokens_total", "Output tokens of served requests that met all targets."
         )
-        self._class_preemptions = class_counter(
-            "class_preemptions_total", "Preemptions (recompute) per traffic class."
-        )
-        self.token_budget = gauge(
-            "token_budget", "Per-step token budget now (moves with the budget controller)."
-        )
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
-        self.running = gauge("num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("num_requests_waiting", "Requests in the waiting queue.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).")
-        self.preemptions = counter("num_preemptions_total", "Preemptions (recompute).")
         self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens prefilled.")
         self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits_total", "Prompt tokens served from the prefix cache."
+        )
         self._success = Counter(
             P + "request_success_total",
             "Finished requests by finish reason (stop, length, abort, error, rejected).",
@@ -151,7 +150,6 @@ class ServingMetrics:
         )
         ProcessCollector(registry=r)
         self._model_name = model_name
-        self._class_preemptions_seen: dict[str, int] = {}
 
     # -- engine thread ---------------------------------------------------------------------
 
@@ -160,11 +158,11 @@ class ServingMetrics:
         self.step_decode_tokens.observe(stats.num_decode_tokens)
         self.iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_tokens)
         self.step_duration.observe(stats.step_duration)
+        self.prefix_cache_hits.inc(stats.num_prefix_cache_hit_tokens)
 
-    def set_state(self, running: int, waiting: int, kv_usage: float) -> None:
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.kv_usage.set(kv_usage)
+    def track_engine_state(self, state: Callable[[], EngineState]) -> None:
+        """Expose the engine snapshot that ``state`` returns at each scrape (call once)."""
+        self.registry.register(_EngineStateCollector(self._model_name, state))
 
     def observe_delta(self, delta: RequestDelta, prompt_len_if_first: int | None) -> None:
         """One request's step output. ``prompt_len_if_first``: its prompt length when this
@@ -223,16 +221,6 @@ class ServingMetrics:
         if good:
             self._goodput.labels(**labels).inc(m.num_output_tokens)
 
-    def class_preemptions(self, totals: Mapping[str, int]) -> None:
-        """The scheduler's running totals per class; counts what is new since the last call."""
-        for cls, total in totals.items():
-            new = total - self._class_preemptions_seen.get(cls, 0)
-            if new > 0:
-                self._class_preemptions.labels(model_name=self._model_name, **{"class": cls}).inc(
-                    new
-                )
-                self._class_preemptions_seen[cls] = total
-
     # -- event loop ------------------------------------------------------------------------
 
     def rejected(self, reason: str) -> None:
@@ -242,3 +230,40 @@ class ServingMetrics:
         """Called on the event loop thread, so it can sample that thread's CPU time."""
         self.loop_thread_cpu.set(time.thread_time())
         return generate_latest(self.registry)
+
+
+class _EngineStateCollector(Collector):
+    """The engine-state gauges and counters, read from the latest snapshot at scrape time."""
+
+    def __init__(self, model_name: str, state: Callable[[], EngineState]) -> None:
+        self._model_name = model_name
+        self._state = state
+
+    def collect(self) -> Iterator[Metric]:
+        s, m = self._state(), self._model_name
+        for name, doc, value in (
+            ("num_requests_running", "Requests in the running batch.", s.num_running),
+            ("num_requests_waiting", "Requests in the waiting queue.", s.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", s.kv_cache_usage),
+            (
+                "token_budget",
+                "Per-step token budget now (moves with the budget controller).",
+                s.token_budget,
+            ),
+        ):
+            gauge = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+            gauge.add_metric([m], value)
+            yield gauge
+        total = CounterMetricFamily(
+            P + "num_preemptions", "Preemptions (recompute).", labels=["model_name"]
+        )
+        total.add_metric([m], s.num_preemptions)
+        yield total
+        by_class = CounterMetricFamily(
+            P + "class_preemptions",
+            "Preemptions (recompute) per traffic class.",
+            labels=["model_name", "class"],
+        )
+        for cls, n in sorted(s.preemptions_by_class.items()):
+            by_class.add_metric([m, cls], n)
+        yield by_class

@@ -23,6 +23,7 @@ from typing import Any
 import uvicorn
 
 from poise.config import EngineConfig
+from poise.engine.observer import EngineObserver
 from poise.serving.app import ServingState, create_app
 from poise.serving.async_engine import AsyncEngine
 from poise.serving.connections import ConnectionLimits, protocol_class
@@ -57,11 +58,14 @@ def build_state(
 def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> ServingState:
     from poise.engine.builder import build_engine  # lazy: imports torch
 
-    core, info = build_engine(config)
+    def observers(info: Any) -> list[EngineObserver]:  # a runner.factory.ModelInfo
+        if not settings.step_trace:
+            return []
+        return [step_tracer(settings.step_trace, model=info.model_name, dtype=str(info.dtype),
+                            device=str(info.device), num_threads=config.model.num_threads)]  # fmt: skip
+
+    core, info = build_engine(config, observers=observers)
     name = info.model_name
-    if settings.step_trace:
-        install_step_trace(core, settings.step_trace, model=name, dtype=str(info.dtype),
-                           device=str(info.device), num_threads=config.model.num_threads)  # fmt: skip
     logger.info(
         "model %s: vocab %d, max_model_len %d, %d KV blocks of %d tokens, %s on %s",
         name, info.vocab_size, core.max_model_len, info.num_kv_blocks, info.block_size,
@@ -77,13 +81,12 @@ def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> S
     )
 
 
-def install_step_trace(core: Any, path: str, **provenance: Any) -> None:
-    """Wrap the engine's executor so that every step is written to ``path`` (a step trace)."""
-    from poise.sim.trace import StepTraceWriter, TracingExecutor
+def step_tracer(path: str, **provenance: Any) -> EngineObserver:
+    """An engine observer that writes every step to ``path`` (a step trace)."""
+    from poise.sim.trace import StepTracer, StepTraceWriter
 
-    writer = StepTraceWriter(path, source="poise serve", **provenance)
-    core.executor = TracingExecutor(core.executor, writer)
     logger.info("step trace: writing every engine step to %s", path)
+    return StepTracer(StepTraceWriter(path, source="poise serve", **provenance))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from poise.sim.accelerators import ACCELERATORS, Accelerator, get_accelerator
 from poise.sim.arrival import ArrivalModel
 from poise.sim.cost import CostModel, FixedCostModel, LinearCostModel, StepShape
-from poise.sim.executor import RecordingExecutor, SimExecutor, StepDecision
+from poise.sim.executor import DecisionRecorder, SimExecutor, StepDecision
 from poise.sim.fit import fit_step_costs, load_profile
 from poise.sim.roofline import RooflineCostModel
 from poise.sim.shapes import ModelShape, load_shape
@@ -32,11 +32,11 @@ __all__ = [
     "Accelerator",
     "ArrivalModel",
     "CostModel",
+    "DecisionRecorder",
     "FixedCostModel",
     "LinearCostModel",
     "ModelShape",
     "PromptLengths",
-    "RecordingExecutor",
     "RooflineCostModel",
     "SimCell",
     "SimExecutor",

@@ -98,7 +98,7 @@ class StepShape:
             if sr.sample:
                 sampled += 1
             chunk_pairs = n * start + n * (n + 1) // 2
-            if n == 1:
+            if sr.is_decode:
                 dec_seqs += 1
                 dec_ctx += start + 1
                 dec_max = max(dec_max, start + 1)

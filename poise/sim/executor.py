@@ -6,8 +6,9 @@
 samples. Requests therefore end by ``max_tokens`` (ignore_eos semantics); the simulator gives a
 request a sampled output length by setting its ``max_tokens``.
 
-``RecordingExecutor`` wraps any executor (the real ``ModelRunner`` or a ``SimExecutor``) and
-logs each step's decisions, which is how the parity test compares the two.
+``DecisionRecorder`` is an engine observer that logs each step's decisions whatever the
+executor (the real ``ModelRunner`` or a ``SimExecutor``), which is how the parity test compares
+the two.
 
 With ``cost_model.step_jitter_cv`` > 0 each step's time is multiplied by a lognormal factor of
 mean 1 and that coefficient of variation, drawn from ``random.Random(seed)``: a real CPU's
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 
 from poise.core.outputs import ModelRunnerOutput, SchedulerOutput
 from poise.engine.clock import VirtualClock
-from poise.engine.executor import Executor
+from poise.engine.observer import EngineObserver
 from poise.sim.cost import CostModel
 
 
@@ -91,12 +92,10 @@ class StepDecision:
 
 
 @dataclass
-class RecordingExecutor:
-    """Delegates to ``inner`` and records every step's ``StepDecision``."""
+class DecisionRecorder(EngineObserver):
+    """Records every executed step's ``StepDecision`` (pass it to ``EngineCore(observers=)``)."""
 
-    inner: Executor
     decisions: list[StepDecision] = field(default_factory=list)
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.decisions.append(StepDecision.of(scheduler_output))
-        return self.inner.execute(scheduler_output)
+    def on_step_start(self, output: SchedulerOutput) -> None:
+        self.decisions.append(StepDecision.of(output))

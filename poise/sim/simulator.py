@@ -17,15 +17,18 @@ modified or subclassed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from poise.config import EngineConfig
 from poise.engine.clock import VirtualClock
 from poise.engine.core import EngineCore
 from poise.engine.executor import Executor
+from poise.engine.observer import EngineObserver
 from poise.sim.arrival import ArrivalModel
 from poise.sim.cell import SimCell, SimRequest, SimRequestResult, SimResult, SimStep
 from poise.sim.cost import CostModel
 from poise.sim.driver import drive
-from poise.sim.executor import RecordingExecutor, SimExecutor
+from poise.sim.executor import DecisionRecorder, SimExecutor
 
 __all__ = [
     "SimCell",
@@ -39,7 +42,11 @@ __all__ = [
 
 
 def sim_engine(
-    engine_config: EngineConfig, cost_model: CostModel, executor: Executor, clock: VirtualClock
+    engine_config: EngineConfig,
+    cost_model: CostModel,
+    executor: Executor,
+    clock: VirtualClock,
+    observers: Sequence[EngineObserver] = (),
 ) -> EngineCore:
     """A real ``EngineCore`` sized by the cost model (KV blocks, model length, vocabulary)."""
     return EngineCore(
@@ -50,6 +57,7 @@ def sim_engine(
         vocab_size=cost_model.vocab_size,
         eos_token_ids=frozenset(cost_model.eos_token_ids),
         clock=clock,
+        observers=observers,
     )
 
 
@@ -70,8 +78,10 @@ def simulate_cell(
     """
     clock = VirtualClock(0.0)
     sim = SimExecutor(cost_model, clock, seed=seed)
-    executor: Executor = RecordingExecutor(sim) if record_decisions else sim
-    engine = sim_engine(engine_config, cost_model, executor, clock)
+    recorder = DecisionRecorder()
+    engine = sim_engine(
+        engine_config, cost_model, sim, clock, [recorder] if record_decisions else []
+    )
     num_blocks = engine.kv.num_blocks
     results, timeline, wall = drive(engine, clock, cell, arrival=arrival, seed=seed)
     first = min((r.sent for r in results), default=0.0)
@@ -87,5 +97,5 @@ def simulate_cell(
         max_model_len=engine.max_model_len,
         cost_model=cost_model.describe(),
         arrival_model=arrival.describe(),
-        decisions=executor.decisions if isinstance(executor, RecordingExecutor) else [],
+        decisions=recorder.decisions,
     )

@@ -1,9 +1,9 @@
 """Step traces: one JSON line per engine step, its shape and how long it took.
 
-``poise serve --step-trace FILE`` wraps the engine's executor in a ``TracingExecutor``; every
-step then appends its ``StepShape`` (the cost model's inputs) with the wall time and the engine
-thread's CPU time of the forward (the same span ``poise profile`` times). ``TracingExecutor``
-takes any clock, so it can wrap a ``SimExecutor`` on its virtual clock as well. What a trace
+``poise serve --step-trace FILE`` builds the engine with a ``StepTracer`` observer; every step
+then appends its ``StepShape`` (the cost model's inputs) with the wall time and the engine
+thread's CPU time of the forward (the same span ``poise profile`` times). ``StepTracer`` takes
+any clock, so it can watch an engine on a ``SimExecutor`` and its virtual clock as well. What a trace
 answers that the Prometheus histograms cannot:
 
 - is the cost model right on the steps real traffic produced, step for step
@@ -18,8 +18,8 @@ a line ``{"clock_origin_s": T}`` (where ``start_s`` 0 is on the tracing clock; `
 folds it into the header), then one object per step: ``start_s`` (seconds since the trace
 opened), ``wall_s``, ``cpu_s`` (absent for simulated traces) and the ``StepShape`` fields.
 
-Invariants: tracing never changes what the inner executor returns; a step is written after it
-ran (a step that raised is not written); lines are flushed as written, so a trace of a server
+Invariants: tracing never changes what the executor returns; a step is written after it ran
+(a step that raised is not written); lines are flushed as written, so a trace of a server
 stopped by SIGTERM is complete up to its last step.
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from poise.core.outputs import ModelRunnerOutput, SchedulerOutput
-from poise.engine.executor import Executor
+from poise.engine.observer import StepTimer
 from poise.sim.cost import CostModel, StepShape
 
 TRACE_KIND = "poise-step-trace"
@@ -78,8 +78,8 @@ class StepTraceWriter:
             self._f = None
 
 
-class TracingExecutor:
-    """Delegates to ``inner`` and writes each step's shape and duration to ``writer``.
+class StepTracer(StepTimer):
+    """An engine observer that writes each step's shape and duration to ``writer``.
 
     ``clock`` times the step (wall, or a simulator's virtual clock); ``cpu_clock`` (optional)
     is the calling thread's CPU time: with one torch thread the forward runs on it, so
@@ -88,29 +88,29 @@ class TracingExecutor:
 
     def __init__(
         self,
-        inner: Executor,
         writer: StepTraceWriter,
         clock: Callable[[], float] = time.perf_counter,
         cpu_clock: Callable[[], float] | None = time.thread_time,
     ) -> None:
-        self.inner = inner
+        super().__init__(clock)
         self.writer = writer
-        self.clock = clock
         self.cpu_clock = cpu_clock
         self._origin = clock()
+        self._cpu_start = 0.0
         # The origin on the clock itself: with the default clock (CLOCK_MONOTONIC, shared by
         # every process on the host) a client's timestamps can be placed on the trace.
         writer.note_origin(self._origin)
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        shape = StepShape.from_output(scheduler_output)
-        c0 = self.cpu_clock() if self.cpu_clock is not None else None
-        t0 = self.clock()
-        result = self.inner.execute(scheduler_output)
-        t1 = self.clock()
-        cpu = self.cpu_clock() - c0 if self.cpu_clock is not None and c0 is not None else None
-        self.writer.write(t0 - self._origin, t1 - t0, cpu, shape)
-        return result
+    def on_step_start(self, output: SchedulerOutput) -> None:
+        if self.cpu_clock is not None:
+            self._cpu_start = self.cpu_clock()
+        super().on_step_start(output)
+
+    def on_step_end(self, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        super().on_step_end(output, result)
+        cpu = self.cpu_clock() - self._cpu_start if self.cpu_clock is not None else None
+        shape = StepShape.from_output(output)
+        self.writer.write(self.start - self._origin, self.durations[-1], cpu, shape)
 
 
 def read_trace(path: str | Path) -> tuple[dict[str, Any], list[TracedStep]]:

@@ -13,7 +13,7 @@ from poise.config import EngineConfig
 from poise.engine.clock import VirtualClock
 from poise.engine.core import EngineCore
 from poise.sim.cost import FixedCostModel, StepShape
-from poise.sim.executor import RecordingExecutor
+from poise.sim.executor import DecisionRecorder
 from poise.sim.simulator import SimCell, SimRequest, drive, simulate_cell
 
 torch = pytest.importorskip("torch")
@@ -50,15 +50,16 @@ def test_real_runner_and_simulator_decide_identically(tiny_dir: Path, policy: st
     )
     runner, info = create_model_runner(cfg)
     clock = VirtualClock()
-    real = RecordingExecutor(runner)
+    real = DecisionRecorder()
     engine = EngineCore(
         cfg,
-        real,
+        runner,
         num_kv_blocks=info.num_kv_blocks,
         max_model_len=info.max_model_len,
         vocab_size=info.vocab_size,
         eos_token_ids=info.eos_token_ids,
         clock=clock,
+        observers=[real],
     )
     real_results, _, _ = drive(engine, clock, _cell())
 

@@ -9,7 +9,7 @@ from poise.engine.clock import VirtualClock
 from poise.engine.core import EngineCore
 from poise.sim.arrival import ArrivalModel
 from poise.sim.cost import FixedCostModel
-from poise.sim.executor import RecordingExecutor, SimExecutor, pick_token_id
+from poise.sim.executor import DecisionRecorder, SimExecutor, pick_token_id
 from poise.sim.simulator import SimCell, SimRequest, drive, simulate_cell
 from tests.unit.fake_executor import FakeExecutor
 
@@ -110,10 +110,11 @@ def test_same_decisions_as_a_context_reading_executor() -> None:
     cell = SimCell(_mix(20, short=12, long=70, max_tokens=10), concurrency=6)
     sim = simulate_cell(cfg, COST, cell, record_decisions=True)
     clock = VirtualClock()
-    fake = RecordingExecutor(FakeExecutor(vocab_size=1000, block_size=4))
+    fake = DecisionRecorder()
     engine = EngineCore(
-        cfg, fake, num_kv_blocks=40, max_model_len=2048, vocab_size=1000, clock=clock
-    )
+        cfg, FakeExecutor(vocab_size=1000, block_size=4), num_kv_blocks=40, max_model_len=2048,
+        vocab_size=1000, clock=clock, observers=[fake],
+    )  # fmt: skip
     results, _, _ = drive(engine, clock, cell)
     assert sim.decisions == fake.decisions
     assert any(d.preempted for d in sim.decisions)

@@ -12,11 +12,11 @@ from poise.config import EngineConfig
 from poise.engine.clock import VirtualClock
 from poise.engine.core import EngineCore
 from poise.sim.cost import FixedCostModel
-from poise.sim.executor import RecordingExecutor, SimExecutor
+from poise.sim.executor import DecisionRecorder, SimExecutor
 from poise.sim.simulator import SimCell, SimRequest, drive, simulate_cell
 from poise.sim.trace import (
+    StepTracer,
     StepTraceWriter,
-    TracingExecutor,
     in_window,
     predicted_vs_measured,
     read_trace,
@@ -36,14 +36,15 @@ def _config() -> EngineConfig:
     )
 
 
-def _traced_run(path: Path) -> RecordingExecutor:
+def _traced_run(path: Path) -> DecisionRecorder:
     clock = VirtualClock(0.0)
-    recorder = RecordingExecutor(SimExecutor(COST, clock))
+    recorder = DecisionRecorder()
     writer = StepTraceWriter(path, source="test")
-    traced = TracingExecutor(recorder, writer, clock=clock.now, cpu_clock=None)
+    tracer = StepTracer(writer, clock=clock.now, cpu_clock=None)
     engine = EngineCore(
-        _config(), traced, num_kv_blocks=64, max_model_len=256, vocab_size=100, eos_token_ids=()
-    )
+        _config(), SimExecutor(COST, clock), num_kv_blocks=64, max_model_len=256,
+        vocab_size=100, eos_token_ids=(), observers=[recorder, tracer],
+    )  # fmt: skip
     drive(engine, clock, _cell())
     writer.close()
     return recorder

@@ -1,0 +1,29 @@
+"""``EngineState``: a read-only snapshot of the engine for the server (gauges, readiness, logs).
+
+The engine thread takes one after each step (``EngineCore.snapshot``) and publishes it; other
+threads read the latest snapshot instead of reaching into the scheduler while it runs.
+Counters here are totals since the engine started, so a reader never re-derives them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class EngineState:
+    num_running: int = 0
+    num_waiting: int = 0
+    # Fraction of KV blocks referenced by requests (free-but-cached blocks count as free).
+    kv_cache_usage: float = 0.0
+    num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0
+    # The per-step token budget now (moves with the token-budget controller).
+    token_budget: int = 0
+    # Totals since start: preemptions (recompute), and the same per traffic class.
+    num_preemptions: int = 0
+    preemptions_by_class: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # Whether the waiting queue is at max_num_queued_requests (new requests get 429).
+    queue_full: bool = False
