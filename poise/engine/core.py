@@ -209,8 +209,6 @@ class EngineCore:
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
             kv_cache_usage=self.kv.usage,
-            num_kv_blocks=self.kv.num_blocks,
-            num_free_kv_blocks=self.kv.num_free_blocks,
             token_budget=sched.steer.budget,
             num_preemptions=sched.num_preemptions_total,
             preemptions_by_class=MappingProxyType(dict(sched.steer.preemptions_by_class)),

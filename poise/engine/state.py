@@ -18,8 +18,6 @@ class EngineState:
     num_waiting: int = 0
     # Fraction of KV blocks referenced by requests (free-but-cached blocks count as free).
     kv_cache_usage: float = 0.0
-    num_kv_blocks: int = 0
-    num_free_kv_blocks: int = 0
     # The per-step token budget now (moves with the token-budget controller).
     token_budget: int = 0
     # Totals since start: preemptions (recompute), and the same per traffic class.

@@ -85,7 +85,7 @@ def test_snapshot_reports_counts_usage_and_preemption_totals() -> None:
     engine, _ = make_engine(num_kv_blocks=24, safety_margin=0.0, max_num_queued_requests=100)
     state = engine.snapshot()
     assert (state.num_running, state.num_waiting, state.kv_cache_usage) == (0, 0, 0.0)
-    assert state.num_kv_blocks == state.num_free_kv_blocks == 24 and not state.queue_full
+    assert not state.queue_full
     for i in range(8):
         engine.add_request(str(i), [i + 1] * 20, greedy(30))
     assert engine.snapshot().num_waiting == 8
