@@ -222,7 +222,8 @@ class SchedulerConfig:
     )
     long_prefill_token_threshold: int = _help(
         "Cap on prompt tokens one request may take in a step (0 = off), so one long prompt "
-        "cannot starve short ones. Ignored when that request is alone in the batch.",
+        "cannot starve short ones. Ignored when that request is alone in the batch, and "
+        "without chunked prefill (a prompt then goes in whole).",
         default=0,
     )
     scheduling_policy: str = _help(

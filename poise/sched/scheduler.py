@@ -66,6 +66,11 @@ class Scheduler:
         # Finishing deltas of requests rejected in add_request, handed out by the next update.
         self._rejected: list[RequestDelta] = []
         self._reserve_blocks = int(config.safety_margin * kv.num_blocks)
+        # The long-prefill cap (0: none). It splits prompts, so it needs chunked prefill: without
+        # it a capped prompt could never go in whole, and admission stalled behind it for good.
+        self._long_prefill_cap = (
+            config.long_prefill_token_threshold if config.enable_chunked_prefill else 0
+        )
         # Whether decodes were running when the step was scheduled (for the budget controller).
         self._had_decodes = False
         # Policy, classes, step-cost estimate, budget controller, forecasts (sched/steering.py).
@@ -168,9 +173,7 @@ class Scheduler:
         ctx = self.context(now)
         # The policy's walk; the loop below is the same for every policy.
         candidates = self.policy.walk(self.running, self.waiting, ctx)
-        ledger = self.steer.ledger(
-            candidates, self.running, self.config.long_prefill_token_threshold
-        )
+        ledger = self.steer.ledger(candidates, self.running, self._long_prefill_cap)
         was_running = {r.request_id for r in self.running}
         admitting = True
         for request in candidates:
@@ -200,15 +203,15 @@ class Scheduler:
         """Tokens a request ``remaining`` tokens behind takes out of ``budget`` now.
 
         ``budget``: what is left of the step's for this request (less what other classes hold
-        reserved, for a prefill). A prefill (more than one token behind) takes at most
-        ``long_prefill_token_threshold`` unless the request is alone in the engine, so one long
-        prompt cannot take the whole budget from short ones.
+        reserved, for a prefill). A prefill (more than one token behind) takes at most the
+        long-prefill cap unless the request is alone in the engine, so one long prompt cannot
+        take the whole budget from short ones.
         """
         n = min(remaining, budget)
-        threshold = self.config.long_prefill_token_threshold
+        cap = self._long_prefill_cap
         alone = len(self.running) + len(self.waiting) <= 1
-        if threshold > 0 and remaining > 1 and not alone:
-            n = min(n, threshold)
+        if cap > 0 and remaining > 1 and not alone:
+            n = min(n, cap)
         return n
 
     def _schedule_running(

@@ -265,3 +265,20 @@ def test_prefix_caching_under_preemption_keeps_outputs() -> None:
             assert engine.scheduler.num_preemptions_total > 0
             assert engine.kv.num_free_blocks == 40
     assert outs[0] == outs[1]
+
+
+def test_long_prefill_cap_without_chunked_prefill_does_not_stall_admission() -> None:
+    """The cap splits prompts; without chunked prefill a capped prompt could never go in whole,
+    so two queued prompts over the cap used to wait for each other forever."""
+    engine, executor = make_engine(
+        enable_chunked_prefill=False, long_prefill_token_threshold=8, max_num_batched_tokens=64
+    )
+    engine.add_request("a", list(range(30)), greedy(2))
+    engine.add_request("b", list(range(100, 130)), greedy(2))
+    steps = 0
+    while engine.has_unfinished_requests() and steps < 50:
+        engine.step()
+        steps += 1
+    assert not engine.has_unfinished_requests()
+    first = executor.steps[0].scheduled
+    assert [(s.request_id, s.num_tokens) for s in first] == [("a", 30), ("b", 30)]
