@@ -72,13 +72,21 @@ def test_predictive_admission_answers_429_with_a_computed_retry_after(smol_token
 
 
 def test_class_preemptions_and_token_budget_metrics() -> None:
+    from types import MappingProxyType
+
+    from poise.engine.state import EngineState
     from poise.serving.metrics import ServingMetrics
 
     m = ServingMetrics("m")
-    m.class_preemptions({"short": 2})
-    m.class_preemptions({"short": 3, "long": 1})  # running totals: only what is new counts
-    m.token_budget.set(512)
+    state = EngineState(preemptions_by_class=MappingProxyType({"short": 2}), token_budget=256)
+    m.track_engine_state(lambda: state)  # read at each scrape: the latest snapshot
+    state = EngineState(  # the engine's running totals are exposed as they are
+        num_preemptions=4,
+        preemptions_by_class=MappingProxyType({"short": 3, "long": 1}),
+        token_budget=512,
+    )
     text = m.render().decode()
     assert metric_value(text, "poise:class_preemptions_total", **{"class": "short"}) == 3
     assert metric_value(text, "poise:class_preemptions_total", **{"class": "long"}) == 1
+    assert metric_value(text, "poise:num_preemptions_total") == 4
     assert metric_value(text, "poise:token_budget") == 512
