@@ -1,20 +1,21 @@
-"""Paged attention for CPU through the C++ kernel (cpu_paged_attention.cpp).
+"""Paged attention for CPU through the C++ kernels (cpu_paged_attention.cpp, cpu_prefill_attention.cpp).
 
-Why: the torch backend copies every decoding request's K/V blocks out of the paged cache in
-every layer (``index_select``) and pads rows to a common width; at the seed's 3.4k-token
-contexts that copy costs as much as the attention. The kernel reads keys and values in place
-through the block tables, one (row, partition of keys) work item per OpenMP task.
+Why: the torch backend copies every request's K/V blocks out of the paged cache in every layer
+(``index_select``), pads rows to a common width, and attends a later prefill chunk through a
+dense offset-causal mask over its whole context. The kernels read keys and values in place
+through the block tables.
 
-What runs where, per step:
-- decode tokens: one kernel row each (context = its position + 1);
-- a prefill chunk that starts after cached tokens (a prefix-cache hit, a later chunk, a
-  recompute) with at most ``MAX_KERNEL_CHUNK`` queries: one kernel row per query, query i
-  seeing ``start + i + 1`` keys. Cost grows as queries x context, so longer chunks go to
-- torch SDPA (gather + offset-causal mask, common.py), as do chunks at position 0 (fresh k/v
-  only, no cache read), where SDPA's blocked matmuls beat a per-query loop.
+What runs where, per step (each kernel once per layer for all its work):
+- decode tokens, and the queries of a chunk after cached tokens with at most
+  ``MAX_KERNEL_CHUNK`` queries (a prefix-cache hit's tail, a short recompute): one *row* each
+  in the decode kernel (cpu_paged_attention.cpp), query i seeing ``start + i + 1`` keys, keys
+  split into partitions so one long row uses every thread;
+- every other prefill chunk, fresh or after cached tokens: the blocked prefill kernel
+  (cpu_prefill_attention.cpp), flash-attention style over (query block, kv head) items, bf16
+  dot products where the CPU has AVX512-BF16. Its cost is the causal pairs, not context^2.
 
-All kernel rows of a step run in ONE call per layer. Same results as the torch backend up to
-float rounding (the tests compare both against transformers).
+Same results as the torch backend up to float rounding (the tests compare both against
+transformers).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from poise.model.attention.common import SdpaPrefill, prefill_attention, sdpa_prefills, write_kv
+from poise.model.attention.common import write_kv
 from poise.model.attention.cpu_kernel import load_cpu_kernel
 from poise.model.attention.metadata import AttentionMetadata, PrefillChunk
 
@@ -45,12 +46,23 @@ class KernelRows:
 
 
 @dataclass(frozen=True)
+class KernelChunks:
+    """The step's chunks for the prefill kernel (cpu_prefill_attention.cpp), [C] int64 each."""
+
+    # [C, width] int64: each chunk's block table, padded with block 0 (never read).
+    tables: torch.Tensor
+    query_start: torch.Tensor
+    query_len: torch.Tensor
+    start_position: torch.Tensor
+
+
+@dataclass(frozen=True)
 class CpuAttentionState:
     meta: AttentionMetadata
     # None when the step has no decode token and no short cached-context chunk.
     rows: KernelRows | None
-    # The chunks left to SDPA, with their masks.
-    prefills: tuple[SdpaPrefill, ...]
+    # None when the step has no other prefill chunk.
+    chunks: KernelChunks | None
 
 
 class CpuPagedAttentionBackend:
@@ -69,18 +81,23 @@ class CpuPagedAttentionBackend:
                 "use attention_backend='torch'"
             )
         self._kernel = lib.poise_paged_attention
+        self._prefill_kernel = lib.poise_paged_prefill
 
     def prepare(self, meta: AttentionMetadata) -> CpuAttentionState:
         kernel_chunks: list[PrefillChunk] = []
-        sdpa_chunks: list[PrefillChunk] = []
+        blocked: list[PrefillChunk] = []
         for c in meta.prefills:
             short_after_cache = c.start_position > 0 and c.query_len <= self.MAX_KERNEL_CHUNK
-            (kernel_chunks if short_after_cache else sdpa_chunks).append(c)
+            (kernel_chunks if short_after_cache else blocked).append(c)
+        return CpuAttentionState(
+            meta, self._rows(meta, kernel_chunks), _chunks(blocked, meta.slot_mapping.device)
+        )
+
+    def _rows(self, meta: AttentionMetadata, kernel_chunks: list[PrefillChunk]) -> KernelRows | None:
         device = meta.slot_mapping.device
-        prefills = sdpa_prefills(sdpa_chunks, device)
         d = meta.num_decodes
         if d == 0 and not kernel_chunks:
-            return CpuAttentionState(meta, None, prefills)
+            return None
         width = max(
             [meta.decode_block_tables.shape[1] if meta.decode_block_tables is not None else 0]
             + [c.block_table.shape[0] for c in kernel_chunks]
@@ -100,10 +117,9 @@ class CpuPagedAttentionBackend:
             row_table.append(torch.full_like(queries, d + k))
             row_token.append(queries + chunk.query_start)
             context.append(queries + chunk.start_position + 1)
-        rows = KernelRows(
+        return KernelRows(
             tables, torch.cat(row_table), torch.cat(row_token), torch.cat(context).contiguous()
         )
-        return CpuAttentionState(meta, rows, prefills)
 
     def forward(
         self,
@@ -121,8 +137,8 @@ class CpuPagedAttentionBackend:
         out = q.new_empty(q.shape)
         if state.rows is not None:
             self._attend_rows(q, kv_cache, state.rows, scale, out)
-        for prefill in state.prefills:
-            prefill_attention(prefill, q, kv, kv_cache, scale, out)
+        if state.chunks is not None:
+            self._attend_chunks(q, kv_cache, state.chunks, scale, out)
         return out
 
     def _attend_rows(
@@ -157,3 +173,47 @@ class CpuPagedAttentionBackend:
         )
         if rc != 0:
             raise RuntimeError(f"cpu attention kernel rejected its arguments (code {rc})")
+
+    def _attend_chunks(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        chunks: KernelChunks,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        _, num_heads, head_dim = q.shape
+        rc = self._prefill_kernel(
+            _DTYPE_CODES[q.dtype],
+            q.data_ptr(),
+            q.stride(0),
+            kv_cache.data_ptr(),
+            chunks.tables.data_ptr(),
+            chunks.tables.stride(0),
+            chunks.query_start.data_ptr(),
+            chunks.query_len.data_ptr(),
+            chunks.start_position.data_ptr(),
+            chunks.query_len.shape[0],
+            num_heads,
+            kv_cache.shape[2] // 2,
+            head_dim,
+            kv_cache.shape[1],
+            scale,
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"cpu prefill kernel rejected its arguments (code {rc})")
+
+
+def _chunks(chunks: list[PrefillChunk], device: torch.device) -> KernelChunks | None:
+    if not chunks:
+        return None
+    width = max(c.block_table.shape[0] for c in chunks)
+    tables = torch.zeros(len(chunks), width, dtype=torch.int64, device=device)
+    for i, c in enumerate(chunks):
+        tables[i, : c.block_table.shape[0]] = c.block_table
+    fields = [[c.query_start, c.query_len, c.start_position] for c in chunks]
+    columns = torch.tensor(fields, dtype=torch.int64, device=device).T.contiguous()
+    return KernelChunks(tables, columns[0], columns[1], columns[2])

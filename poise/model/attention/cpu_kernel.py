@@ -1,4 +1,4 @@
-"""Build (once, cached) and load the C++ paged-attention kernel for CPU.
+"""Build (once, cached) and load the C++ paged-attention kernels for CPU (decode rows and prefill).
 
 Why a just-in-time build: the kernel is compiled with ``-march=native`` for the machine it runs
 on (AVX-512 where there is AVX-512), which a prebuilt wheel cannot do, and it needs only a C++
@@ -31,9 +31,13 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
+_HERE = Path(__file__).parent
+# Compiled together into one library; the header is part of the cache key.
+SOURCES = (_HERE / "cpu_paged_attention.cpp", _HERE / "cpu_prefill_attention.cpp")
+HEADERS = (_HERE / "cpu_attention_common.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
+# poise_paged_attention (decode rows, cpu_paged_attention.cpp).
 _ARGTYPES: list[Any] = [
     ctypes.c_int,  # dtype: 0 float32, 1 bfloat16
     ctypes.c_void_p,  # q
@@ -53,6 +57,28 @@ _ARGTYPES: list[Any] = [
     ctypes.c_void_p,  # out
     ctypes.c_int64,  # out token stride
     ctypes.c_int,  # partition size
+    ctypes.c_int,  # threads
+]
+
+# poise_paged_prefill (blocked prefill chunks, cpu_prefill_attention.cpp).
+_PREFILL_ARGTYPES: list[Any] = [
+    ctypes.c_int,  # dtype: 0 float32, 1 bfloat16
+    ctypes.c_void_p,  # q
+    ctypes.c_int64,  # q token stride
+    ctypes.c_void_p,  # kv_cache
+    ctypes.c_void_p,  # tables [num_chunks, table stride]
+    ctypes.c_int64,  # table stride
+    ctypes.c_void_p,  # query_start [num_chunks]
+    ctypes.c_void_p,  # query_len
+    ctypes.c_void_p,  # start_position
+    ctypes.c_int,  # num_chunks
+    ctypes.c_int,  # num_heads
+    ctypes.c_int,  # num_kv_heads
+    ctypes.c_int,  # head_dim
+    ctypes.c_int,  # block_size
+    ctypes.c_float,  # scale
+    ctypes.c_void_p,  # out
+    ctypes.c_int64,  # out token stride
     ctypes.c_int,  # threads
 ]
 
@@ -87,7 +113,7 @@ def _build(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, "-o", tmp, str(SOURCE)]
+        cmd = [compiler, *FLAGS, "-o", tmp, *map(str, SOURCES)]
         result = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
@@ -109,7 +135,9 @@ def build_cpu_kernel() -> Path | None:
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_signature()]).encode()
+        "\0".join(
+            [*(f.read_text() for f in (*SOURCES, *HEADERS)), *FLAGS, version, _cpu_signature()]
+        ).encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"cpu_paged_attention-{key}.so"
     if not target.exists():
@@ -138,6 +166,9 @@ def load_cpu_kernel() -> ctypes.CDLL | None:
     fn = lib.poise_paged_attention
     fn.argtypes = _ARGTYPES
     fn.restype = ctypes.c_int
+    prefill = lib.poise_paged_prefill
+    prefill.argtypes = _PREFILL_ARGTYPES
+    prefill.restype = ctypes.c_int
     return lib
 
 

@@ -1,0 +1,143 @@
+// Numerics shared by the CPU attention kernels (cpu_paged_attention.cpp: decode rows,
+// cpu_prefill_attention.cpp: blocked prefill): bfloat16 <-> float and exp on the softmax's
+// non-positive arguments, scalar and on 16 AVX-512 lanes. Header-only: the build
+// (cpu_kernel.py) compiles both .cpp files into one library.
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace poise_attention {
+
+using bf16 = uint16_t;
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(bf16 x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void from_float(float x, float* dst) { *dst = x; }
+
+inline void from_float(float x, bf16* dst) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays a (quiet) NaN
+    *dst = static_cast<bf16>((bits >> 16) | 0x40u);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  *dst = static_cast<bf16>(bits >> 16);
+}
+
+// exp(x) for x <= 0 (scores minus their max), Cephes-style: 2^n * p(r), r in [-ln2/2, ln2/2].
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+#if defined(__AVX512F__)
+// exp_nonpositive on 16 lanes (same polynomial; the scalar loop does not vectorise by itself).
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// 16 values widened to float (bf16: the bits shifted into a float's high half).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const bf16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// [sum(a0), sum(a1), sum(a2), sum(a3)]: four horizontal sums for the price of about one and
+// a half (interleave, add, then fold the four 128-bit lanes).
+inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  // Per 128-bit lane: [a0_0 + a0_2, a1_0 + a1_2, a0_1 + a0_3, a1_1 + a1_3], same for a2, a3.
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512d d01 = _mm512_castps_pd(s01), d23 = _mm512_castps_pd(s23);
+  // Per 128-bit lane: [a0, a1, a2, a3] summed over that lane.
+  const __m512 t = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d01, d23)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(d01, d23)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(t),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+#endif
+
+// In place: each of `rows` rows of n scores -> exp(s - max); the row max and the sum of the
+// exps are appended after the rows (at scores[rows * n + 2 * r] and [... + 1]).
+inline void softmax_rows(float* scores, int rows, int n) {
+  float* stats = scores + rows * n;
+  for (int r = 0; r < rows; ++r) {
+    float* s = scores + r * n;
+    float m = -std::numeric_limits<float>::infinity();
+    float l = 0.0f;
+#if defined(__AVX512F__)
+    __m512 mv = _mm512_set1_ps(m);
+    for (int j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+      mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, s + j));
+    }
+    m = _mm512_reduce_max_ps(mv);
+    const __m512 mb = _mm512_set1_ps(m);
+    __m512 lv = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+      const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mb));
+      _mm512_mask_storeu_ps(s + j, k, e);
+      lv = _mm512_mask_add_ps(lv, k, lv, e);
+    }
+    l = _mm512_reduce_add_ps(lv);
+#else
+    for (int j = 0; j < n; ++j) m = std::max(m, s[j]);
+    for (int j = 0; j < n; ++j) {
+      s[j] = exp_nonpositive(s[j] - m);
+      l += s[j];
+    }
+#endif
+    stats[2 * r] = m;
+    stats[2 * r + 1] = l;
+  }
+}
+
+}  // namespace poise_attention
