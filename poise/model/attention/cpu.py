@@ -93,7 +93,9 @@ class CpuPagedAttentionBackend:
             meta, self._rows(meta, kernel_chunks), _chunks(blocked, meta.slot_mapping.device)
         )
 
-    def _rows(self, meta: AttentionMetadata, kernel_chunks: list[PrefillChunk]) -> KernelRows | None:
+    def _rows(
+        self, meta: AttentionMetadata, kernel_chunks: list[PrefillChunk]
+    ) -> KernelRows | None:
         device = meta.slot_mapping.device
         d = meta.num_decodes
         if d == 0 and not kernel_chunks:

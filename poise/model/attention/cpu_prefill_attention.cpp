@@ -70,11 +70,14 @@ struct Scratch {
   std::vector<float> qf;           // [R][hd] (float path)
   std::vector<uint32_t> qp;        // [R][hd/2] (dpbf16 path)
   std::vector<float> s;            // [R][kKeys] scores, then probabilities
+  std::vector<bf16> vp;            // [kKeys/2][hd][2] V as pairs of keys (dpbf16 path)
+  std::vector<bf16> pb;            // [R][kKeys] probabilities in bf16 (dpbf16 path)
   std::vector<float> o, m, l, corr;
   Scratch(int rows, int hd)
       : slots(kKeys), kt(static_cast<size_t>(hd) * kKeys), kp(static_cast<size_t>(hd) * kKeys),
         vf(static_cast<size_t>(hd) * kKeys), qf(static_cast<size_t>(rows) * hd),
         qp(static_cast<size_t>(rows) * hd), s(static_cast<size_t>(rows) * kKeys),
+        vp(static_cast<size_t>(hd) * kKeys), pb(static_cast<size_t>(rows) * kKeys),
         o(static_cast<size_t>(rows) * hd), m(rows), l(rows), corr(rows) {}
 };
 
@@ -165,9 +168,40 @@ inline float softmax_update(float* sr, int vis, float& m, float& l) {
   return corr;
 }
 
-// O[r] = O[r] * corr[r] + sum_j P[r][j] V[j] over the block's n keys.
-template <int HD>
+// O[r] = O[r] * corr[r] + sum_j P[r][j] V[j] over the block's n keys. PAIRS: P and V in bf16,
+// two keys per dpbf16 (P rounded to bf16 as flash attention does; its sum l stays float).
+template <bool PAIRS, int HD>
 void accumulate(Scratch& w, int rows, int hd, int n) {
+#if defined(__AVX512BF16__)
+  if constexpr (PAIRS && HD > 0) {
+    constexpr int NV = HD / 16;
+    constexpr int NR = NV <= 4 ? 4 : 2;
+    const uint32_t* pp = reinterpret_cast<const uint32_t*>(w.pb.data());
+    for (int r0 = 0; r0 < rows; r0 += NR) {
+      const int nr = std::min(NR, rows - r0);
+      __m512 acc[NR][NV];
+      for (int i = 0; i < nr; ++i) {
+        const __m512 c = _mm512_set1_ps(w.corr[r0 + i]);
+        for (int v = 0; v < NV; ++v)
+          acc[i][v] = _mm512_mul_ps(_mm512_loadu_ps(&w.o[(r0 + i) * HD + v * 16]), c);
+      }
+      for (int jp = 0; jp < (n + 1) / 2; ++jp) {
+        __m512bh vv[NV];
+        for (int v = 0; v < NV; ++v)
+          vv[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(&w.vp[(jp * HD + v * 16) * 2]));
+        for (int i = 0; i < NR; ++i) {
+          if (i >= nr) break;
+          const __m512bh pr = reinterpret_cast<__m512bh>(
+              _mm512_set1_epi32(static_cast<int>(pp[(r0 + i) * (kKeys / 2) + jp])));
+          for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], pr, vv[v]);
+        }
+      }
+      for (int i = 0; i < nr; ++i)
+        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(&w.o[(r0 + i) * HD + v * 16], acc[i][v]);
+    }
+    return;
+  }
+#endif
 #if defined(__AVX512F__)
   if constexpr (HD > 0) {
     constexpr int NV = HD / 16;
@@ -206,6 +240,45 @@ void accumulate(Scratch& w, int rows, int hd, int n) {
       for (int d = 0; d < hd; ++d) o[d] += p * v[d];
     }
   }
+}
+
+// The dpbf16 path's V: keys 2jp and 2jp+1 interleaved per head dim, vp[jp][d] = (v0, v1);
+// keys past n are zeros.
+template <typename T>
+void pack_value_pairs(Scratch& w, int hd, int n, int64_t v_off) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    static const bf16 zeros[256] = {};
+    for (int jp = 0; jp < kKeys / 2; ++jp) {
+      const int j = 2 * jp;
+      const bf16* a = j < n ? static_cast<const bf16*>(w.slots[j]) + v_off : zeros;
+      const bf16* b = j + 1 < n ? static_cast<const bf16*>(w.slots[j + 1]) + v_off : zeros;
+      bf16* dst = &w.vp[static_cast<size_t>(jp) * hd * 2];
+      for (int d = 0; d < hd; d += 16) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d));
+        const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d));
+        const __m256i lo = _mm256_unpacklo_epi16(x, y), hi = _mm256_unpackhi_epi16(x, y);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * d),
+                            _mm256_permute2x128_si256(lo, hi, 0x20));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * d + 16),
+                            _mm256_permute2x128_si256(lo, hi, 0x31));
+      }
+    }
+    return;
+  }
+#endif
+  (void)w, (void)hd, (void)n, (void)v_off;
+}
+
+// The dpbf16 path's P: each row's probabilities rounded to bf16 (nearest even).
+inline void to_bf16_rows(Scratch& w, int rows) {
+#if defined(__AVX512BF16__)
+  for (int k = 0; k < rows * kKeys; k += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(&w.pb[k]),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(&w.s[k]))));
+#else
+  (void)w, (void)rows;
+#endif
 }
 
 template <typename T, bool PAIRS, int HD>
@@ -254,14 +327,17 @@ void attend_item(const Chunks& p, const Item& it, Scratch& w) {
       } else {
         for (int d = 0; d < hd; ++d) w.kt[d * kKeys + j] = k ? to_float(k[d]) : 0.0f;
       }
-      for (int d = 0; d < hd; ++d) w.vf[j * hd + d] = v ? to_float(v[d]) : 0.0f;
+      if constexpr (!PAIRS)
+        for (int d = 0; d < hd; ++d) w.vf[j * hd + d] = v ? to_float(v[d]) : 0.0f;
     }
+    if constexpr (PAIRS) pack_value_pairs<T>(w, hd, n, v_off);
     scores<PAIRS, HD>(w, rows, hd, p.scale);
     for (int r = 0; r < rows; ++r) {
       const int64_t vis = std::min<int64_t>(n, first_pos + r / G - kb + 1);
       w.corr[r] = softmax_update(&w.s[r * kKeys], static_cast<int>(vis), w.m[r], w.l[r]);
     }
-    accumulate<HD>(w, rows, hd, n);
+    if constexpr (PAIRS) to_bf16_rows(w, rows);
+    accumulate<PAIRS, HD>(w, rows, hd, n);
   }
 
   for (int r = 0; r < rows; ++r) {
