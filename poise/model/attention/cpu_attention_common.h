@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 namespace poise_attention {
 
@@ -138,6 +139,27 @@ inline void softmax_rows(float* scores, int rows, int n) {
     stats[2 * r] = m;
     stats[2 * r + 1] = l;
   }
+}
+
+// The prefill kernel's bf16 pairs (cpu_prefill_attention.cpp).
+#if defined(__AVX512BF16__)
+// Two rows of 16 bf16 (x: key 2jp, y: key 2jp+1) -> 16 pairs (x_i low, y_i high), in order.
+inline void store_pairs(const __m256i x, const __m256i y, void* dst) {
+  const __m256i lo = _mm256_unpacklo_epi16(x, y), hi = _mm256_unpackhi_epi16(x, y);
+  __m256i* out = static_cast<__m256i*>(dst);
+  _mm256_storeu_si256(out, _mm256_permute2x128_si256(lo, hi, 0x20));
+  _mm256_storeu_si256(out + 1, _mm256_permute2x128_si256(lo, hi, 0x31));
+}
+#endif
+
+// A probability as P V uses it: rounded to bf16 when the inputs are bf16 (as torch's CPU flash
+// attention, so both round alike); a float, or a bf16 pair on the PAIRS path, as it is.
+template <typename T, bool PAIRS>
+inline float like_t(float p) {
+  if constexpr (PAIRS || !std::is_same_v<T, bf16>) return p;
+  bf16 b;
+  from_float(p, &b);
+  return to_float(b);
 }
 
 }  // namespace poise_attention

@@ -4,19 +4,20 @@
 //
 // Flash-attention style. A work item is (chunk, block of kQueries queries, kv head g): its rows
 // are those queries times the G query heads that share kv head g (GQA, as transformers'
-// repeat_kv: query head h uses kv head h / G). The item walks the keys in blocks of kKeys:
-//   pack the block's K transposed (and V widened to float) once, for all the item's rows;
-//   S = Q K^T * scale  (bf16 pairs through AVX512-BF16 dpbf16 when the inputs are bf16 and the
-//                       CPU has it; float FMAs otherwise; plain loops without AVX-512);
-//   online softmax per row: keys after the row's position are cut by a count, not a mask,
-//   m' = max(m, max S), O = O e^(m - m') + e^(S - m') V, l likewise;
+// repeat_kv: query head h uses kv head h / G). Q is held transposed (16 rows per vector) and
+// the item walks the keys in blocks of kKeys, each read once for all of its rows:
+//   S = Q K^T * scale: each key's elements broadcast against 16 rows' q (bf16 pairs through
+//     AVX512-BF16 dpbf16 when the inputs are bf16 and the CPU has it, float FMAs otherwise,
+//     plain loops without AVX-512);
+//   online softmax, 16 rows per vector: key j is visible to a row iff j <= its position,
+//     m' = max(m, max S), P = e^(S - m'), O = O e^(m - m') + P V (bf16 pairs again), l likewise;
 // then O / l is written once, rounded to the output dtype. Items run under OpenMP, the most
 // expensive (last query blocks, most keys) first, so the causal triangle balances.
 //
-// Numerics: scores, softmax and P V in float32 (bf16 q and k products are exact in float32;
-// dpbf16 sums pairs in float32). Shapes as in cpu_paged_attention.cpp; chunk c is the flat
-// tokens query_start[c] .. + query_len[c], at positions start_position[c] .., block table
-// row c of `tables`.
+// Numerics: float32 accumulation everywhere (bf16 products are exact in float32); on the bf16
+// path P is rounded to bf16 for P V, as flash attention does. Shapes as in
+// cpu_paged_attention.cpp; chunk c is the flat tokens query_start[c] .. + query_len[c], at
+// positions start_position[c] .., block table row c of `tables`.
 
 #include <omp.h>
 
@@ -34,251 +35,233 @@ namespace {
 
 using namespace poise_attention;
 
-constexpr int kQueries = 32;  // queries per work item
-constexpr int kKeys = 64;     // keys per block (4 vectors of 16)
+constexpr int kQueries = 32;   // queries per work item
+constexpr int kKeys = 64;      // keys per block
+constexpr int kRowAlign = 32;  // an item's rows, padded: two 16-lane groups at a time
 
-struct Chunks {
-  const void* q;
+struct Chunks {  // the arguments of poise_paged_prefill
+  const void *q, *kv_cache;
   int64_t q_token_stride;
-  const void* kv_cache;
   const int64_t* tables;
   int64_t table_stride;
-  const int64_t* query_start;
-  const int64_t* query_len;
-  const int64_t* start_position;
-  int num_chunks;
-  int num_heads;
-  int num_kv_heads;
-  int head_dim;
-  int block_size;
+  const int64_t *query_start, *query_len, *start_position;
+  int num_chunks, num_heads, num_kv_heads, head_dim, block_size;
   float scale;
   void* out;
   int64_t out_token_stride;
 };
 
-struct Item {
+struct Item {  // (chunk, first query, kv head); cost: keys its last query sees
   int chunk, first_query, kv_head;
   int64_t cost;
 };
 
-// Per-thread buffers of one item (sized for its largest shape, reused across items).
+// Per-thread buffers of one item, rows padded to rp (a multiple of kRowAlign). Q and the
+// scores are stored transposed (row index fastest), so one vector holds 16 rows: Q K^T
+// broadcasts each key element against 16 rows' q, and the softmax runs 16 rows per vector.
 struct Scratch {
   std::vector<const void*> slots;  // [kKeys] slot pointers of the key block
-  std::vector<float> kt;           // [hd][kKeys] K transposed (float path)
-  std::vector<uint32_t> kp;        // [hd/2][kKeys] K as bf16 pairs (dpbf16 path)
-  std::vector<float> vf;           // [kKeys][hd] V widened
-  std::vector<float> qf;           // [R][hd] (float path)
-  std::vector<uint32_t> qp;        // [R][hd/2] (dpbf16 path)
-  std::vector<float> s;            // [R][kKeys] scores, then probabilities
-  std::vector<bf16> vp;            // [kKeys/2][hd][2] V as pairs of keys (dpbf16 path)
-  std::vector<bf16> pb;            // [R][kKeys] probabilities in bf16 (dpbf16 path)
+  std::vector<float> qt;           // [hd][rp] Q transposed (float path)
+  std::vector<uint32_t> qp;        // [hd/2][rp] Q as bf16 pairs of head dims (dpbf16 path)
+  std::vector<float> st;           // [kKeys][rp] scores, then probabilities
+  std::vector<uint32_t> pp;        // [kKeys/2][rp] probabilities as bf16 pairs of keys
+  std::vector<float> vf;           // [kKeys][hd] V widened (float path)
+  std::vector<bf16> vp;            // [kKeys/2][hd][2] V as bf16 pairs of keys (dpbf16 path)
   std::vector<float> o, m, l, corr;
-  Scratch(int rows, int hd)
-      : slots(kKeys), kt(static_cast<size_t>(hd) * kKeys), kp(static_cast<size_t>(hd) * kKeys),
-        vf(static_cast<size_t>(hd) * kKeys), qf(static_cast<size_t>(rows) * hd),
-        qp(static_cast<size_t>(rows) * hd), s(static_cast<size_t>(rows) * kKeys),
-        vp(static_cast<size_t>(hd) * kKeys), pb(static_cast<size_t>(rows) * kKeys),
-        o(static_cast<size_t>(rows) * hd), m(rows), l(rows), corr(rows) {}
+  std::vector<int32_t> pos;  // [rp] the row's query position minus the block's first key
+  Scratch(int rp, int hd)
+      : slots(kKeys), qt(static_cast<size_t>(hd) * rp), qp(static_cast<size_t>(hd) * rp),
+        st(static_cast<size_t>(kKeys) * rp), pp(static_cast<size_t>(kKeys) * rp),
+        vf(static_cast<size_t>(kKeys) * hd), vp(static_cast<size_t>(kKeys) * hd),
+        o(static_cast<size_t>(rp) * hd), m(rp), l(rp), corr(rp), pos(rp) {}
 };
 
-// S[r][0..kKeys) = scale * q_r . k_j for all rows. HD > 0: the AVX-512 register kernels.
-template <bool PAIRS, int HD>
-void scores(Scratch& w, int rows, int hd, float scale) {
+#if defined(__AVX512F__)
+// acc + a * b: float lanes (fma), or on the PAIRS path 16 lanes of bf16 pairs (dpbf16).
+template <bool PAIRS>
+inline __m512 madd(__m512 acc, __m512 a, __m512 b) {
+#if defined(__AVX512BF16__)
+  if constexpr (PAIRS)
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+#endif
+  return _mm512_fmadd_ps(a, b, acc);
+}
+
+// Scores of NJ keys (from j0) for all rows: st[j][r] = scale * q_r . k_j, the key's elements
+// broadcast (a bf16 pair per dpbf16 on the PAIRS path) against 2 x 16 rows per step.
+template <typename T, bool PAIRS, int HD, int NJ>
+inline void qk_keys(Scratch& w, int rp, int j0, int64_t k_off, float scale) {
+  constexpr int kSteps = PAIRS ? HD / 2 : HD;
+  const T* k[NJ];
+  for (int t = 0; t < NJ; ++t) k[t] = static_cast<const T*>(w.slots[j0 + t]) + k_off;
+  const float* qsrc = PAIRS ? reinterpret_cast<const float*>(w.qp.data()) : w.qt.data();
+  for (int r = 0; r < rp; r += 32) {
+    __m512 acc[NJ][2];
+    for (int t = 0; t < NJ; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    for (int d = 0; d < kSteps; ++d) {
+      const __m512 q0 = _mm512_loadu_ps(qsrc + d * rp + r);
+      const __m512 q1 = _mm512_loadu_ps(qsrc + d * rp + r + 16);
+      for (int t = 0; t < NJ; ++t) {
+        __m512 b;
+        if constexpr (PAIRS) {
+          uint32_t pair;
+          std::memcpy(&pair, k[t] + 2 * d, sizeof pair);
+          b = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(pair)));
+        } else {
+          b = _mm512_set1_ps(to_float(k[t][d]));
+        }
+        acc[t][0] = madd<PAIRS>(acc[t][0], b, q0);
+        acc[t][1] = madd<PAIRS>(acc[t][1], b, q1);
+      }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int t = 0; t < NJ; ++t) {
+      _mm512_storeu_ps(&w.st[(j0 + t) * rp + r], _mm512_mul_ps(acc[t][0], sc));
+      _mm512_storeu_ps(&w.st[(j0 + t) * rp + r + 16], _mm512_mul_ps(acc[t][1], sc));
+    }
+  }
+}
+#endif
+
+template <typename T, bool PAIRS, int HD>
+void scores(Scratch& w, int rp, int hd, int n, int64_t k_off, float scale) {
 #if defined(__AVX512F__)
   if constexpr (HD > 0) {
-    constexpr int NR = 4;
-    constexpr int kSteps = PAIRS ? HD / 2 : HD;
-    for (int r0 = 0; r0 < rows; r0 += NR) {
-      const int nr = std::min(NR, rows - r0);
-      __m512 acc[NR][4];
-      for (int i = 0; i < NR; ++i)
-        for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
-      for (int d = 0; d < kSteps; ++d) {
-        __m512 k[4];
-        for (int v = 0; v < 4; ++v)
-          k[v] = PAIRS ? _mm512_castsi512_ps(_mm512_loadu_si512(&w.kp[d * kKeys + v * 16]))
-                       : _mm512_loadu_ps(&w.kt[d * kKeys + v * 16]);
-        for (int i = 0; i < NR; ++i) {
-          if (i >= nr) break;
-          if constexpr (PAIRS) {
-#if defined(__AVX512BF16__)
-            const __m512bh b = reinterpret_cast<__m512bh>(
-                _mm512_set1_epi32(static_cast<int>(w.qp[(r0 + i) * (HD / 2) + d])));
-            for (int v = 0; v < 4; ++v)
-              acc[i][v] = _mm512_dpbf16_ps(acc[i][v], b, reinterpret_cast<__m512bh>(k[v]));
-#endif
-          } else {
-            const __m512 b = _mm512_set1_ps(w.qf[(r0 + i) * HD + d]);
-            for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_fmadd_ps(b, k[v], acc[i][v]);
-          }
-        }
-      }
-      const __m512 sc = _mm512_set1_ps(scale);
-      for (int i = 0; i < nr; ++i)
-        for (int v = 0; v < 4; ++v)
-          _mm512_storeu_ps(&w.s[(r0 + i) * kKeys + v * 16], _mm512_mul_ps(acc[i][v], sc));
-    }
+    int j = 0;
+    for (; j + 8 <= n; j += 8) qk_keys<T, PAIRS, HD, 8>(w, rp, j, k_off, scale);
+    for (; j < n; ++j) qk_keys<T, PAIRS, HD, 1>(w, rp, j, k_off, scale);
     return;
   }
 #endif
-  for (int r = 0; r < rows; ++r) {
-    float* sr = &w.s[r * kKeys];
-    std::fill(sr, sr + kKeys, 0.0f);
+  for (int j = 0; j < n; ++j) {
+    const T* k = static_cast<const T*>(w.slots[j]) + k_off;
+    float* sj = &w.st[j * rp];
+    std::fill(sj, sj + rp, 0.0f);
     for (int d = 0; d < hd; ++d) {
-      const float qd = w.qf[r * hd + d] * scale;
-      const float* kd = &w.kt[d * kKeys];
+      const float kd = to_float(k[d]) * scale;
+      const float* qd = &w.qt[d * rp];
 #pragma omp simd
-      for (int j = 0; j < kKeys; ++j) sr[j] += qd * kd[j];
+      for (int r = 0; r < rp; ++r) sj[r] += kd * qd[r];
     }
   }
 }
 
-// One row's online-softmax step over its `vis` visible keys: S -> P = e^(S - m') in place (0
-// past vis), l and m updated; returns the factor e^(m - m') for the row's accumulated O.
-inline float softmax_update(float* sr, int vis, float& m, float& l) {
-  if (vis <= 0) {
-    std::fill(sr, sr + kKeys, 0.0f);
-    return 1.0f;
-  }
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int j = 0; j < vis; ++j) mx = std::max(mx, sr[j]);
-  const float m_new = std::max(m, mx);
-  const float corr = std::exp(m - m_new);  // 0 on the first block (m = -inf)
-  float sum = 0.0f;
+// Online softmax step for every row over the block's n keys (key j visible to row r iff
+// j <= pos[r]): scores -> P = e^(S - m') in place (0 where not visible, up to n2 = n rounded
+// up to even), m, l updated, corr = e^(m - m') for the rows' accumulated O.
+inline void softmax_block(Scratch& w, int rp, int n, int n2) {
 #if defined(__AVX512F__)
-  const __m512 mb = _mm512_set1_ps(m_new);
-  __m512 sv = _mm512_setzero_ps();
-  for (int j = 0; j < kKeys; j += 16) {
-    const int left = std::clamp(vis - j, 0, 16);
-    const __mmask16 k = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(
-        k, exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sr + j), mb)));
-    _mm512_storeu_ps(sr + j, e);
-    sv = _mm512_add_ps(sv, e);
+  for (int r = 0; r < rp; r += 16) {
+    const __m512i pos = _mm512_loadu_si512(&w.pos[r]);
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int j = 0; j < n; ++j) {
+      const __mmask16 vis = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(j));
+      mx = _mm512_mask_max_ps(mx, vis, mx, _mm512_loadu_ps(&w.st[j * rp + r]));
+    }
+    const __m512 m_old = _mm512_loadu_ps(&w.m[r]);
+    const __m512 m_new = _mm512_max_ps(m_old, mx);  // finite: key 0 is visible to every row
+    const __m512 corr = exp_nonpositive16(_mm512_sub_ps(m_old, m_new));
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < n2; ++j) {
+      const __mmask16 vis =
+          j < n ? _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(j)) : __mmask16(0);
+      const __m512 e = _mm512_maskz_mov_ps(
+          vis, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(&w.st[j * rp + r]), m_new)));
+      _mm512_storeu_ps(&w.st[j * rp + r], e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    _mm512_storeu_ps(&w.m[r], m_new);
+    _mm512_storeu_ps(&w.l[r], _mm512_fmadd_ps(_mm512_loadu_ps(&w.l[r]), corr, sum));
+    _mm512_storeu_ps(&w.corr[r], corr);
   }
-  sum = _mm512_reduce_add_ps(sv);
 #else
-  for (int j = 0; j < kKeys; ++j) {
-    sr[j] = j < vis ? exp_nonpositive(sr[j] - m_new) : 0.0f;
-    sum += sr[j];
+  for (int r = 0; r < rp; ++r) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int j = 0; j < n && j <= w.pos[r]; ++j) mx = std::max(mx, w.st[j * rp + r]);
+    const float m_new = std::max(w.m[r], mx);
+    const float corr = std::exp(w.m[r] - m_new);
+    float sum = 0.0f;
+    for (int j = 0; j < n2; ++j) {
+      float& s = w.st[j * rp + r];
+      s = j < n && j <= w.pos[r] ? exp_nonpositive(s - m_new) : 0.0f;
+      sum += s;
+    }
+    w.m[r] = m_new;
+    w.l[r] = w.l[r] * corr + sum;
+    w.corr[r] = corr;
   }
 #endif
-  l = l * corr + sum;
-  m = m_new;
-  return corr;
 }
 
-// O[r] = O[r] * corr[r] + sum_j P[r][j] V[j] over the block's n keys. PAIRS: P and V in bf16,
-// two keys per dpbf16 (P rounded to bf16 as flash attention does; its sum l stays float).
-template <bool PAIRS, int HD>
-void accumulate(Scratch& w, int rows, int hd, int n) {
+// O[r] = O[r] * corr[r] + sum_j P[r][j] V[j] over the block's keys. PAIRS: P (rounded to bf16,
+// as flash attention does; its sum l stays float) and V in bf16, two keys per dpbf16.
+template <typename T, bool PAIRS, int HD>
+void accumulate(Scratch& w, int rp, int hd, int n, int n2, int64_t v_off) {
+  if constexpr (PAIRS) {
 #if defined(__AVX512BF16__)
-  if constexpr (PAIRS && HD > 0) {
-    constexpr int NV = HD / 16;
-    constexpr int NR = NV <= 4 ? 4 : 2;
-    const uint32_t* pp = reinterpret_cast<const uint32_t*>(w.pb.data());
-    for (int r0 = 0; r0 < rows; r0 += NR) {
-      const int nr = std::min(NR, rows - r0);
-      __m512 acc[NR][NV];
-      for (int i = 0; i < nr; ++i) {
-        const __m512 c = _mm512_set1_ps(w.corr[r0 + i]);
-        for (int v = 0; v < NV; ++v)
-          acc[i][v] = _mm512_mul_ps(_mm512_loadu_ps(&w.o[(r0 + i) * HD + v * 16]), c);
-      }
-      for (int jp = 0; jp < (n + 1) / 2; ++jp) {
-        __m512bh vv[NV];
-        for (int v = 0; v < NV; ++v)
-          vv[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(&w.vp[(jp * HD + v * 16) * 2]));
-        for (int i = 0; i < NR; ++i) {
-          if (i >= nr) break;
-          const __m512bh pr = reinterpret_cast<__m512bh>(
-              _mm512_set1_epi32(static_cast<int>(pp[(r0 + i) * (kKeys / 2) + jp])));
-          for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], pr, vv[v]);
-        }
-      }
-      for (int i = 0; i < nr; ++i)
-        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(&w.o[(r0 + i) * HD + v * 16], acc[i][v]);
+    static const bf16 zeros[HD] = {};
+    for (int jp = 0; jp < n2 / 2; ++jp) {  // V: vp[jp][d] = (v_2jp[d], v_2jp+1[d])
+      const bf16* a = static_cast<const bf16*>(w.slots[2 * jp]) + v_off;
+      const bf16* b = 2 * jp + 1 < n ? static_cast<const bf16*>(w.slots[2 * jp + 1]) + v_off
+                                     : zeros;
+      for (int d = 0; d < HD; d += 16)
+        store_pairs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)),
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d)),
+                    &w.vp[(jp * HD + d) * 2]);
+      for (int r = 0; r < rp; r += 16)  // P: pp[jp][r] = (p_r,2jp, p_r,2jp+1)
+        store_pairs(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(
+                        _mm512_loadu_ps(&w.st[(2 * jp) * rp + r]))),
+                    reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(
+                        _mm512_loadu_ps(&w.st[(2 * jp + 1) * rp + r]))),
+                    &w.pp[jp * rp + r]);
     }
-    return;
-  }
 #endif
+  } else {
+    for (int j = 0; j < n; ++j) {
+      const T* v = static_cast<const T*>(w.slots[j]) + v_off;
+      for (int d = 0; d < hd; ++d) w.vf[j * hd + d] = to_float(v[d]);
+    }
+  }
 #if defined(__AVX512F__)
   if constexpr (HD > 0) {
     constexpr int NV = HD / 16;
     constexpr int NR = NV <= 4 ? 4 : 2;  // NR * NV accumulators + NV values <= 32 registers
-    for (int r0 = 0; r0 < rows; r0 += NR) {
-      const int nr = std::min(NR, rows - r0);
+    const int steps = PAIRS ? n2 / 2 : n;  // key pairs, or keys
+    const float* vsrc = PAIRS ? reinterpret_cast<const float*>(w.vp.data()) : w.vf.data();
+    const float* psrc = PAIRS ? reinterpret_cast<const float*>(w.pp.data()) : w.st.data();
+    for (int r0 = 0; r0 < rp; r0 += NR) {
       __m512 acc[NR][NV];
-      for (int i = 0; i < nr; ++i) {
+      for (int i = 0; i < NR; ++i) {
         const __m512 c = _mm512_set1_ps(w.corr[r0 + i]);
         for (int v = 0; v < NV; ++v)
           acc[i][v] = _mm512_mul_ps(_mm512_loadu_ps(&w.o[(r0 + i) * HD + v * 16]), c);
       }
-      for (int j = 0; j < n; ++j) {
+      for (int j = 0; j < steps; ++j) {
         __m512 vv[NV];
-        for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_ps(&w.vf[j * HD + v * 16]);
+        for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_ps(vsrc + j * HD + v * 16);
         for (int i = 0; i < NR; ++i) {
-          if (i >= nr) break;
-          const __m512 p = _mm512_set1_ps(w.s[(r0 + i) * kKeys + j]);
-          for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(p, vv[v], acc[i][v]);
+          const __m512 p = _mm512_set1_ps(like_t<T, PAIRS>(psrc[j * rp + r0 + i]));
+          for (int v = 0; v < NV; ++v) acc[i][v] = madd<PAIRS>(acc[i][v], p, vv[v]);
         }
       }
-      for (int i = 0; i < nr; ++i)
+      for (int i = 0; i < NR; ++i)
         for (int v = 0; v < NV; ++v) _mm512_storeu_ps(&w.o[(r0 + i) * HD + v * 16], acc[i][v]);
     }
     return;
   }
 #endif
-  for (int r = 0; r < rows; ++r) {
+  (void)n2;
+  for (int r = 0; r < rp; ++r) {
     float* o = &w.o[r * hd];
     const float c = w.corr[r];
     for (int d = 0; d < hd; ++d) o[d] *= c;
     for (int j = 0; j < n; ++j) {
-      const float p = w.s[r * kKeys + j];
+      const float p = like_t<T, false>(w.st[j * rp + r]);
       const float* v = &w.vf[j * hd];
 #pragma omp simd
       for (int d = 0; d < hd; ++d) o[d] += p * v[d];
     }
   }
-}
-
-// The dpbf16 path's V: keys 2jp and 2jp+1 interleaved per head dim, vp[jp][d] = (v0, v1);
-// keys past n are zeros.
-template <typename T>
-void pack_value_pairs(Scratch& w, int hd, int n, int64_t v_off) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, bf16>) {
-    static const bf16 zeros[256] = {};
-    for (int jp = 0; jp < kKeys / 2; ++jp) {
-      const int j = 2 * jp;
-      const bf16* a = j < n ? static_cast<const bf16*>(w.slots[j]) + v_off : zeros;
-      const bf16* b = j + 1 < n ? static_cast<const bf16*>(w.slots[j + 1]) + v_off : zeros;
-      bf16* dst = &w.vp[static_cast<size_t>(jp) * hd * 2];
-      for (int d = 0; d < hd; d += 16) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d));
-        const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d));
-        const __m256i lo = _mm256_unpacklo_epi16(x, y), hi = _mm256_unpackhi_epi16(x, y);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * d),
-                            _mm256_permute2x128_si256(lo, hi, 0x20));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * d + 16),
-                            _mm256_permute2x128_si256(lo, hi, 0x31));
-      }
-    }
-    return;
-  }
-#endif
-  (void)w, (void)hd, (void)n, (void)v_off;
-}
-
-// The dpbf16 path's P: each row's probabilities rounded to bf16 (nearest even).
-inline void to_bf16_rows(Scratch& w, int rows) {
-#if defined(__AVX512BF16__)
-  for (int k = 0; k < rows * kKeys; k += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(&w.pb[k]),
-                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(&w.s[k]))));
-#else
-  (void)w, (void)rows;
-#endif
 }
 
 template <typename T, bool PAIRS, int HD>
@@ -287,6 +270,7 @@ void attend_item(const Chunks& p, const Item& it, Scratch& w) {
   const int G = p.num_heads / p.num_kv_heads, g = it.kv_head;
   const int nq = std::min<int>(kQueries, static_cast<int>(p.query_len[it.chunk]) - it.first_query);
   const int rows = nq * G;
+  const int rp = (rows + kRowAlign - 1) / kRowAlign * kRowAlign;
   const int64_t first_pos = p.start_position[it.chunk] + it.first_query;
   const int64_t key_end = first_pos + nq;  // keys 0 .. key_end - 1
   const int64_t token0 = p.query_start[it.chunk] + it.first_query;
@@ -295,49 +279,39 @@ void attend_item(const Chunks& p, const Item& it, Scratch& w) {
   const int64_t slot_stride = static_cast<int64_t>(2 * p.num_kv_heads) * hd;
   const int64_t k_off = static_cast<int64_t>(g) * hd, v_off = k_off + p.num_kv_heads * hd;
 
-  // Row r = (query r / G, head g * G + r % G): that head's q row, contiguous per token.
-  for (int r = 0; r < rows; ++r) {
-    const T* src = static_cast<const T*>(p.q) + (token0 + r / G) * p.q_token_stride +
-                   static_cast<int64_t>(g * G + r % G) * hd;
-    if constexpr (PAIRS)
-      std::memcpy(&w.qp[r * (hd / 2)], src, hd * sizeof(T));
-    else
-      for (int d = 0; d < hd; ++d) w.qf[r * hd + d] = to_float(src[d]);
+  // Row r = (query r / G, head g * G + r % G); rows past `rows` are zero padding (never
+  // written out; they see key 0 so their softmax stays finite).
+  for (int r = 0; r < rp; ++r) {
+    const T* src = r < rows ? static_cast<const T*>(p.q) + (token0 + r / G) * p.q_token_stride +
+                                  static_cast<int64_t>(g * G + r % G) * hd
+                            : nullptr;
+    if constexpr (PAIRS) {
+      for (int d = 0; d < hd / 2; ++d) {
+        uint32_t pair = 0;
+        if (src) std::memcpy(&pair, src + 2 * d, sizeof pair);
+        w.qp[d * rp + r] = pair;
+      }
+    } else {
+      for (int d = 0; d < hd; ++d) w.qt[d * rp + r] = src ? to_float(src[d]) : 0.0f;
+    }
   }
-  std::fill(w.o.begin(), w.o.begin() + rows * hd, 0.0f);
-  std::fill(w.m.begin(), w.m.begin() + rows, -std::numeric_limits<float>::infinity());
-  std::fill(w.l.begin(), w.l.begin() + rows, 0.0f);
+  std::fill(w.o.begin(), w.o.begin() + static_cast<size_t>(rp) * hd, 0.0f);
+  std::fill(w.m.begin(), w.m.begin() + rp, -std::numeric_limits<float>::infinity());
+  std::fill(w.l.begin(), w.l.begin() + rp, 0.0f);
 
   for (int64_t kb = 0; kb < key_end; kb += kKeys) {
     const int n = static_cast<int>(std::min<int64_t>(kKeys, key_end - kb));
+    const int n2 = (n + 1) & ~1;
     for (int j = 0; j < n; ++j) {
       const int64_t pos = kb + j;
       w.slots[j] = cache + (table[pos / p.block_size] * p.block_size + pos % p.block_size) *
                                slot_stride;
     }
-    for (int j = 0; j < kKeys; ++j) {  // keys past n: zeros (their P is 0, never NaN * 0)
-      const T* k = j < n ? static_cast<const T*>(w.slots[j]) + k_off : nullptr;
-      const T* v = j < n ? static_cast<const T*>(w.slots[j]) + v_off : nullptr;
-      if constexpr (PAIRS) {
-        for (int d = 0; d < hd / 2; ++d) {
-          uint32_t pair = 0;
-          if (k) std::memcpy(&pair, k + 2 * d, sizeof pair);
-          w.kp[d * kKeys + j] = pair;
-        }
-      } else {
-        for (int d = 0; d < hd; ++d) w.kt[d * kKeys + j] = k ? to_float(k[d]) : 0.0f;
-      }
-      if constexpr (!PAIRS)
-        for (int d = 0; d < hd; ++d) w.vf[j * hd + d] = v ? to_float(v[d]) : 0.0f;
-    }
-    if constexpr (PAIRS) pack_value_pairs<T>(w, hd, n, v_off);
-    scores<PAIRS, HD>(w, rows, hd, p.scale);
-    for (int r = 0; r < rows; ++r) {
-      const int64_t vis = std::min<int64_t>(n, first_pos + r / G - kb + 1);
-      w.corr[r] = softmax_update(&w.s[r * kKeys], static_cast<int>(vis), w.m[r], w.l[r]);
-    }
-    if constexpr (PAIRS) to_bf16_rows(w, rows);
-    accumulate<PAIRS, HD>(w, rows, hd, n);
+    for (int r = 0; r < rp; ++r)
+      w.pos[r] = static_cast<int32_t>(std::min<int64_t>(first_pos + r / G - kb, kKeys));
+    scores<T, PAIRS, HD>(w, rp, hd, n, k_off, p.scale);
+    softmax_block(w, rp, n, n2);
+    accumulate<T, PAIRS, HD>(w, rp, hd, n, n2, v_off);
   }
 
   for (int r = 0; r < rows; ++r) {
@@ -357,11 +331,12 @@ void run(const Chunks& p, int num_threads) {
         items.push_back({c, q0, g, p.start_position[c] + q0 + kQueries});
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  const int rows = kQueries * (p.num_heads / p.num_kv_heads);
+  const int G = p.num_heads / p.num_kv_heads;
+  const int rp = (kQueries * G + kRowAlign - 1) / kRowAlign * kRowAlign;
   const int num_items = static_cast<int>(items.size());
 #pragma omp parallel num_threads(num_threads)
   {
-    Scratch w(rows, p.head_dim);
+    Scratch w(rp, p.head_dim);
 #pragma omp for schedule(dynamic, 1)
     for (int k = 0; k < num_items; ++k) attend_item<T, PAIRS, HD>(p, items[k], w);
   }
@@ -377,7 +352,7 @@ void dispatch_head_dim(const Chunks& p, int num_threads) {
       run<T, PAIRS, 128>(p, num_threads);
       break;
     default:
-      run<T, false, 0>(p, num_threads);  // the plain loops read K as float
+      run<T, false, 0>(p, num_threads);  // the plain loops work in float
   }
 }
 
@@ -394,10 +369,9 @@ int poise_paged_prefill(int dtype, const void* q, int64_t q_token_stride, const 
   if (num_chunks <= 0) return 0;
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0)
     return -1;
-  const Chunks p{q,           q_token_stride, kv_cache,     tables,       table_stride,
-                 query_start, query_len,      start_position, num_chunks, num_heads,
-                 num_kv_heads, head_dim,      block_size,   scale,        out,
-                 out_token_stride};
+  const Chunks p{q,          kv_cache,  q_token_stride, tables,     table_stride, query_start,
+                 query_len,  start_position, num_chunks, num_heads,  num_kv_heads, head_dim,
+                 block_size, scale,     out,            out_token_stride};
   const int threads = std::max(num_threads, 1);
   if (dtype == 0) {
     dispatch_head_dim<float, false>(p, threads);
