@@ -7,7 +7,7 @@ layer instead of two, and gathers move whole blocks with ``index_select`` (conti
 of block_size * 2Hkv * hd values), ~5x faster on CPU than advanced indexing. ``key_view`` /
 ``value_view`` give the familiar [num_blocks, block_size, Hkv, hd] views for other backends.
 
-SDPA paths (used by the torch backend for everything, by the cpu backend for long chunks):
+SDPA paths (used by the torch backend; the cpu backend has its own kernels for both):
 
 - Decode: rows sharing one padded width in ONE batched SDPA call. Their K/V are gathered
   through the padded block tables into [D, L, 2Hkv, hd] and positions >= context_len are
