@@ -21,6 +21,7 @@ transformers).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -151,30 +152,8 @@ class CpuPagedAttentionBackend:
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        _, num_heads, head_dim = q.shape
-        rc = self._kernel(
-            _DTYPE_CODES[q.dtype],
-            q.data_ptr(),
-            q.stride(0),
-            kv_cache.data_ptr(),
-            rows.tables.data_ptr(),
-            rows.tables.stride(0),
-            rows.row_table.data_ptr(),
-            rows.row_token.data_ptr(),
-            rows.context_lens.data_ptr(),
-            rows.row_token.shape[0],
-            num_heads,
-            kv_cache.shape[2] // 2,
-            head_dim,
-            kv_cache.shape[1],
-            scale,
-            out.data_ptr(),
-            out.stride(0),
-            self.PARTITION_SIZE,
-            torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise RuntimeError(f"cpu attention kernel rejected its arguments (code {rc})")
+        work = (rows.row_table, rows.row_token, rows.context_lens)
+        _call(self._kernel, q, kv_cache, rows.tables, work, scale, out, self.PARTITION_SIZE)
 
     def _attend_chunks(
         self,
@@ -184,29 +163,44 @@ class CpuPagedAttentionBackend:
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        _, num_heads, head_dim = q.shape
-        rc = self._prefill_kernel(
-            _DTYPE_CODES[q.dtype],
-            q.data_ptr(),
-            q.stride(0),
-            kv_cache.data_ptr(),
-            chunks.tables.data_ptr(),
-            chunks.tables.stride(0),
-            chunks.query_start.data_ptr(),
-            chunks.query_len.data_ptr(),
-            chunks.start_position.data_ptr(),
-            chunks.query_len.shape[0],
-            num_heads,
-            kv_cache.shape[2] // 2,
-            head_dim,
-            kv_cache.shape[1],
-            scale,
-            out.data_ptr(),
-            out.stride(0),
-            torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise RuntimeError(f"cpu prefill kernel rejected its arguments (code {rc})")
+        work = (chunks.query_start, chunks.query_len, chunks.start_position)
+        _call(self._prefill_kernel, q, kv_cache, chunks.tables, work, scale, out)
+
+
+def _call(
+    kernel: Any,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    tables: torch.Tensor,
+    work: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: float,
+    out: torch.Tensor,
+    *extra: int,
+) -> None:
+    """One kernel call (argument order in cpu_kernel.py): ``work`` is the three [N] int64
+    arrays that say what to attend (rows, or chunks)."""
+    _, num_heads, head_dim = q.shape
+    rc = kernel(
+        _DTYPE_CODES[q.dtype],
+        q.data_ptr(),
+        q.stride(0),
+        kv_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.stride(0),
+        *(t.data_ptr() for t in work),
+        work[0].shape[0],
+        num_heads,
+        kv_cache.shape[2] // 2,
+        head_dim,
+        kv_cache.shape[1],
+        scale,
+        out.data_ptr(),
+        out.stride(0),
+        *extra,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"cpu attention kernel rejected its arguments (code {rc})")
 
 
 def _chunks(chunks: list[PrefillChunk], device: torch.device) -> KernelChunks | None:

@@ -37,18 +37,16 @@ SOURCES = (_HERE / "cpu_paged_attention.cpp", _HERE / "cpu_prefill_attention.cpp
 HEADERS = (_HERE / "cpu_attention_common.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
-# poise_paged_attention (decode rows, cpu_paged_attention.cpp).
-_ARGTYPES: list[Any] = [
+# Both entry points: (dtype, q, kv_cache, what to attend, shapes, out, [partition], threads).
+_HEAD: list[Any] = [
     ctypes.c_int,  # dtype: 0 float32, 1 bfloat16
     ctypes.c_void_p,  # q
     ctypes.c_int64,  # q token stride
     ctypes.c_void_p,  # kv_cache
-    ctypes.c_void_p,  # tables
+    ctypes.c_void_p,  # tables [rows of tables, table stride]
     ctypes.c_int64,  # table stride
-    ctypes.c_void_p,  # row_table
-    ctypes.c_void_p,  # row_token
-    ctypes.c_void_p,  # context_len
-    ctypes.c_int,  # num_rows
+]
+_SHAPES: list[Any] = [
     ctypes.c_int,  # num_heads
     ctypes.c_int,  # num_kv_heads
     ctypes.c_int,  # head_dim
@@ -56,31 +54,14 @@ _ARGTYPES: list[Any] = [
     ctypes.c_float,  # scale
     ctypes.c_void_p,  # out
     ctypes.c_int64,  # out token stride
-    ctypes.c_int,  # partition size
-    ctypes.c_int,  # threads
 ]
-
-# poise_paged_prefill (blocked prefill chunks, cpu_prefill_attention.cpp).
-_PREFILL_ARGTYPES: list[Any] = [
-    ctypes.c_int,  # dtype: 0 float32, 1 bfloat16
-    ctypes.c_void_p,  # q
-    ctypes.c_int64,  # q token stride
-    ctypes.c_void_p,  # kv_cache
-    ctypes.c_void_p,  # tables [num_chunks, table stride]
-    ctypes.c_int64,  # table stride
-    ctypes.c_void_p,  # query_start [num_chunks]
-    ctypes.c_void_p,  # query_len
-    ctypes.c_void_p,  # start_position
-    ctypes.c_int,  # num_chunks
-    ctypes.c_int,  # num_heads
-    ctypes.c_int,  # num_kv_heads
-    ctypes.c_int,  # head_dim
-    ctypes.c_int,  # block_size
-    ctypes.c_float,  # scale
-    ctypes.c_void_p,  # out
-    ctypes.c_int64,  # out token stride
-    ctypes.c_int,  # threads
-]
+_THREE_ARRAYS_AND_COUNT: list[Any] = [ctypes.c_void_p] * 3 + [ctypes.c_int]
+# poise_paged_attention (decode rows, cpu_paged_attention.cpp): row_table, row_token,
+# context_len, num_rows; then the partition size.
+_ARGTYPES = [*_HEAD, *_THREE_ARRAYS_AND_COUNT, *_SHAPES, ctypes.c_int, ctypes.c_int]
+# poise_paged_prefill (prefill chunks, cpu_prefill_attention.cpp): query_start, query_len,
+# start_position, num_chunks.
+_PREFILL_ARGTYPES = [*_HEAD, *_THREE_ARRAYS_AND_COUNT, *_SHAPES, ctypes.c_int]
 
 
 def cache_dir() -> Path:
