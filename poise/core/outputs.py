@@ -69,6 +69,10 @@ class SchedulerOutput:
         return sum(1 for s in self.scheduled if s.is_decode)
 
     @property
+    def num_prefill_requests(self) -> int:
+        return sum(1 for s in self.scheduled if not s.is_decode)
+
+    @property
     def num_prefill_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled if not s.is_decode)
 
@@ -102,9 +106,11 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # The request's timestamps (the live object, read on the engine thread): set on every token
+    # delta, so TTFT is observed with the first token and each ITL gap with its token.
     times: RequestTimes | None = None
-    # Set on the delta with the first token (with ``times``, so TTFT is observed at once) and on
-    # the finishing one: the request's class and targets, for per-class SLO metrics.
+    # Set on the delta with the first token and on the finishing one: the request's class and
+    # targets, for per-class SLO metrics.
     slo: SloTargets | None = None
 
 
@@ -142,7 +148,40 @@ class StepStats:
     num_finished: int = 0
     # Prompt tokens served from the prefix cache to requests admitted in this step.
     num_prefix_cache_hit_tokens: int = 0
+    # Requests fed a prefill chunk / a decode this step (``is_decode``), and the token budget
+    # the step was scheduled under (its utilisation = all tokens / budget).
+    num_prefill_requests: int = 0
+    num_decode_requests: int = 0
+    token_budget: int = 0
 
     @property
     def step_duration(self) -> float:
         return self.end_time - self.start_time
+
+    @property
+    def budget_utilisation(self) -> float:
+        used = self.num_prefill_tokens + self.num_decode_tokens
+        return used / self.token_budget if self.token_budget > 0 else 0.0
+
+    @classmethod
+    def of(
+        cls, output: SchedulerOutput, now: float, *, running: int, waiting: int,
+        kv_cache_usage: float, finished: int, budget: int,
+    ) -> StepStats:  # fmt: skip
+        """The stats of the step ``output`` scheduled, its results applied at ``now``."""
+        return cls(
+            step_id=output.step_id,
+            start_time=output.schedule_time,
+            end_time=now,
+            num_prefill_tokens=output.num_prefill_tokens,
+            num_decode_tokens=output.num_decode_tokens,
+            num_running=running,
+            num_waiting=waiting,
+            kv_cache_usage=kv_cache_usage,
+            num_preemptions=len(output.preempted_request_ids),
+            num_finished=finished,
+            num_prefix_cache_hit_tokens=output.num_prefix_cache_hit_tokens,
+            num_prefill_requests=output.num_prefill_requests,
+            num_decode_requests=output.num_decode_tokens,
+            token_budget=budget,
+        )

@@ -54,7 +54,14 @@ class RequestTimes:
     """Timestamps (seconds, on whatever clock the engine was given). None until they happen."""
 
     arrival: float
+    # When the engine took the request in (after the way in: chat template, tokenization and
+    # the wait for the engine thread). None where the caller never set it: then = arrival.
+    enqueued: float | None = None
     first_scheduled: float | None = None
+    # Seconds of the steps that fed this request prompt chunks before its first token: the
+    # compute part of prefill (the rest of first_scheduled -> first_token is waiting between
+    # chunks while other steps ran, the seed's "scheduling time until the first token").
+    prefill_compute: float = 0.0
     first_token: float | None = None
     # One entry per output token, when the step that produced it ended.
     token_times: list[float] = field(default_factory=list)

@@ -1,10 +1,15 @@
 """The one place where request latencies are derived from request timestamps.
 
 Definitions (all in seconds; TTFT is measured from arrival everywhere):
-- queue_time   = first_scheduled - arrival
+- ingress_time = enqueued - arrival             (the way in: chat template, tokenization,
+                 waiting for the engine thread; 0 where the engine took it in on arrival)
+- queue_time   = first_scheduled - enqueued
 - prefill_time = first_token - first_scheduled  (includes chunked-prefill steps and waits
-                 between them)
-- ttft         = first_token - arrival          (= queue_time + prefill_time)
+                 between them), split as
+    prefill_compute     = time of the steps that fed its prompt chunks
+    first_token_sched   = prefill_time - prefill_compute (waits between its chunks)
+- ttft         = first_token - arrival
+               = ingress_time + queue_time + prefill_compute + first_token_sched
 - decode_time  = last token - first_token
 - tpot         = decode_time / (n_output - 1)    (None with fewer than two tokens)
 - itl          = gaps between consecutive output tokens
@@ -22,6 +27,9 @@ from poise.core.request import RequestTimes
 @dataclass(frozen=True)
 class RequestMetrics:
     queue_time: float | None
+    ingress_time: float | None
+    prefill_compute: float | None
+    first_token_sched: float | None
     prefill_time: float | None
     ttft: float | None
     decode_time: float | None
@@ -40,9 +48,17 @@ def derive(times: RequestTimes) -> RequestMetrics:
     n = len(tokens)
     decode_time = _diff(tokens[-1], times.first_token) if n else None
     tpot = decode_time / (n - 1) if decode_time is not None and n > 1 else None
+    enqueued = times.arrival if times.enqueued is None else times.enqueued
+    prefill_time = _diff(times.first_token, times.first_scheduled)
+    # The compute part can't exceed the span it lies in (clock granularity, abort mid-step).
+    compute = None if prefill_time is None else min(times.prefill_compute, prefill_time)
+    sched = None if compute is None or prefill_time is None else prefill_time - compute
     return RequestMetrics(
-        queue_time=_diff(times.first_scheduled, times.arrival),
-        prefill_time=_diff(times.first_token, times.first_scheduled),
+        queue_time=_diff(times.first_scheduled, enqueued),
+        ingress_time=_diff(enqueued, times.arrival),
+        prefill_compute=compute,
+        first_token_sched=sched,
+        prefill_time=prefill_time,
         ttft=_diff(times.first_token, times.arrival),
         decode_time=decode_time,
         tpot=tpot,

@@ -116,6 +116,7 @@ class EngineCore:
         self.check_capacity()
         now = self.clock.now()
         request = self._new_request(request_id, prompt_token_ids, sampling_params, arrival_time)
+        request.times.enqueued = now
         self.scheduler.check_admission(request, now)
         self.scheduler.add_request(request)
         return request
@@ -204,7 +205,7 @@ class EngineCore:
 
     def snapshot(self) -> EngineState:
         """The engine's state now, as an immutable value another thread may keep and read."""
-        sched = self.scheduler
+        sched, prefix = self.scheduler, self.kv.prefix_stats
         return EngineState(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
@@ -213,4 +214,9 @@ class EngineCore:
             num_preemptions=sched.num_preemptions_total,
             preemptions_by_class=MappingProxyType(dict(sched.steer.preemptions_by_class)),
             queue_full=self.queue_is_full(),
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            prefix_cache_query_tokens=prefix.query_tokens,
+            prefix_cache_hit_tokens=prefix.hit_tokens,
+            prefix_cache_evictions=self.kv.pool.num_evictions,
         )

@@ -23,5 +23,12 @@ class EngineState:
     # Totals since start: preemptions (recompute), and the same per traffic class.
     num_preemptions: int = 0
     preemptions_by_class: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # Prefix cache totals (``PrefixCacheStats``: admissions that looked up / hit, their tokens)
+    # and cached blocks evicted (handed out for something else).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_evictions: int = 0
     # Whether the waiting queue is at max_num_queued_requests (new requests get 429).
     queue_full: bool = False

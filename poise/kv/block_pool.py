@@ -48,6 +48,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._block_key: list[BlockKey | None] = [None] * num_blocks
         self._cached: dict[BlockKey, int] = {}
+        # Cached blocks handed out for something else since start (prefix-cache evictions).
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -67,6 +69,7 @@ class BlockPool:
             key = self._block_key[block]
             if key is not None:
                 del self._cached[key]
+                self.num_evictions += 1
                 self._block_key[block] = None
             self.ref_counts[block] = 1
             blocks.append(block)

@@ -23,8 +23,21 @@ The scheduler's calls, in this order (each step, per request)::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from poise.core.request import Request
 from poise.kv.block_pool import BlockKey, BlockPool, block_key
+
+
+@dataclass
+class PrefixCacheStats:
+    """Totals since start, counted when a request is admitted (a lookup that led nowhere
+    because the request had to wait again is not a query)."""
+
+    queries: int = 0  # admissions that looked the prefix up
+    hits: int = 0  # ... that found at least one cached block
+    query_tokens: int = 0  # tokens of those requests (vLLM's prefix_cache_queries)
+    hit_tokens: int = 0  # tokens taken from the cache (vLLM's prefix_cache_hits)
 
 
 class KVCacheManager:
@@ -35,6 +48,7 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         # Per request: prefix keys of its full blocks so far (index i = block i).
         self._keys: dict[str, list[BlockKey]] = {}
+        self.prefix_stats = PrefixCacheStats()
 
     @property
     def num_blocks(self) -> int:
@@ -79,6 +93,17 @@ class KVCacheManager:
                 break
             blocks.append(block)
         return blocks
+
+    def record_admission(self, num_tokens: int, num_cached_tokens: int) -> None:
+        """Count one admitted request's prefix lookup (with prefix caching on)."""
+        if not self.enable_prefix_caching:
+            return
+        st = self.prefix_stats
+        st.queries += 1
+        st.query_tokens += num_tokens
+        if num_cached_tokens:
+            st.hits += 1
+            st.hit_tokens += num_cached_tokens
 
     # -- allocation -----------------------------------------------------------------------
 

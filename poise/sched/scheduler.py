@@ -305,6 +305,7 @@ class Scheduler:
             request.times.first_scheduled = now
         self.running.append(request)
         plan.add(request, n, cached_tokens=start)
+        self.kv.record_admission(request.num_tokens, start)
         ledger.admitted(cls)
         ledger.took_prefill(cls, n)
         return True
@@ -351,6 +352,8 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += sched.num_tokens
             self.kv.cache_full_blocks(request, request.num_computed_tokens)
+            if request.times.first_token is None:
+                request.times.prefill_compute += now - output.schedule_time
             if not sched.sample:
                 continue
             token = result.sampled_token_ids[sched.request_id]
@@ -361,31 +364,17 @@ class Scheduler:
             request.times.token_times.append(now)
             status = check_stop(request, token, self.max_len)
             if status is None:
-                deltas.append(
-                    RequestDelta(sched.request_id, [token])
-                    if not first
-                    else RequestDelta(
-                        sched.request_id, [token], times=request.times, slo=request.slo
-                    )
-                )
+                slo = request.slo if first else None
+                deltas.append(RequestDelta(sched.request_id, [token], times=request.times, slo=slo))
                 continue
             self.running.remove(request)
             deltas.append(self._finish(request, status, now, [token]))
+        budget = self.steer.budget  # the one this step was scheduled under
         if output.scheduled:
             self.steer.observe_step(
                 output.total_num_scheduled_tokens, now - output.schedule_time, self._had_decodes
             )
-        stats = StepStats(
-            step_id=output.step_id,
-            start_time=output.schedule_time,
-            end_time=now,
-            num_prefill_tokens=output.num_prefill_tokens,
-            num_decode_tokens=output.num_decode_tokens,
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            kv_cache_usage=self.kv.usage,
-            num_preemptions=len(output.preempted_request_ids),
-            num_finished=sum(1 for d in deltas if d.finished),
-            num_prefix_cache_hit_tokens=output.num_prefix_cache_hit_tokens,
-        )
+        finished = sum(1 for d in deltas if d.finished)
+        stats = StepStats.of(output, now, running=len(self.running), waiting=len(self.waiting),
+                             kv_cache_usage=self.kv.usage, finished=finished, budget=budget)  # fmt: skip
         return deltas, stats

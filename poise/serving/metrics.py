@@ -4,11 +4,13 @@ Invariants:
 - One ``CollectorRegistry`` per ``ServingMetrics`` (per app); nothing is registered globally.
 - Names carry the prefix ``poise:`` and follow vLLM's where the meaning is the same.
 - Request latencies come only from ``poise.core.timing.derive`` on the delta's RequestTimes
-  (TTFT from arrival). TTFT and queue time are observed with the first token (so a dashboard
-  sees them at once, and a request aborted later still counts); the other latency histograms
-  observe requests that finished with ``stop`` or ``length`` (served); aborted, rejected and
-  failed requests are counted by ``request_success_total{finished_reason}`` /
-  ``requests_rejected_total{reason}``.
+  (TTFT from arrival). TTFT and its parts (the way in, queue, prefill compute, first-token
+  scheduling; they add up to TTFT) and prefill time are observed with the first token, and each
+  inter-token gap with its token, so a dashboard sees them at once and a request aborted or
+  failed later still counts. Decode time, e2e and TPOT observe requests that finished with
+  ``stop`` or ``length`` (served); aborted, rejected and failed requests are counted by their
+  own ``request_success_total{finished_reason}`` series / ``requests_rejected_total{reason}``.
+- Per step: requests and tokens fed as prefill and as decode, and the token budget's use.
 - Per traffic class (label ``class``): TTFT, queue and TPOT histograms, SLO attainment
   (``slo_ttft_total`` / ``slo_tpot_total`` with ``result`` met or missed, for requests whose
   class or request names a target), goodput tokens (output tokens of served requests that met
@@ -54,6 +56,7 @@ TOKEN_GAP_BUCKETS = (
     0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0,
 )  # fmt: skip
 STEP_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+UTILISATION_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 SERVED = ("stop", "length")
 
 
@@ -82,10 +85,26 @@ class ServingMetrics:
             "time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS
         )
         self._queue_time = by_class(
-            "request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS
+            "request_queue_time_seconds", "Taken in by the engine to first scheduled.",
+            LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.ingress_time = hist(
+            "request_ingress_time_seconds",
+            "Arrival to taken in by the engine: chat template, tokenization, engine thread wait.",
+            LATENCY_BUCKETS,
         )
         self.prefill_time = hist(
             "request_prefill_time_seconds", "First scheduled to first token.", LATENCY_BUCKETS
+        )
+        self.prefill_compute = hist(
+            "request_prefill_compute_seconds",
+            "Time of the steps that fed a request's prompt chunks (part of prefill time).",
+            LATENCY_BUCKETS,
+        )
+        self.first_token_sched = hist(
+            "request_first_token_scheduling_seconds",
+            "Prefill time not spent computing the prompt: waits between its chunks.",
+            LATENCY_BUCKETS,
         )
         self.decode_time = hist(
             "request_decode_time_seconds", "First token to last token.", LATENCY_BUCKETS
@@ -132,6 +151,16 @@ class ServingMetrics:
         self.step_decode_tokens = hist(
             "step_decode_tokens", "Decode tokens per engine step.", STEP_TOKEN_BUCKETS
         )
+        self.step_prefill_requests = hist(
+            "step_prefill_requests", "Requests fed a prefill chunk per step.", STEP_TOKEN_BUCKETS
+        )
+        self.step_decode_requests = hist(
+            "step_decode_requests", "Requests fed a decode per step.", STEP_TOKEN_BUCKETS
+        )
+        self.budget_utilisation = hist(
+            "step_token_budget_utilization", "Tokens fed / the step's token budget.",
+            UTILISATION_BUCKETS,
+        )  # fmt: skip
         self.iteration_tokens = hist(
             "iteration_tokens_total", "All tokens per engine step.", STEP_TOKEN_BUCKETS
         )
@@ -158,6 +187,10 @@ class ServingMetrics:
         self.step_decode_tokens.observe(stats.num_decode_tokens)
         self.iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_tokens)
         self.step_duration.observe(stats.step_duration)
+        self.step_prefill_requests.observe(stats.num_prefill_requests)
+        self.step_decode_requests.observe(stats.num_decode_requests)
+        if stats.token_budget > 0:
+            self.budget_utilisation.observe(stats.budget_utilisation)
         self.prefix_cache_hits.inc(stats.num_prefix_cache_hit_tokens)
 
     def track_engine_state(self, state: Callable[[], EngineState]) -> None:
@@ -173,6 +206,11 @@ class ServingMetrics:
             self.prompt_tokens.inc(prompt_len_if_first)
             if delta.times is not None:
                 self._observe_first_token(delta)
+        if delta.new_token_ids and delta.times is not None:
+            # The gaps before this delta's tokens, as they are produced (none before the first).
+            tt = delta.times.token_times
+            for i in range(max(1, len(tt) - len(delta.new_token_ids)), len(tt)):
+                self.itl.observe(tt[i] - tt[i - 1])
         if not delta.finished:
             return
         reason = delta.finish_reason or "unknown"
@@ -194,22 +232,24 @@ class ServingMetrics:
                 self._slo_ttft.labels(**labels, result=met).inc()
         if m.queue_time is not None:
             self._queue_time.labels(**labels).observe(m.queue_time)
+        for hist, value in (
+            (self.ingress_time, m.ingress_time),
+            (self.prefill_time, m.prefill_time),
+            (self.prefill_compute, m.prefill_compute),
+            (self.first_token_sched, m.first_token_sched),
+        ):
+            if value is not None:
+                hist.observe(value)
 
     def _observe_latencies(self, delta: RequestDelta) -> None:
         assert delta.times is not None
         m = derive(delta.times)
         labels = self._cls(delta.slo)
-        for hist, value in (
-            (self.prefill_time, m.prefill_time),
-            (self.decode_time, m.decode_time),
-            (self.e2e, m.e2e),
-        ):
+        for hist, value in ((self.decode_time, m.decode_time), (self.e2e, m.e2e)):
             if value is not None:
                 hist.observe(value)
         if m.tpot is not None:
             self._tpot.labels(**labels).observe(m.tpot)
-        for gap in m.itl:
-            self.itl.observe(gap)
         slo = delta.slo or SloTargets()
         good = True
         if slo.ttft_s is not None:
@@ -267,3 +307,20 @@ class _EngineStateCollector(Collector):
         for cls, n in sorted(s.preemptions_by_class.items()):
             by_class.add_metric([m, cls], n)
         yield by_class
+        for name, doc, value in (
+            ("prefix_cache_queries", "Prompt tokens of admitted requests looked up in the "
+             "prefix cache (vLLM's meaning; hits: prefix_cache_hits).", s.prefix_cache_query_tokens),
+            ("prefix_cache_evictions", "Cached KV blocks evicted for other use.",
+             s.prefix_cache_evictions),
+        ):  # fmt: skip
+            family = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            family.add_metric([m], value)
+            yield family
+        lookups = CounterMetricFamily(
+            P + "prefix_cache_requests",
+            "Admitted requests that looked their prefix up, by result (hit: >= 1 cached block).",
+            labels=["model_name", "result"],
+        )
+        lookups.add_metric([m, "hit"], s.prefix_cache_hits)
+        lookups.add_metric([m, "miss"], s.prefix_cache_queries - s.prefix_cache_hits)
+        yield lookups
