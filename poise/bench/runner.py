@@ -38,6 +38,7 @@ from poise.bench.client import (
 from poise.bench.config import BenchConfig, CellSpec, cell_counts, cell_requests
 from poise.bench.metrics import RequestRecord
 from poise.bench.record import CellResult, ExperimentRecord, build_cell, cell_load
+from poise.bench.server_info import ServerInfo, discover_server_info
 
 log = logging.getLogger(__name__)
 
@@ -212,9 +213,17 @@ async def run_cell(
 
 
 def experiment_block(
-    cfg: BenchConfig, model: str, engine: str | None, version: str | None = None
+    cfg: BenchConfig,
+    model: str,
+    engine: str | None,
+    version: str | None = None,
+    described: ServerInfo | None = None,
 ) -> dict[str, Any]:
-    """The template's experiment fields (metrics are added per cell by the record)."""
+    """The template's experiment fields (metrics are added per cell by the record).
+
+    ``described``: what the server said about itself; the user's ``--gpu``, ``--version``
+    and ``--server-arg`` values take priority over it."""
+    described = described or ServerInfo()
     workload: dict[str, Any] = {
         # As run: a closed loop's default streams, None for an open loop without a cap.
         "concurrency": list(dict.fromkeys(c.concurrency for c in cfg.cells())),
@@ -240,11 +249,12 @@ def experiment_block(
     }
     return {
         "model": model,
-        "gpu": cfg.gpu or "unknown",
+        "gpu": cfg.gpu or described.gpu or "unknown",
         "engine": engine or "unknown",
-        "version": version or cfg.version or "unknown",
+        "version": version or cfg.version or described.version or "unknown",
         "workload": workload,
-        "server_args": dict(cfg.server_args),
+        "server_args": {**described.server_args, **cfg.server_args},
+        "server_info_source": described.source,
     }
 
 
@@ -286,9 +296,11 @@ async def run_matrix(
             if scraper.scrapes:
                 replicas = int(scraper.scrapes[-1].replicas or 1)
         version = cfg.version or await discover_version(session, cfg.server_root)
+        metrics_url = cfg.metrics_endpoint() if cfg.scrape else None
+        described = await discover_server_info(session, cfg.server_root, metrics_url)
         record = ExperimentRecord(
             experiment={
-                **experiment_block(cfg, ep.model, engine, version),
+                **experiment_block(cfg, ep.model, engine, version, described),
                 "replicas": replicas,
             },  # fmt: skip
             cells=[],

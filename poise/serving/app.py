@@ -17,7 +17,7 @@ import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -48,6 +48,8 @@ class ServingState:
     served_model_names: list[str]
     max_model_len: int
     version: str = VERSION
+    # The server's self-description (poise.serving.info.describe), for GET /server_info.
+    info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def metrics(self) -> Any:
@@ -175,6 +177,10 @@ def _add_info_routes(app: FastAPI, state: ServingState) -> None:
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": state.version}
+
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        return state.info
 
 
 async def _generate(

@@ -24,11 +24,12 @@ import uvicorn
 
 from poise.config import EngineConfig
 from poise.engine.observer import EngineObserver
-from poise.serving.app import ServingState, create_app
+from poise.serving.app import VERSION, ServingState, create_app
 from poise.serving.async_engine import AsyncEngine
 from poise.serving.connections import ConnectionLimits, protocol_class
 from poise.serving.generation import Generator
 from poise.serving.hosts import AllowedHostsMiddleware, allowed_host_names
+from poise.serving.info import ConfigInfoCollector, describe
 from poise.serving.metrics import ServingMetrics
 from poise.serving.settings import ServerSettings
 from poise.serving.shutdown import PoiseServer, backstop_timeout_s
@@ -46,13 +47,20 @@ def build_state(
     served_model_names: list[str] | None = None,
     vocab_size: int | None = None,
     log_interval_s: float = 10.0,
+    dtype: str | None = None,
+    device: str | None = None,
+    num_kv_blocks: int | None = None,
 ) -> ServingState:
     names = served_model_names or [model_name]
     metrics = ServingMetrics(names[0])
     engine = AsyncEngine(core, metrics, log_interval_s=log_interval_s)
     max_len = int(core.max_model_len)
     generator = Generator(engine, tokenizer, max_model_len=max_len, vocab_size=vocab_size)
-    return ServingState(engine, generator, names, max_len)
+    info = describe(getattr(core, "config", None), model=names[0], version=VERSION,
+                    max_model_len=max_len, dtype=dtype, device=device,
+                    num_kv_blocks=num_kv_blocks)  # fmt: skip
+    metrics.registry.register(ConfigInfoCollector(info))
+    return ServingState(engine, generator, names, max_len, info=info)
 
 
 def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> ServingState:
@@ -78,6 +86,9 @@ def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> S
         served_model_names=settings.served_model_names or None,
         vocab_size=info.vocab_size,
         log_interval_s=settings.log_interval_s,
+        dtype=str(info.dtype),
+        device=str(info.device),
+        num_kv_blocks=info.num_kv_blocks,
     )
 
 

@@ -139,3 +139,25 @@ def test_live_matrix_record(server: str, tmp_path: Path) -> None:
     # Cells tile the run (no warmup): their preemption deltas add up to the server's total.
     final = map_scrape(0.0, httpx.get(server + "/metrics").text, ADAPTERS["poise"])
     assert sum(m["preemption_count"] for m in exp["metrics"]) == final.preemptions
+
+
+def test_bench_cli_fills_server_args_and_gpu_from_the_server(server: str, tmp_path: Path) -> None:
+    """No --server-arg, --gpu or --version: the record takes them from GET /server_info."""
+    import yaml
+
+    from poise.cli import main
+
+    out = tmp_path / "described.yaml"
+    argv = ["bench", "--base-url", server + "/v1", "--concurrency", "1", "--max-tokens", "4",
+            "--num-requests", "2", "--warmup", "0", "--no-progress", "-o", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    exp = yaml.safe_load(out.read_text())["experiment"]
+    args = exp["server_args"]
+    assert args["num_kv_blocks"] == 300 and args["max_num_seqs"] == 4
+    assert args["device"] == "cpu" and args["dtype"] in ("float32", "bfloat16", "float16")
+    assert exp["gpu"].startswith("cpu: ") and "cores" in exp["gpu"]
+    assert exp["version"] != "unknown" and exp["server_info_source"] == "poise /server_info"
+    info = httpx.get(server + "/server_info").json()
+    assert info["engine_config"]["max_num_seqs"] == 4 and info["hardware"]["cpu_cores"] >= 1
+    metrics = httpx.get(server + "/metrics").text
+    assert "poise:engine_config_info{" in metrics and 'max_num_seqs="4"' in metrics
