@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from poise.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
 from poise.serving import streams
 from poise.serving.async_engine import AsyncEngine
+from poise.serving.dashboard import add_dashboard_routes
 from poise.serving.generation import GenerationFailed, Generator
 from poise.serving.protocol import (
     ChatCompletionRequest,
@@ -131,6 +132,7 @@ def create_app(state: ServingState, *, enable_api_docs: bool = False) -> FastAPI
         return _validation_error(exc)
 
     _add_info_routes(app, state)
+    add_dashboard_routes(app, state)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request) -> Response:

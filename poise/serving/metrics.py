@@ -42,6 +42,7 @@ from poise.core.outputs import RequestDelta, StepStats
 from poise.core.request import SloTargets
 from poise.core.timing import derive
 from poise.engine.state import EngineState
+from poise.serving.live import LiveFeed
 
 P = "poise:"
 
@@ -179,6 +180,8 @@ class ServingMetrics:
         )
         ProcessCollector(registry=r)
         self._model_name = model_name
+        # The live page's one-point-a-second feed (poise.serving.live), fed from here.
+        self.live = LiveFeed()
 
     # -- engine thread ---------------------------------------------------------------------
 
@@ -187,6 +190,7 @@ class ServingMetrics:
         self.step_decode_tokens.observe(stats.num_decode_tokens)
         self.iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_tokens)
         self.step_duration.observe(stats.step_duration)
+        self.live.add_step(stats)
         self.step_prefill_requests.observe(stats.num_prefill_requests)
         self.step_decode_requests.observe(stats.num_decode_requests)
         if stats.token_budget > 0:
@@ -225,6 +229,8 @@ class ServingMetrics:
         assert delta.times is not None
         m = derive(delta.times)
         labels = self._cls(delta.slo)
+        target = delta.slo.ttft_s if delta.slo is not None else None
+        self.live.add_first_token(m, labels["class"], target)
         if m.ttft is not None:
             self._ttft.labels(**labels).observe(m.ttft)
             if delta.slo is not None and delta.slo.ttft_s is not None:
