@@ -102,6 +102,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Serve /docs, /redoc and /openapi.json. (default: off)",
     )
     server.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="Log one JSON line per finished request: id, class, prompt/cached/output tokens, "
+        "way in, queue, prefill, TTFT, TPOT, e2e (ms), preemptions, finish reason. Prompts "
+        "and generated text are never logged. (default: off)",
+    )
+    server.add_argument(
         "--step-trace",
         default=None,
         metavar="FILE",
@@ -156,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         allowed_hosts=list(args.allowed_hosts),
         enable_api_docs=args.enable_api_docs,
+        enable_log_requests=args.enable_log_requests,
         step_trace=args.step_trace,
     )
     if args.replicas > 1:

@@ -43,6 +43,7 @@ from poise.core.request import SloTargets
 from poise.core.timing import derive
 from poise.engine.state import EngineState
 from poise.serving.live import LiveFeed
+from poise.serving.request_log import log_request
 
 P = "poise:"
 
@@ -62,7 +63,9 @@ SERVED = ("stop", "length")
 
 
 class ServingMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, *, log_requests: bool = False) -> None:
+        # --enable-log-requests: one structured line per finished request (request_log.py).
+        self.log_requests = log_requests
         self.registry = CollectorRegistry(auto_describe=True)
         r, labels = self.registry, {"model_name": model_name}
 
@@ -218,6 +221,8 @@ class ServingMetrics:
         if not delta.finished:
             return
         reason = delta.finish_reason or "unknown"
+        if self.log_requests:
+            log_request(delta)
         self._success.labels(model_name=self._model_name, finished_reason=reason).inc()
         if reason in SERVED and delta.times is not None:
             self._observe_latencies(delta)

@@ -50,9 +50,10 @@ def build_state(
     dtype: str | None = None,
     device: str | None = None,
     num_kv_blocks: int | None = None,
+    log_requests: bool = False,
 ) -> ServingState:
     names = served_model_names or [model_name]
-    metrics = ServingMetrics(names[0])
+    metrics = ServingMetrics(names[0], log_requests=log_requests)
     engine = AsyncEngine(core, metrics, log_interval_s=log_interval_s)
     max_len = int(core.max_model_len)
     generator = Generator(engine, tokenizer, max_model_len=max_len, vocab_size=vocab_size)
@@ -89,6 +90,7 @@ def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> S
         dtype=str(info.dtype),
         device=str(info.device),
         num_kv_blocks=info.num_kv_blocks,
+        log_requests=settings.enable_log_requests,
     )
 
 

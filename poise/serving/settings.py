@@ -35,6 +35,9 @@ class ServerSettings:
     allowed_hosts: list[str] = field(default_factory=list)
     # /docs, /redoc and /openapi.json; off by default (they describe the whole API to anyone).
     enable_api_docs: bool = False
+    # One structured log line per finished request (serving/request_log.py): ids, lengths,
+    # timings, finish reason; never prompts or generated text.
+    enable_log_requests: bool = False
 
     def __post_init__(self) -> None:
         for name in ("header_read_timeout_s", "body_read_timeout_s", "keep_alive_timeout_s"):

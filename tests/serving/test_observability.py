@@ -7,6 +7,8 @@ per step so a test can look at /metrics while a request is still running.
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,13 +50,17 @@ class ClockedExecutor(FakeExecutor):
         return super().execute(scheduler_output)
 
 
-def slow_server(tokenizer: Any, delay_s: float = 0.02, **engine_kwargs: Any) -> InProcessServer:
+def slow_server(
+    tokenizer: Any, delay_s: float = 0.02, log_requests: bool = False, **engine_kwargs: Any
+) -> InProcessServer:
     vocab = len(tokenizer)
     cfg = EngineConfig.from_kwargs(block_size=16, **engine_kwargs)
     core = EngineCore(cfg, SlowExecutor(vocab, 16, delay_s), num_kv_blocks=256,
                       max_model_len=1024, vocab_size=vocab,
                       eos_token_ids=eos_token_ids(tokenizer))  # fmt: skip
-    return InProcessServer(build_state(core, tokenizer, model_name="fake", vocab_size=vocab))
+    state = build_state(core, tokenizer, model_name="fake", vocab_size=vocab,
+                        log_requests=log_requests)  # fmt: skip
+    return InProcessServer(state)
 
 
 def metrics(server: InProcessServer) -> str:
@@ -161,3 +167,21 @@ def test_prefix_cache_counters_move_when_a_prompt_repeats(smol_tokenizer: Any) -
         assert metric_value(second, "poise:prefix_cache_requests_total", result="hit") == 1
         assert metric_value(second, "poise:prefix_cache_hits_total") == 48  # 3 of 4 blocks
         assert metric_value(second, "poise:prefix_cache_queries_total") == 128
+
+
+def test_log_requests_writes_one_json_line_per_request_without_the_prompt(
+    smol_tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="poise.requests")
+    with slow_server(smol_tokenizer, delay_s=0.0, log_requests=True) as server:
+        body = {"model": "fake", "prompt": "a secret prompt", "max_tokens": 3}
+        assert httpx.post(server.base_url + "/v1/completions", json=body).status_code == 200
+        wait_for(lambda: any(r.name == "poise.requests" for r in caplog.records))
+    lines = [r.getMessage() for r in caplog.records if r.name == "poise.requests"]
+    assert len(lines) == 1 and "secret" not in lines[0]
+    record = json.loads(lines[0].split(" ", 2)[2])
+    assert record["id"].startswith("cmpl-") and record["class"] == "default"
+    assert record["output_tokens"] == 3 and record["finish_reason"] == "length"
+    assert record["prompt_tokens"] > 0 and record["ttft_ms"] > 0 and record["tpot_ms"] >= 0
+    parts = ("ingress_ms", "queue_ms", "prefill_compute_ms", "first_token_sched_ms")
+    assert sum(record[k] for k in parts) == pytest.approx(record["ttft_ms"], abs=0.01)
