@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,6 +153,26 @@ async def run_http(base: str, model: str, reqs: list[tuple[str, str]], c: int,
     return Cell("http", c, len(reqs), total, seconds, ttft)
 
 
+@contextlib.contextmanager
+def page_reader(base: str) -> Iterator[None]:
+    """A /dashboard/feed reader (what an open live page costs the server) while in the block."""
+    stop = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("GET", base + "/dashboard/feed", timeout=None) as resp:
+            for _ in resp.iter_lines():
+                if stop.is_set():
+                    return
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=3)
+
+
 def scrape(base: str) -> dict[str, float]:
     names = {"engine_thread": "poise:engine_thread_cpu_seconds",
              "loop_thread": "poise:event_loop_thread_cpu_seconds",
@@ -195,7 +218,7 @@ def report(cells: list[Cell]) -> str:
 
     for cell in cells:
         ratio = ""
-        if cell.mode == "http" and cell.concurrency in offline:
+        if cell.mode.startswith("http") and cell.concurrency in offline:
             ratio = f"{cell.tokens_per_s / offline[cell.concurrency].tokens_per_s:.1%}"
         cpu = cell.server_cpu
         cpu_s = (f"{cpu.get('engine_thread', 0):.1f} / {cpu.get('loop_thread', 0):.1f} / "
@@ -229,6 +252,10 @@ def main() -> int:
     p.add_argument("--server-log", default="/tmp/poise-bench-serving.log")
     p.add_argument("--http-first", action="store_true", help="Run HTTP before offline.")
     p.add_argument("--out", default=None, help="Write the cells as JSON here.")
+    p.add_argument("--dashboard", action="store_true",
+                   help="After each HTTP cell, run it again with a /dashboard/feed reader "
+                   "attached (mode http+page): the live page's cost, same run.")  # fmt: skip
+    p.add_argument("--no-offline", action="store_true", help="Skip the offline engine.")
     args = p.parse_args()
 
     import torch
@@ -243,21 +270,28 @@ def main() -> int:
     proc = start_server(args, port)
     cells: list[Cell] = []
     try:
-        llm = LLM(args.model, dtype=args.dtype, max_num_seqs=64,
-                  max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+        llm = None if args.no_offline else LLM(
+            args.model, dtype=args.dtype, max_num_seqs=64,
+            max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
         warm = [("short", SHORT_PROMPT)] * 2
-        run_offline(llm, warm, 2, 8)
+        if llm is not None:
+            run_offline(llm, warm, 2, 8)
         asyncio.run(run_http(base, "bench", warm, 2, 8))
         for c in args.concurrency:
             reqs = workload(args.requests or args.waves * c, args.max_tokens, args.long_ratio)
-            if not args.http_first:
+            if llm is not None and not args.http_first:
                 cells.append(run_offline(llm, reqs, c, args.max_tokens))
             before = scrape(base)
             cell = asyncio.run(run_http(base, "bench", reqs, c, args.max_tokens))
             after = scrape(base)
             cell.server_cpu = {k: after[k] - before.get(k, 0.0) for k in after}
             cells.append(cell)
-            if args.http_first:
+            if args.dashboard:
+                with page_reader(base):
+                    paged = asyncio.run(run_http(base, "bench", reqs, c, args.max_tokens))
+                paged.mode = "http+page"
+                cells.append(paged)
+            if llm is not None and args.http_first:
                 cells.append(run_offline(llm, reqs, c, args.max_tokens))
             print(report(cells[-2:]).splitlines()[-2:], file=sys.stderr, flush=True)
     finally:
