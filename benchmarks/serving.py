@@ -253,8 +253,8 @@ def main() -> int:
     p.add_argument("--http-first", action="store_true", help="Run HTTP before offline.")
     p.add_argument("--out", default=None, help="Write the cells as JSON here.")
     p.add_argument("--dashboard", action="store_true",
-                   help="After each HTTP cell, run it again with a /dashboard/feed reader "
-                   "attached (mode http+page): the live page's cost, same run.")  # fmt: skip
+                   help="After each HTTP cell, run it four times more, alternately without and "
+                   "with a /dashboard/feed reader attached (mode http+page): the page's cost.")  # fmt: skip
     p.add_argument("--no-offline", action="store_true", help="Skip the offline engine.")
     args = p.parse_args()
 
@@ -287,10 +287,14 @@ def main() -> int:
             cell.server_cpu = {k: after[k] - before.get(k, 0.0) for k in after}
             cells.append(cell)
             if args.dashboard:
-                with page_reader(base):
-                    paged = asyncio.run(run_http(base, "bench", reqs, c, args.max_tokens))
-                paged.mode = "http+page"
-                cells.append(paged)
+                # The first cell warmed the prefix cache; then warm cells alternate without and
+                # with the page (A B A B) so neither side gets the cold start or the drift.
+                cell.mode = "http (cold)"
+                for paged in (False, True, False, True):
+                    with page_reader(base) if paged else contextlib.nullcontext():
+                        again = asyncio.run(run_http(base, "bench", reqs, c, args.max_tokens))
+                    again.mode = "http+page" if paged else "http"
+                    cells.append(again)
             if llm is not None and args.http_first:
                 cells.append(run_offline(llm, reqs, c, args.max_tokens))
             print(report(cells[-2:]).splitlines()[-2:], file=sys.stderr, flush=True)
