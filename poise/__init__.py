@@ -1,5 +1,9 @@
 """poise: an LLM serving engine built around the TTFT/throughput balance of continuous batching.
 
+The offline API has vLLM's shape: ``from poise import LLM, SamplingParams``. ``LLM`` (and the
+output classes) are imported on first use, so ``import poise`` stays light; torch loads when a
+model does.
+
 Importing poise sets ``OMP_WAIT_POLICY=PASSIVE`` unless the user set it, when torch is not
 loaded yet (OpenMP reads it once, at load). Why: with the default (active) policy an idle
 OpenMP worker spins for its next task; on a machine whose cores are shared with other
@@ -17,6 +21,28 @@ import sys
 if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from typing import TYPE_CHECKING, Any
+
+from poise.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from poise.engine.llm import LLM
+    from poise.engine.outputs import CompletionOutput, RequestOutput
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+
+_LAZY = {
+    "LLM": "poise.engine.llm",
+    "RequestOutput": "poise.engine.outputs",
+    "CompletionOutput": "poise.engine.outputs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'poise' has no attribute {name!r}")

@@ -59,21 +59,32 @@ def _require(cond: bool, field_name: str, message: str) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = _help(
-        "Hugging Face directory (config.json + *.safetensors), a .gguf file, or 'dummy:<dir or "
-        "config.json>' for random weights. Default: the embedded SmolLM2-135M-Instruct GGUF.",
+        "Hugging Face directory (config.json + *.safetensors), a Hub id in the local HF cache "
+        "(never downloaded), a .gguf file, or 'dummy:<dir or config.json>' for random weights. "
+        "Default: the embedded SmolLM2-135M-Instruct GGUF.",
         default=None,
     )
     tokenizer: str | None = _help(
         "Tokenizer directory, when it differs from the model's.", default=None
     )
     dtype: str = _help(
-        "Weights and activations dtype: float32, bfloat16, float16 or auto (bfloat16 on CUDA; "
-        "float32 on CPU, where outputs then match the fp32 transformers reference exactly). "
-        "bfloat16 halves weight and KV memory and is faster on most CPUs.",
+        "Weights and activations dtype: float32, bfloat16, float16 or auto (bfloat16 on CUDA "
+        "and on CPUs with native bf16 matmul, AVX512-BF16 or AMX; float32 on other CPUs). "
+        "float32 matches the fp32 transformers reference exactly; bfloat16 halves weight and "
+        "KV memory and is about twice as fast where the CPU has native bf16.",
         default="auto",
     )
-    device: str = _help("torch device: cpu, cuda, cuda:1 ...", default="cpu")
+    device: str = _help(
+        "torch device: auto (cuda when a CUDA device is present, else cpu), cpu, cuda, cuda:1...",
+        default="auto",
+    )
     seed: int = _help("Seed for dummy weights and for unseeded sampling.", default=0)
+    generation_config: str = _help(
+        "Where default sampling parameters come from: auto (the model's generation_config.json: "
+        "temperature, top_p, top_k, min_p, max_new_tokens, as vLLM), vllm (none: poise's "
+        "defaults) or a directory holding a generation_config.json. A request's values win.",
+        default="auto",
+    )
     max_model_len: int | None = _help(
         "Longest sequence (prompt + output) a request may reach. Default: the model's context "
         "length. Longer prompts are rejected with a 400, never truncated.",
@@ -100,16 +111,9 @@ class ModelConfig:
             "attention_backend",
             f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
         )
-        _require(
-            self.num_threads is None or self.num_threads > 0,
-            "num_threads",
-            f"must be > 0, got {self.num_threads}",
-        )
-        _require(
-            self.max_model_len is None or self.max_model_len > 0,
-            "max_model_len",
-            f"must be > 0, got {self.max_model_len}",
-        )
+        for name in ("num_threads", "max_model_len"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, name, f"must be > 0, got {value}")
 
 
 @dataclass(frozen=True)

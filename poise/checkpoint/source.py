@@ -8,6 +8,8 @@ means the same model everywhere::
     "dummy:<dir or config>"   -> random weights for that config.json   (kind "dummy")
     "<file>.gguf"             -> llama.cpp GGUF                        (kind "gguf")
     "<dir>" or "<dir>/config.json" with config.json                    (kind "hf")
+    "owner/name[@revision]"   -> that Hub model in the local HF cache  (kind "hf" or "gguf",
+                                 checkpoint/hub.py; never downloaded)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Literal
 
 from poise.checkpoint.arch import ArchConfig, arch_from_hf_config
 from poise.checkpoint.embedded import embedded_gguf_path
+from poise.checkpoint.hub import cached_snapshot, looks_like_hub_id
 
 DUMMY_PREFIX = "dummy:"
 _QUANT_SUFFIX = re.compile(r"[.\-_](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
@@ -31,6 +34,8 @@ class ModelSource:
     kind: Literal["gguf", "hf", "dummy"]
     # The .gguf file, the HF directory, or the dummy's config.json.
     path: Path
+    # The Hub id it was resolved from (its name), when it came from the HF cache.
+    hub_id: str | None = None
 
     @property
     def directory(self) -> Path:
@@ -38,7 +43,9 @@ class ModelSource:
 
     @property
     def name(self) -> str:
-        """The served model name: 'SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct'."""
+        """The model's name: 'SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct'."""
+        if self.hub_id is not None:
+            return self.hub_id
         if self.kind == "gguf":
             return _QUANT_SUFFIX.sub("", self.path.stem)
         if self.kind == "dummy":
@@ -69,6 +76,8 @@ def resolve_model(model: str | Path | None) -> ModelSource:
         if not config.is_file():
             raise ValueError(f"model: dummy config {config} does not exist")
         return ModelSource("dummy", config)
+    if looks_like_hub_id(text):
+        return _from_snapshot(text, cached_snapshot(text))
     path = Path(text).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource("gguf", path)
@@ -79,6 +88,18 @@ def resolve_model(model: str | Path | None) -> ModelSource:
     raise ValueError(
         f"model: {text!r} is neither a HF directory with config.json, a .gguf file, "
         "nor 'dummy:<config.json>'"
+    )
+
+
+def _from_snapshot(hub_id: str, snapshot: Path) -> ModelSource:
+    if (snapshot / "config.json").is_file():
+        return ModelSource("hf", snapshot, hub_id)
+    ggufs = sorted(snapshot.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource("gguf", ggufs[0], hub_id)
+    raise ValueError(
+        f"model: the cached snapshot of {hub_id!r} ({snapshot}) has no config.json"
+        + (f" and {len(ggufs)} .gguf files; give the file's path" if ggufs else "")
     )
 
 

@@ -43,16 +43,18 @@ def run(args: argparse.Namespace) -> int:
         seed=args.sampling_seed,
     )
     if args.raw:
-        outputs = llm.generate(list(args.prompt), params)
+        outputs = llm.generate(list(args.prompt), params, use_tqdm=False)
     else:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+        convs = [[{"role": "user", "content": p}] for p in args.prompt]
+        outputs = llm.chat(convs, params, use_tqdm=False)
     for out in outputs:
-        print(out.text.strip())
+        completion = out.outputs[0]
+        print(completion.text.strip())
         m = out.metrics
         if m is not None and m.ttft is not None:
             tpot = f"{m.tpot * 1000:.1f} ms" if m.tpot is not None else "-"
             print(
-                f"[{len(out.output_token_ids)} tokens, finish_reason={out.finish_reason}, "
+                f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}, "
                 f"TTFT {m.ttft * 1000:.0f} ms, TPOT {tpot}, first token "
                 f"{(loaded - start) + m.ttft:.1f} s after start]",
                 file=sys.stderr,

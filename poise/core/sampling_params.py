@@ -34,6 +34,22 @@ class SamplingParams:
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
 
+    # vLLM's fields that poise does not implement yet, at their "off" value. Any other value is
+    # refused by ``validate`` with a message naming the field, never silently ignored.
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: object | None = None
+    logits_processors: list[object] | None = None
+    truncate_prompt_tokens: int | None = None
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -64,6 +80,13 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise InvalidRequestError(f"{name} must be > 0, got {value}", name)
+        for name, off in NOT_IMPLEMENTED.items():
+            if getattr(self, name) not in off:
+                raise InvalidRequestError(
+                    f"{name}={getattr(self, name)!r} is not supported by poise yet (only "
+                    f"{off[0]!r}); it is refused rather than ignored",
+                    name,
+                )
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
         if vocab_size is not None:
@@ -73,3 +96,22 @@ class SamplingParams:
                         f"stop_token_ids: {tid} is outside the vocabulary [0, {vocab_size})",
                         "stop_token_ids",
                     )
+
+
+# Field -> the values that mean "off" (the first is the default), for vLLM's fields not yet
+# implemented. An empty dict or list counts as off.
+NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
+    "n": (1,),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "repetition_penalty": (1.0,),
+    "min_tokens": (0,),
+    "logprobs": (None,),
+    "prompt_logprobs": (None,),
+    "logit_bias": (None, {}),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "structured_outputs": (None,),
+    "logits_processors": (None, []),
+    "truncate_prompt_tokens": (None,),
+}

@@ -1,40 +1,35 @@
-"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams)`` and ``chat``.
+"""The offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, SamplingParams)``
+and ``chat(messages, ...)`` return ``RequestOutput``s (``poise.engine.outputs``).
 
 Runs the engine loop in the caller's thread until every request of the call is finished.
 Text handling (chat template, incremental detokenization, stop strings) comes from
-``poise.text``, the same code the server uses.
+``poise.text``, the same code the server uses. Loading the model imports torch; importing this
+module does not.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from poise.config import EngineConfig
 from poise.core.sampling_params import SamplingParams
-from poise.core.timing import RequestMetrics, derive
 from poise.engine.builder import build_engine
+from poise.engine.outputs import RequestOutput
+from poise.engine.progress import run_requests
 
-Prompt = str | list[int]
+# A prompt: text, token ids, or vLLM's dict form {"prompt": ...} / {"prompt_token_ids": [...]}.
+Prompt = str | list[int] | dict[str, Any]
 Messages = list[dict[str, Any]]
 
 
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    metrics: RequestMetrics | None
-    num_preemptions: int = 0
-    error_message: str | None = None
-
-
 class LLM:
-    """Offline batch generation with the same engine the server runs."""
+    """Offline batch generation with the same engine the server runs.
+
+    ``model`` and the engine options are those of ``poise serve`` (``EngineConfig.from_kwargs``:
+    vLLM's names, e.g. ``max_num_seqs``, ``dtype``, ``generation_config``).
+    """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
@@ -42,85 +37,96 @@ class LLM:
         self.tokenizer = self.model_info.tokenizer
         self._ids = itertools.count()
 
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (``generation_config``
+        option; none under ``vllm``), as vLLM's method of the same name."""
+        return SamplingParams(**self.model_info.default_sampling)
+
     def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"])
+            return self.encode(str(prompt["prompt"]))
         if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"])
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; give token ids")
+            return list(self.tokenizer.encode(prompt))
         return list(prompt)
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or many (text, or token ids); outputs in prompt order."""
+        """Generate for one prompt or many; outputs in prompt order. ``use_tqdm`` shows a
+        progress bar with input and output tokens/s (on stderr)."""
         batch: Sequence[Prompt]
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             batch = [prompts]  # type: ignore[list-item]
         else:
             batch = prompts  # type: ignore[assignment]
+        texts = [_prompt_text(p) for p in batch]
         token_lists = [self.encode(p) for p in batch]
-        params = _broadcast(sampling_params, len(token_lists))
-        return self._run(token_lists, params)
+        return self._run(texts, token_lists, sampling_params, use_tqdm)
 
     def chat(
         self,
         messages: Messages | Sequence[Messages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        from poise.text.tokenizer import apply_chat_template
+        """Apply the chat template (the model's, or ``chat_template``: Jinja text) to each
+        conversation and generate. ``tools`` and ``chat_template_kwargs`` are passed to the
+        template; the reply is text (tool calls are not parsed yet)."""
+        from poise.text.tokenizer import render_chat
 
+        if self.tokenizer is None:
+            raise ValueError("chat: this model has no tokenizer; use generate with token ids")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        token_lists = [apply_chat_template(self.tokenizer, conv) for conv in conversations]
-        return self.generate(token_lists, sampling_params)
+        texts: list[str | None] = []
+        token_lists: list[list[int]] = []
+        for conv in conversations:
+            text = render_chat(
+                self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, tools=tools, **(chat_template_kwargs or {}),
+            )  # fmt: skip
+            texts.append(text)
+            token_lists.append(list(self.tokenizer.encode(text, add_special_tokens=False)))
+        return self._run(texts, token_lists, sampling_params, use_tqdm)
 
     def _run(
-        self, token_lists: list[list[int]], params: list[SamplingParams]
+        self,
+        texts: list[str | None],
+        token_lists: list[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
     ) -> list[RequestOutput]:
-        from poise.text.detokenizer import IncrementalDetokenizer
-
-        engine = self.engine
-        ids = [f"offline-{next(self._ids)}" for _ in token_lists]
-        outputs: dict[str, RequestOutput] = {}
-        detoks: dict[str, IncrementalDetokenizer] = {}
-        for rid, tokens, sp in zip(ids, token_lists, params, strict=True):
-            engine.add_request(rid, tokens, sp)
-            outputs[rid] = RequestOutput(rid, tokens, [], "", None, None)
-            if self.tokenizer is not None:  # a bare checkpoint without tokenizer: ids only
-                detoks[rid] = IncrementalDetokenizer(self.tokenizer, tokens, sp)
-            elif sp.stop:
-                raise ValueError("stop: stop strings need a tokenizer; this model has none")
-        pending = set(ids)
-        while pending:
-            deltas, _ = engine.step()
-            for delta in deltas:
-                out = outputs.get(delta.request_id)
-                if out is None:
-                    continue
-                out.output_token_ids.extend(delta.new_token_ids)
-                detok = detoks.get(delta.request_id)
-                stopped = False
-                if detok is not None:
-                    text = detok.update(delta.new_token_ids, delta.finished)
-                    out.text += text.text
-                    stopped = text.stopped
-                if stopped and not delta.finished:
-                    finished = engine.finish(delta.request_id)
-                    if finished is not None:
-                        delta = finished
-                if delta.finished:
-                    out.finish_reason = delta.finish_reason
-                    out.error_message = delta.error_message
-                    out.num_preemptions = delta.num_preemptions
-                    out.metrics = derive(delta.times) if delta.times else None
-                    pending.discard(delta.request_id)
-        return [outputs[rid] for rid in ids]
+        if sampling_params is None:  # vLLM: the model's defaults (generation_config)
+            sampling_params = self.get_default_sampling_params()
+        params = _broadcast(sampling_params, len(token_lists))
+        if self.tokenizer is None and any(sp.stop for sp in params):
+            raise ValueError("stop: stop strings need a tokenizer; this model has none")
+        ids = [str(next(self._ids)) for _ in token_lists]
+        return run_requests(self.engine, self.tokenizer, ids, texts, token_lists, params,
+                            use_tqdm=use_tqdm)  # fmt: skip
 
 
-def _broadcast(
-    params: SamplingParams | Sequence[SamplingParams] | None, n: int
-) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(n)]
+def _prompt_text(prompt: Prompt) -> str | None:
+    if isinstance(prompt, dict):
+        return prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
+
+
+def _broadcast(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * n
     if len(params) != n:

@@ -4,28 +4,28 @@ and describe the result (``ModelInfo``) for the engine.
 Resolved values (dtype, max_model_len, number of KV blocks) are returned in ModelInfo, never
 written back to the config.
 
-dtype "auto": bfloat16 on CUDA (float16 where bf16 is unsupported); float32 on CPU, so CPU
-results match transformers' fp32 reference exactly (pass dtype=bfloat16 explicitly for speed).
+dtype and device "auto" are resolved in ``runner/platform.py``.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from poise.checkpoint.generation import sampling_defaults, unapplied
+from poise.checkpoint.source import resolve_model
 from poise.config import EngineConfig
 from poise.model.loader import LoadedModel, load_model
 from poise.runner.attention import create_attention_backend
 from poise.runner.kv_pool import allocate_kv_caches, num_kv_blocks
 from poise.runner.model_runner import ModelRunner
+from poise.runner.platform import resolve_device, resolve_dtype
 from poise.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -40,14 +40,8 @@ class ModelInfo:
     device: str
     attention_backend: str
     tokenizer: Any  # a transformers tokenizer (chat_template set when known), or None
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+    # SamplingParams defaults from the generation config (checkpoint/generation.py).
+    default_sampling: dict[str, Any] = field(default_factory=dict)
 
 
 def resolve_max_model_len(requested: int | None, context_length: int) -> int:
@@ -72,7 +66,7 @@ def _eos_ids(loaded: LoadedModel, tokenizer: Any) -> frozenset[int]:
 
 def create_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelInfo]:
     mc, cc = config.model, config.cache
-    device = torch.device(mc.device)
+    device = resolve_device(mc.device)
     dtype = resolve_dtype(mc.dtype, device)
     if mc.num_threads is not None:
         torch.set_num_threads(mc.num_threads)
@@ -97,5 +91,18 @@ def create_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelInfo]:
         device=str(device),
         attention_backend=attention.name,
         tokenizer=tokenizer,
+        default_sampling=_generation_defaults(mc.generation_config, mc.model),
     )
     return runner, info
+
+
+def _generation_defaults(setting: str, model: str | None) -> dict[str, Any]:
+    source = resolve_model(model)
+    skipped = unapplied(setting, source)
+    if skipped:
+        logger.warning("generation config: %s not applied (poise does not implement it yet)",
+                       ", ".join(f"{k}={v}" for k, v in skipped.items()))  # fmt: skip
+    defaults = sampling_defaults(setting, source)
+    if defaults:
+        logger.info("default sampling parameters from the generation config: %s", defaults)
+    return defaults

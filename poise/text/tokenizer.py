@@ -119,28 +119,45 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
 
 
 def apply_chat_template(
-    tokenizer: Tokenizer, messages: Any, add_generation_prompt: bool = True
+    tokenizer: Tokenizer, messages: Any, add_generation_prompt: bool = True, **kwargs: Any
 ) -> list[int]:
-    """Token ids of ``messages`` rendered with the tokenizer's chat template."""
-    if not getattr(tokenizer, "chat_template", None):
+    """Token ids of ``messages`` rendered with the chat template (``render_chat``)."""
+    text = render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt, **kwargs)
+    # The template already contains any BOS/role tokens it wants.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def render_chat(
+    tokenizer: Tokenizer,
+    messages: Any,
+    *,
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    **template_kwargs: Any,
+) -> str:
+    """``messages`` rendered to text with ``chat_template`` (Jinja text) or the tokenizer's
+    own; ``tools`` and ``template_kwargs`` (e.g. ``enable_thinking``) reach the template."""
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
         raise InvalidRequestError(
             "this model's tokenizer has no chat template; use the completions endpoint with a "
-            "plain prompt",
+            "plain prompt, or give one (--chat-template)",
             "messages",
         )
     conversation = normalize_messages(messages)
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+            chat_template=template, tools=tools, **template_kwargs,
+        )  # fmt: skip
     except Exception as exc:  # jinja's TemplateError from raise_exception(), and similar
         raise InvalidRequestError(
             f"chat template rejected the messages: {exc}", "messages"
         ) from exc
     if not isinstance(text, str):
         raise InvalidRequestError("chat template did not render to text", "messages")
-    # The template already contains any BOS/role tokens it wants.
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return text
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:

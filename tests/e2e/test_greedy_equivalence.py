@@ -59,8 +59,8 @@ def poise_outputs(
     llm = LLM(model=str(model_dir), **kwargs)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params)
-    assert all(o.finish_reason == "length" for o in outs)
-    return [o.output_token_ids for o in outs], llm
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    return [o.outputs[0].token_ids for o in outs], llm
 
 
 @pytest.fixture(scope="module")
@@ -158,4 +158,4 @@ def test_invariance_with_per_request_priorities_and_classes(
         for i in range(len(prompts))
     ]
     outs = llm.generate(prompts, params)
-    assert [o.output_token_ids for o in outs] == llama_reference
+    assert [o.outputs[0].token_ids for o in outs] == llama_reference

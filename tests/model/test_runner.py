@@ -13,8 +13,9 @@ import torch
 from poise.config import EngineConfig
 from poise.core.outputs import ScheduledRequest, SchedulerOutput
 from poise.core.sampling_params import SamplingParams
-from poise.runner.factory import create_model_runner, resolve_dtype
+from poise.runner.factory import create_model_runner
 from poise.runner.kv_pool import bytes_per_block
+from poise.runner.platform import cpu_has_native_bf16, resolve_device, resolve_dtype
 from tests.model.tiny_models import build_tiny_model
 
 
@@ -90,6 +91,7 @@ def hf_greedy(kind: str, prompt: list[int], n: int) -> list[int]:
 def make_runner(path: Path, **kw: Any) -> tuple[Any, Any]:
     kw.setdefault("num_kv_blocks", 64)
     kw.setdefault("block_size", 4)
+    kw.setdefault("dtype", "float32")  # compared with transformers' fp32: auto may be bf16
     return create_model_runner(EngineConfig.from_kwargs(model=str(path), **kw))
 
 
@@ -121,7 +123,9 @@ def test_model_info(tiny_checkpoints: dict[str, Path]) -> None:
 
 def test_kv_sizing_from_bytes(tiny_checkpoints: dict[str, Path]) -> None:
     path = tiny_checkpoints["llama"]
-    config = EngineConfig.from_kwargs(model=str(path), block_size=8, kv_cache_memory_bytes=1 << 20)
+    config = EngineConfig.from_kwargs(
+        model=str(path), block_size=8, kv_cache_memory_bytes=1 << 20, dtype="float32"
+    )
     runner, info = create_model_runner(config)
     from poise.checkpoint.arch import arch_from_hf_config
 
@@ -132,8 +136,18 @@ def test_kv_sizing_from_bytes(tiny_checkpoints: dict[str, Path]) -> None:
 
 
 def test_dtype_resolution() -> None:
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    # auto on CPU: bfloat16 exactly where the CPU has native bf16 matmul.
+    native = cpu_has_native_bf16()
+    want = torch.bfloat16 if native else torch.float32
+    assert resolve_dtype("auto", torch.device("cpu")) == want
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    assert cpu_has_native_bf16(frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert cpu_has_native_bf16(frozenset({"amx_bf16", "amx_tile"}))
+    assert not cpu_has_native_bf16(frozenset({"avx2", "avx512f", "avx512_vnni"}))
+    cuda = torch.cuda.is_available()
+    assert resolve_device("auto").type == ("cuda" if cuda else "cpu")
+    assert resolve_device("cpu").type == "cpu"
 
 
 def test_bfloat16_runs_and_mostly_agrees(tiny_checkpoints: dict[str, Path]) -> None:

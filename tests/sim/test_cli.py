@@ -76,7 +76,8 @@ def test_profile_cli_fits_and_simulate_uses_it(tmp_path: Path) -> None:
     prof = tmp_path / "p.json"
     rc = main(
         ["profile", str(model), "--grid", "quick", "--repeats", "1", "--warmup", "0",
-         "--threads", "1", "--clock", "cpu", "--num-kv-blocks", "128", "-o", str(prof)]
+         "--threads", "1", "--clock", "cpu", "--num-kv-blocks", "128", "--dtype", "float32",
+         "-o", str(prof)]
     )  # fmt: skip
     assert rc == 0
     from poise.sim.fit import load_profile

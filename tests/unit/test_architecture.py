@@ -21,7 +21,7 @@ PKG = Path(__file__).resolve().parents[2] / "poise"
 
 # Unit -> the other units it may import (at module level or lazily).
 ALLOWED: dict[str, set[str]] = {
-    "__init__": set(),
+    "__init__": {"core", "engine"},  # engine only lazily: `from poise import LLM`
     "__main__": {"cli"},
     "errors": set(),
     "config": set(),
@@ -53,7 +53,11 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"*"},  # the entry point wires everything; its imports before dispatch are tested below
 }
 # Edges allowed only inside a function, so importing the importer does not load the target.
-LAZY_ONLY: set[tuple[str, str]] = {("engine", "runner"), ("engine", "text")}
+LAZY_ONLY: set[tuple[str, str]] = {
+    ("engine", "runner"),
+    ("engine", "text"),
+    ("__init__", "engine"),
+}
 # Known debts: an edge allowed for now, with why. A stale entry (the edge is gone) fails.
 DEBTS: dict[tuple[str, str], str] = {
     ("serving", "sim"): "serving/server.py takes the step tracer from sim/trace.py; it moves to "

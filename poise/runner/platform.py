@@ -1,0 +1,52 @@
+"""Resolving ``device="auto"`` and ``dtype="auto"`` for the machine the engine runs on.
+
+dtype "auto": bfloat16 on CUDA (float16 where bf16 is unsupported); on CPU, bfloat16 when the
+CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16: about twice float32's speed for the
+weight matmuls, half the weight and KV memory), float32 elsewhere (where bf16 is emulated and
+slower than float32). Outputs then match the float32 transformers reference only where float32
+was picked; tests that compare to transformers pin ``dtype="float32"``.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# /proc/cpuinfo flags of a native bf16 dot product (AVX512-BF16) or matrix unit (AMX).
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda when a CUDA device is present, else cpu; other names as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU feature flags the kernel reports (empty where /proc/cpuinfo does not exist)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
+    return bool((cpu_flags() if flags is None else flags) & NATIVE_BF16_FLAGS)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
