@@ -212,9 +212,9 @@ def run_poise(
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     batch: list[str | list[int]] = list(prompts)
     warmup: list[str | list[int]] = [prompts[0][:8]]
-    llm.generate(warmup, SamplingParams(max_tokens=2, temperature=0.0))
+    llm.generate(warmup, SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
     start = time.perf_counter()
-    outputs = [o.output_token_ids for o in llm.generate(batch, params)]
+    outputs = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     seconds = time.perf_counter() - start
     return RunResult("poise", dtype, len(prompts), sum(map(len, outputs)), seconds, outputs)
 
