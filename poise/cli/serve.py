@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 from poise.cli.options import add_engine_args, engine_config_from_args
 from poise.cli.router_options import add_router_args, router_from_args
+from poise.serving.settings import UVICORN_LOG_LEVELS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,8 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="Serve a model over the OpenAI HTTP API.",
         description="Serve a model over the OpenAI HTTP API (/v1/chat/completions, "
-        "/v1/completions, /v1/models, /health, /ready, /metrics, /version). Without MODEL, "
-        "serves the embedded SmolLM2-135M-Instruct.",
+        "/v1/completions, /v1/models, /tokenize, /detokenize, /health, /ready, /metrics, "
+        "/version). MODEL: a HF directory, a Hub id in the local HF cache, a .gguf file; "
+        "without it, the embedded SmolLM2-135M-Instruct.",
     )
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="Address to bind. (default: 127.0.0.1)")
@@ -32,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="NAME",
         help="Model name(s) clients use in 'model'; the first one is reported. "
-        "(default: the model's own name)",
+        "(default: MODEL as typed; the embedded model's name without MODEL)",
     )
     server.add_argument(
         "--log-interval",
@@ -101,6 +104,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="Serve /docs, /redoc and /openapi.json. (default: off)",
     )
+    exposure.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="Require 'Authorization: Bearer KEY' on every route but /health, /ready, /metrics "
+        "and /version (401 otherwise). Default: $POISE_API_KEY, else $VLLM_API_KEY, else off.",
+    )
+    server.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEXT",
+        help="Jinja chat template replacing the tokenizer's own: a file, or the template text "
+        "itself. (default: the model's)",
+    )
+    server.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=UVICORN_LOG_LEVELS,
+        help="uvicorn's own log level. (default: warning)",
+    )
     server.add_argument(
         "--enable-log-requests",
         action="store_true",
@@ -142,12 +165,14 @@ def step_cost_prior(profile: str) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from poise.serving.auth import api_key_from_env
     from poise.serving.server import build_state_from_config, serve
     from poise.serving.settings import ServerSettings
 
     try:
         prior = step_cost_prior(args.profile) if args.profile else {}
         config = engine_config_from_args(args, **prior)
+        chat_template = read_chat_template(args.chat_template)
     except (ValueError, OSError) as exc:
         print(f"poise serve: error: {exc}", file=sys.stderr)
         return 2
@@ -165,11 +190,39 @@ def run(args: argparse.Namespace) -> int:
         enable_api_docs=args.enable_api_docs,
         enable_log_requests=args.enable_log_requests,
         step_trace=args.step_trace,
+        api_key=args.api_key or api_key_from_env(),
+        chat_template=chat_template,
+        uvicorn_log_level=args.uvicorn_log_level,
     )
     if args.replicas > 1:
+        given = [flag for flag, value in (("--api-key", settings.api_key),
+                 ("--chat-template", chat_template), ("--enable-log-requests",
+                 args.enable_log_requests)) if value]  # fmt: skip
+        if given:  # refused rather than ignored: the replicas do not take them yet
+            print(f"poise serve: error: {', '.join(given)} not supported with --replicas yet",
+                  file=sys.stderr)  # fmt: skip
+            return 2
         return _serve_replicas(args, config)
-    state = build_state_from_config(config, settings)
+    try:
+        state = build_state_from_config(config, settings)
+    except Exception as exc:  # noqa: BLE001 - one clear line, not a traceback (issue 13)
+        model = config.model.model or "the embedded model"
+        print(f"poise serve: error: cannot load {model}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)  # fmt: skip
+        return 1
     return serve(state, settings)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's content, or the text itself when it looks like Jinja."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template: {value!r} is neither a file nor a Jinja template")
 
 
 def _serve_replicas(args: argparse.Namespace, config: Any) -> int:

@@ -5,7 +5,7 @@ app owns no globals, so tests can run several in one process. The AsyncEngine th
 and stops with the app's lifespan.
 
 Error mapping (OpenAI error JSON ``{"error": {"message", "type", "param", "code"}}``):
-pydantic validation and InvalidRequestError -> 400, unknown model -> 400 (param "model"),
+pydantic validation and InvalidRequestError -> 400, unknown model -> 404 model_not_found,
 OverloadedError -> 429 + Retry-After, EngineDeadError and ShuttingDownError -> 503,
 GenerationFailed -> 500. /docs, /redoc and /openapi.json exist only with ``enable_api_docs``.
 """
@@ -191,9 +191,10 @@ async def _generate(
     arrival = state.engine.core.clock.now()
     if req.model is not None and req.model not in state.served_model_names:
         state.metrics.rejected("invalid")
-        return error_response(
-            400, f"model {req.model!r} does not exist; this server serves "
-            f"{state.served_model_names}", param="model", code="model_not_found",
+        return error_response(  # 404 as OpenAI and vLLM answer an unknown model
+            404, f"The model `{req.model}` does not exist; this server serves "
+            f"{state.served_model_names}", param="model",
+            code="model_not_found",
         )  # fmt: skip
     header_class = raw.headers.get("x-poise-class")
     if req.traffic_class is None and header_class:

@@ -48,9 +48,17 @@ class Prepared:
 
 class Generator:
     def __init__(
-        self, engine: AsyncEngine, tokenizer: Any, *, max_model_len: int, vocab_size: int | None
+        self,
+        engine: AsyncEngine,
+        tokenizer: Any,
+        *,
+        max_model_len: int,
+        vocab_size: int | None,
+        default_sampling: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine
+        # Defaults for fields a request leaves out (the model's generation config).
+        self.default_sampling = dict(default_sampling or {})
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -61,6 +69,10 @@ class Generator:
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def call_tokenizer(self, fn: Any) -> Any:
+        """``fn()`` on the tokenizer's thread (never two threads in the tokenizer at once)."""
+        return await self._run(fn)
 
     # ---- preparing ----------------------------------------------------------------------
 
@@ -87,7 +99,9 @@ class Generator:
         # EngineCore.validate only reads immutable limits, so calling it from the event loop
         # is safe; it raises the 400s that name the limit (max_model_len, KV pool, vocab).
         self.engine.core.validate(ids, SamplingParams(max_tokens=1))
-        params = req.to_sampling_params(default_max_tokens=max(1, self.max_model_len - len(ids)))
+        params = req.to_sampling_params(
+            max(1, self.max_model_len - len(ids)), self.default_sampling
+        )
         params.validate(self.vocab_size)
         return Prepared(f"{prefix}-{uuid.uuid4().hex}", ids, params, arrival)
 

@@ -80,16 +80,23 @@ class _SamplingRequest(_Lenient):
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """SamplingParams with OpenAI's defaults (temperature 1, top_p 1); validated."""
+    def to_sampling_params(
+        self, default_max_tokens: int, defaults: dict[str, Any] | None = None
+    ) -> SamplingParams:
+        """SamplingParams; fields the request leaves out come from ``defaults`` (the model's
+        generation config, ``--generation-config``), else OpenAI's (temperature 1, top_p 1).
+        ``default_max_tokens`` (what the context leaves) caps a default max_tokens. Validated."""
+        d = defaults or {}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         max_tokens = self._max_tokens()
+        if max_tokens is None:
+            max_tokens = min(default_max_tokens, d.get("max_tokens", default_max_tokens))
         params = SamplingParams(
-            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            max_tokens=max_tokens,
+            temperature=d.get("temperature", 1.0) if self.temperature is None else self.temperature,
+            top_p=d.get("top_p", 1.0) if self.top_p is None else self.top_p,
+            top_k=d.get("top_k", 0) if self.top_k is None else self.top_k,
+            min_p=d.get("min_p", 0.0) if self.min_p is None else self.min_p,
             seed=self.seed,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),

@@ -15,6 +15,7 @@ into a no-op so the process exits 0.
 
 from __future__ import annotations
 
+import copy
 import logging
 import signal
 import socket
@@ -26,6 +27,7 @@ from poise.config import EngineConfig
 from poise.engine.observer import EngineObserver
 from poise.serving.app import VERSION, ServingState, create_app
 from poise.serving.async_engine import AsyncEngine
+from poise.serving.auth import ApiKeyMiddleware
 from poise.serving.connections import ConnectionLimits, protocol_class
 from poise.serving.generation import Generator
 from poise.serving.hosts import AllowedHostsMiddleware, allowed_host_names
@@ -33,6 +35,7 @@ from poise.serving.info import ConfigInfoCollector, describe
 from poise.serving.metrics import ServingMetrics
 from poise.serving.settings import ServerSettings
 from poise.serving.shutdown import PoiseServer, backstop_timeout_s
+from poise.serving.tokenize import add_tokenize_routes
 
 __all__ = ["ServerSettings", "build_state", "build_state_from_config", "serve", "uvicorn_config"]
 
@@ -51,12 +54,14 @@ def build_state(
     device: str | None = None,
     num_kv_blocks: int | None = None,
     log_requests: bool = False,
+    default_sampling: dict[str, Any] | None = None,
 ) -> ServingState:
     names = served_model_names or [model_name]
     metrics = ServingMetrics(names[0], log_requests=log_requests)
     engine = AsyncEngine(core, metrics, log_interval_s=log_interval_s)
     max_len = int(core.max_model_len)
-    generator = Generator(engine, tokenizer, max_model_len=max_len, vocab_size=vocab_size)
+    generator = Generator(engine, tokenizer, max_model_len=max_len, vocab_size=vocab_size,
+                          default_sampling=default_sampling)  # fmt: skip
     info = describe(getattr(core, "config", None), model=names[0], version=VERSION,
                     max_model_len=max_len, dtype=dtype, device=device,
                     num_kv_blocks=num_kv_blocks)  # fmt: skip
@@ -74,7 +79,14 @@ def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> S
                             device=str(info.device), num_threads=config.model.num_threads)]  # fmt: skip
 
     core, info = build_engine(config, observers=observers)
-    name = info.model_name
+    # vLLM's default served name: the model argument as typed (the embedded model: its name).
+    name = config.model.model or info.model_name
+    tokenizer = info.tokenizer
+    if settings.chat_template is not None:
+        if tokenizer is None:
+            raise ValueError("chat_template: this model has no tokenizer to apply it with")
+        tokenizer = copy.copy(tokenizer)  # load_tokenizer's object is cached and shared
+        tokenizer.chat_template = settings.chat_template
     logger.info(
         "model %s: vocab %d, max_model_len %d, %d KV blocks of %d tokens, %s on %s",
         name, info.vocab_size, core.max_model_len, info.num_kv_blocks, info.block_size,
@@ -82,7 +94,7 @@ def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> S
     )  # fmt: skip
     return build_state(
         core,
-        info.tokenizer,
+        tokenizer,
         model_name=name,
         served_model_names=settings.served_model_names or None,
         vocab_size=info.vocab_size,
@@ -91,6 +103,7 @@ def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> S
         device=str(info.device),
         num_kv_blocks=info.num_kv_blocks,
         log_requests=settings.enable_log_requests,
+        default_sampling=info.default_sampling,
     )
 
 
@@ -110,7 +123,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def asgi_app(state: ServingState, settings: ServerSettings) -> Any:
     """The FastAPI app, behind the Host check when the bind address calls for one."""
-    app = create_app(state, enable_api_docs=settings.enable_api_docs)
+    app: Any = create_app(state, enable_api_docs=settings.enable_api_docs)
+    add_tokenize_routes(app, state)
+    if settings.api_key is not None:
+        app = ApiKeyMiddleware(app, settings.api_key)
     allowed = allowed_host_names(settings.host, settings.allowed_hosts)
     return app if allowed is None else AllowedHostsMiddleware(app, allowed)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -35,6 +37,10 @@ class ServerSettings:
     allowed_hosts: list[str] = field(default_factory=list)
     # /docs, /redoc and /openapi.json; off by default (they describe the whole API to anyone).
     enable_api_docs: bool = False
+    # Bearer key for every route but /health, /ready, /metrics, /version (serving/auth.py).
+    api_key: str | None = None
+    # A Jinja chat template (the text; the CLI reads a file) replacing the tokenizer's own.
+    chat_template: str | None = None
     # One structured log line per finished request (serving/request_log.py): ids, lengths,
     # timings, finish reason; never prompts or generated text.
     enable_log_requests: bool = False
@@ -46,5 +52,12 @@ class ServerSettings:
                 raise ValueError(f"{name}: must be > 0 seconds, got {value}")
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"shutdown_grace_s: must be >= 0 seconds, got {self.shutdown_grace_s}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key: must not be empty")
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(
+                f"uvicorn_log_level: must be one of {UVICORN_LOG_LEVELS}, "
+                f"got {self.uvicorn_log_level!r}"
+            )
         if self.max_connections < 1:
             raise ValueError(f"max_connections: must be >= 1, got {self.max_connections}")

@@ -1,0 +1,116 @@
+"""``/tokenize`` and ``/detokenize`` with vLLM's request and response shapes.
+
+``POST /tokenize`` takes ``{"prompt": str, "add_special_tokens": true}`` or
+``{"messages": [...], "add_generation_prompt": true, "add_special_tokens": false,
+"chat_template": ..., "chat_template_kwargs": {...}, "tools": [...]}`` (the chat template
+rendered as for /v1/chat/completions) and answers ``{"count", "max_model_len", "tokens",
+"token_strs"}`` (``token_strs`` with ``return_token_strs``). ``POST /detokenize`` takes
+``{"tokens": [...]}`` and answers ``{"prompt": str}``. A ``model`` other than a served name is
+404 ``model_not_found``, as on the generation routes. The tokenizer runs on the generator's
+tokenizer thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from poise.errors import InvalidRequestError
+from poise.serving.protocol import ChatMessage
+from poise.text.tokenizer import apply_chat_template, encode_prompt
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        if self.continue_final_message:
+            raise ValueError("continue_final_message is not supported")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int] = Field(min_length=0)
+
+
+def add_tokenize_routes(app: FastAPI, state: Any) -> None:
+    from poise.serving.app import error_response, map_exception
+
+    def unknown_model(name: str | None) -> JSONResponse | None:
+        if name is None or name in state.served_model_names:
+            return None
+        return error_response(404, f"The model `{name}` does not exist; this server serves "
+                              f"{state.served_model_names}", param="model",
+                              code="model_not_found")  # fmt: skip
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> Response:
+        refused = unknown_model(req.model)
+        if refused is not None:
+            return refused
+        gen = state.generator
+        try:
+            if req.messages is not None:
+                messages = [m.model_dump(exclude_none=True) for m in req.messages]
+                kwargs = dict(req.chat_template_kwargs or {})
+                ids = await gen.call_tokenizer(
+                    lambda: apply_chat_template(
+                        gen.tokenizer, messages, req.add_generation_prompt,
+                        chat_template=req.chat_template, tools=req.tools, **kwargs,
+                    )
+                )  # fmt: skip
+                if req.add_special_tokens:
+                    ids = _with_special(gen.tokenizer, ids)
+            else:
+                special = True if req.add_special_tokens is None else req.add_special_tokens
+                ids = await gen.call_tokenizer(
+                    lambda: encode_prompt(gen.tokenizer, req.prompt or "", special)
+                )
+        except InvalidRequestError as exc:
+            return map_exception(exc, state.metrics)
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len,
+                                "tokens": ids, "token_strs": None}  # fmt: skip
+        if req.return_token_strs:
+            body["token_strs"] = gen.tokenizer.convert_ids_to_tokens(ids)
+        return JSONResponse(body)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> Response:
+        refused = unknown_model(req.model)
+        if refused is not None:
+            return refused
+        vocab = state.generator.vocab_size
+        bad = [t for t in req.tokens if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            return error_response(400, f"tokens: {bad[0]} is outside the vocabulary [0, {vocab})",
+                                  param="tokens")  # fmt: skip
+        gen = state.generator
+        text = await gen.call_tokenizer(lambda: gen.tokenizer.decode(req.tokens))
+        return JSONResponse({"prompt": text})
+
+
+def _with_special(tokenizer: Any, ids: list[int]) -> list[int]:
+    """A rendered chat prompt with the tokenizer's special tokens added (BOS), as
+    add_special_tokens=True asks."""
+    built = tokenizer.build_inputs_with_special_tokens(ids)
+    return [int(t) for t in built]
