@@ -43,6 +43,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    prompt_logprobs: Any = None  # not computed yet (SamplingParams.prompt_logprobs is refused)
     # poise's latency breakdown for this request (seconds), set when it finishes.
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0

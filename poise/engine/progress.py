@@ -32,8 +32,8 @@ def run_requests(
 
     outputs: dict[str, RequestOutput] = {}
     detoks: dict[str, IncrementalDetokenizer] = {}
-    for sp in params:  # refuse a bad request before any of the batch is admitted
-        sp.validate()
+    for tokens, sp in zip(token_lists, params, strict=True):
+        engine.validate(tokens, sp)  # refuse a bad request before any of the batch is admitted
     for rid, text, tokens, sp in zip(ids, texts, token_lists, params, strict=True):
         engine.add_request(rid, tokens, sp)
         outputs[rid] = RequestOutput(rid, text, tokens, [CompletionOutput(0, "", [])])

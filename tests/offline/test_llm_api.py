@@ -158,3 +158,10 @@ def test_import_is_light() -> None:
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_bad_prompt_refuses_the_whole_batch_before_admission(llm: LLM) -> None:
+    too_long = [5] * (llm.engine.max_model_len + 1)
+    with pytest.raises(InvalidRequestError, match="2049 tokens"):
+        llm.generate([[1, 2, 3], too_long], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
