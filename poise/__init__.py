@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from poise.core.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from poise.engine.llm import LLM
+if TYPE_CHECKING:  # not LLM: type checkers would follow it into the torch model code
     from poise.engine.outputs import CompletionOutput, RequestOutput
 
 __version__ = "0.1.0"
