@@ -181,7 +181,6 @@ def test_ignore_eos_gives_exactly_max_tokens(client: openai.OpenAI) -> None:
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_p": 0}, "top_p"),
-        ({"model": "gpt-4"}, "model"),
         ({"n": 2}, "n"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": "hi " * 600}]}, "messages"),
@@ -200,6 +199,15 @@ def test_invalid_requests_are_400_naming_the_field(
         assert str(MAX_MODEL_LEN) in err["message"] and "prompt has" in err["message"]
     else:
         assert err["param"] == param
+
+
+def test_unknown_model_is_404_model_not_found(client: openai.OpenAI) -> None:
+    # OpenAI's and vLLM's answer (it was 400 until issue 13).
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4", messages=MSG, max_tokens=4)  # type: ignore[arg-type]
+    err = info.value.body
+    assert isinstance(err, dict) and err["code"] == "model_not_found" and err["param"] == "model"
+    assert "gpt-4" in err["message"] and "tiny" in err["message"]
 
 
 def test_malformed_json_is_400(server: ServerProcess) -> None:
