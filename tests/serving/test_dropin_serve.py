@@ -177,3 +177,11 @@ def test_api_key_env_and_chat_template_argument(
     assert read_chat_template(None) is None
     with pytest.raises(ValueError, match="chat_template"):
         read_chat_template("no/such/file.jinja")
+
+
+def test_replicas_refuse_the_flags_they_do_not_take(capsys: pytest.CaptureFixture[str]) -> None:
+    from poise.cli import main
+
+    assert main(["serve", "--replicas", "2", "--api-key", "k", "--enable-log-requests"]) == 2
+    err = capsys.readouterr().err
+    assert "--api-key, --enable-log-requests not supported with --replicas" in err
