@@ -4,7 +4,9 @@ Every field of ModelConfig, CacheConfig and SchedulerConfig becomes one flag spe
 vLLM's (``max_num_seqs`` -> ``--max-num-seqs``), in one argument group per dataclass, with the
 field's ``metadata["help"]`` (what the knob trades) and its default. Aliases from
 ``poise.config.ALIASES`` become extra spellings of the same flag (``--max-num-queued-reqs``,
-``--watermark``...).
+``--watermark``...). Other config dataclasses (``RequestLimitsConfig`` for ``poise serve``) get
+their flags the same way through ``add_config_group`` / ``config_from_args``; fields named
+``*_bytes`` accept sizes such as ``8MiB``.
 
 Invariants:
 - Flags default to None (``BooleanOptionalAction`` too), and ``engine_config_from_args`` passes
@@ -31,9 +33,12 @@ from poise.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    RequestLimitsConfig,
     SchedulerConfig,
     normalize_policy,
 )
+
+T = typing.TypeVar("T")
 
 # (title, description, dataclass): one argparse group each, in this order.
 GROUPS: tuple[tuple[str, str, type], ...] = (
@@ -121,7 +126,7 @@ def _kwargs_for(field: dataclasses.Field[Any], hint: Any) -> dict[str, Any]:
         kwargs.update(choices=ADMISSION_CONTROLS)
     elif field.name == "dtype":
         kwargs.update(choices=DTYPES)
-    elif field.name in ("kv_cache_memory_bytes", "kv_cache_memory_base"):
+    elif field.name.endswith("_bytes") or field.name == "kv_cache_memory_base":
         kwargs.update(type=parse_bytes, metavar="BYTES")
     elif base in (int, float):
         kwargs.update(type=base, metavar=base.__name__.upper())
@@ -151,6 +156,41 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                 )  # fmt: skip
                 continue
             group.add_argument(_flag(field.name), *_aliases_of(field.name), **kwargs)
+
+
+def add_config_group(
+    parser: argparse.ArgumentParser, title: str, description: str, cls: type
+) -> None:
+    """One flag per field of the config dataclass ``cls``, in one argument group."""
+    group = parser.add_argument_group(title, description)
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        group.add_argument(
+            _flag(field.name), *_aliases_of(field.name), **_kwargs_for(field, hints[field.name])
+        )
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
+    """``cls`` built from the flags the user gave (its own defaults for the others).
+
+    Raises ValueError naming the field when a value is out of range.
+    """
+    given = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if getattr(args, f.name, None) is not None
+    }
+    return cls(**given)
+
+
+def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
+    add_config_group(
+        parser,
+        "request limits",
+        "What one HTTP request may ask of the server; beyond a limit the answer is a 4xx that "
+        "names it.",
+        RequestLimitsConfig,
+    )
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

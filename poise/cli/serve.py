@@ -12,8 +12,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from poise.cli.options import add_engine_args, engine_config_from_args
+from poise.cli.options import (
+    add_engine_args,
+    add_request_limit_args,
+    config_from_args,
+    engine_config_from_args,
+)
 from poise.cli.router_options import add_router_args, router_from_args
+from poise.config import RequestLimitsConfig
 from poise.serving.settings import UVICORN_LOG_LEVELS
 
 
@@ -147,6 +153,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "step-cost estimate (TTFT forecasts, predictive admission, the budget controller) with "
         "its per-step and per-token terms. (default: a rough CPU guess, refined as steps run)",
     )
+    add_request_limit_args(parser)
     add_engine_args(parser, positional_model=True)
     add_router_args(parser)
     parser.set_defaults(func=run)
@@ -173,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
         prior = step_cost_prior(args.profile) if args.profile else {}
         config = engine_config_from_args(args, **prior)
         chat_template = read_chat_template(args.chat_template)
+        limits = config_from_args(RequestLimitsConfig, args)
     except (ValueError, OSError) as exc:
         print(f"poise serve: error: {exc}", file=sys.stderr)
         return 2
@@ -193,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key or api_key_from_env(),
         chat_template=chat_template,
         uvicorn_log_level=args.uvicorn_log_level,
+        limits=limits,
     )
     if args.replicas > 1:
         given = [flag for flag, value in (("--api-key", settings.api_key),

@@ -4,8 +4,11 @@
 app owns no globals, so tests can run several in one process. The AsyncEngine thread starts
 and stops with the app's lifespan.
 
-Error mapping (OpenAI error JSON ``{"error": {"message", "type", "param", "code"}}``):
-pydantic validation and InvalidRequestError -> 400, unknown model -> 404 model_not_found,
+A request body goes through ``body.BodySizeLimit`` (413 before anything is read) and strict
+JSON parsing (``body.OpenAIRoute``); every error is answered in OpenAI's shape (errors.py).
+The published schema (``/openapi.json``) is the request models' constraints, with the error
+answers the server really gives (400 with OpenAI's error model, never FastAPI's 422).
+Statuses: validation and InvalidRequestError -> 400, unknown model -> 404 model_not_found,
 OverloadedError -> 429 + Retry-After, EngineDeadError and ShuttingDownError -> 503,
 GenerationFailed -> 500. /docs, /redoc and /openapi.json exist only with ``enable_api_docs``.
 """
@@ -14,25 +17,27 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from poise.errors import EngineDeadError, InvalidRequestError, OverloadedError, ShuttingDownError
+from poise.config import RequestLimitsConfig
 from poise.serving import streams
 from poise.serving.async_engine import AsyncEngine
+from poise.serving.body import BodySizeLimit, OpenAIRoute
 from poise.serving.dashboard import add_dashboard_routes
-from poise.serving.generation import GenerationFailed, Generator
+from poise.serving.errors import error_response, install_error_handlers, map_exception
+from poise.serving.generation import Generator
 from poise.serving.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
-    ErrorInfo,
+    CompletionResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -41,6 +46,20 @@ from poise.serving.protocol import (
 logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request; `param` names the field."},
+    413: {"model": ErrorResponse, "description": "Body over --max-request-body-bytes."},
+    429: {"model": ErrorResponse, "description": "Queue full; see the Retry-After header."},
+    500: {"model": ErrorResponse, "description": "The engine failed this request."},
+    503: {"model": ErrorResponse, "description": "The engine is dead or shutting down."},
+}
+
+
+def _generated(model: type) -> dict[int | str, dict[str, Any]]:
+    ok = {"model": model, "content": {"text/event-stream": {}},
+          "description": "The completion; with `stream`, SSE chunks then `data: [DONE]`."}  # fmt: skip
+    return {200: ok, **_ERRORS}
+
 
 @dataclass
 class ServingState:
@@ -48,6 +67,7 @@ class ServingState:
     generator: Generator
     served_model_names: list[str]
     max_model_len: int
+    limits: RequestLimitsConfig = field(default_factory=RequestLimitsConfig)
     version: str = VERSION
     # The server's self-description (poise.serving.info.describe), for GET /server_info.
     info: dict[str, Any] = field(default_factory=dict)
@@ -55,59 +75,6 @@ class ServingState:
     @property
     def metrics(self) -> Any:
         return self.engine.metrics
-
-
-def error_response(
-    status: int,
-    message: str,
-    *,
-    err_type: str = "invalid_request_error",
-    param: str | None = None,
-    code: int | str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    body = ErrorResponse(
-        error=ErrorInfo(message=message, type=err_type, param=param, code=code or status)
-    )
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
-
-
-def _validation_error(exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    param = loc[0] if loc else None
-    msg = str(first.get("msg", "invalid request"))
-    if first.get("type") == "json_invalid":
-        return error_response(400, f"malformed JSON: {msg}", param=None)
-    if not loc and first.get("type") == "model_attributes_type":
-        return error_response(400, "the request body must be a JSON object", param=None)
-    where = ".".join(loc) if loc else "body"
-    return error_response(400, f"{where}: {msg}", param=param)
-
-
-def map_exception(exc: Exception, metrics: Any) -> JSONResponse:
-    """The HTTP answer for an exception raised before a response started."""
-    if isinstance(exc, InvalidRequestError):
-        metrics.rejected(exc.reason)
-        return error_response(400, exc.message, param=exc.param)
-    if isinstance(exc, OverloadedError):
-        metrics.rejected(exc.reason)
-        # The header counts whole seconds: the engine's predicted wait, rounded up.
-        retry = str(max(1, math.ceil(exc.retry_after_s)))
-        return error_response(
-            429, exc.message, err_type="rate_limit_error", code=exc.reason,
-            headers={"Retry-After": retry},
-        )  # fmt: skip
-    if isinstance(exc, EngineDeadError):
-        metrics.rejected("engine_dead")
-        return error_response(503, str(exc), err_type="engine_dead", code=503)
-    if isinstance(exc, ShuttingDownError):
-        return error_response(503, str(exc), err_type="service_unavailable",
-                              code="server_shutting_down")  # fmt: skip
-    if isinstance(exc, GenerationFailed):
-        return error_response(500, str(exc), err_type="internal_error", code=500)
-    raise exc
 
 
 def create_app(state: ServingState, *, enable_api_docs: bool = False) -> FastAPI:
@@ -124,25 +91,59 @@ def create_app(state: ServingState, *, enable_api_docs: bool = False) -> FastAPI
     app = FastAPI(title="poise", version=state.version, lifespan=lifespan,
                   docs_url="/docs" if on else None, redoc_url="/redoc" if on else None,
                   openapi_url="/openapi.json" if on else None)  # fmt: skip
+    app.router.route_class = OpenAIRoute
     app.state.serving = state
-
-    @app.exception_handler(RequestValidationError)
-    async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        state.metrics.rejected("invalid")
-        return _validation_error(exc)
-
+    app.add_middleware(BodySizeLimit, max_bytes=state.limits.max_request_body_bytes)
+    install_error_handlers(app, state.metrics)
     _add_info_routes(app, state)
     add_dashboard_routes(app, state)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_generated(ChatCompletionResponse))
     async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
         return await _generate(state, req, raw, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_generated(CompletionResponse))
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         return await _generate(state, req, raw, chat=False)
 
+    app.openapi = lambda: _openapi(app, state)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI, state: ServingState) -> dict[str, Any]:
+    """FastAPI's schema without the 422 it adds to every route with a body (this server answers
+    validation errors with 400 and OpenAI's error model, documented per route), and with this
+    server's configured limits on the fields they bound."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        models = schema.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            models.pop(name, None)
+        for name in ("ChatCompletionRequest", "CompletionRequest"):
+            _document_limits(models[name]["properties"], state)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _variants(prop: dict[str, Any], json_type: str) -> list[dict[str, Any]]:
+    return [v for v in prop.get("anyOf", [prop]) if v.get("type") == json_type]
+
+
+def _document_limits(props: dict[str, Any], state: ServingState) -> None:
+    limits = state.limits
+    for v in _variants(props["stop"], "string"):
+        v["maxLength"] = limits.max_stop_sequence_chars
+    for v in _variants(props["stop"], "array"):
+        v["maxItems"] = limits.max_stop_sequences
+        v["items"]["maxLength"] = limits.max_stop_sequence_chars
+    for v in _variants(props["stop_token_ids"], "array"):
+        v["maxItems"] = limits.max_stop_token_ids
+    for name in ("max_tokens", "max_completion_tokens"):
+        for v in _variants(props.get(name, {}), "integer"):
+            v["maximum"] = state.max_model_len - 1  # and the prompt must fit next to it
 
 
 def _add_info_routes(app: FastAPI, state: ServingState) -> None:
@@ -172,9 +173,9 @@ def _add_info_routes(app: FastAPI, state: ServingState) -> None:
         return error_response(503, "not ready: engine dead, stopping, or queue full",
                               err_type="not_ready", code=503)  # fmt: skip
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/version")
     async def version() -> dict[str, str]:

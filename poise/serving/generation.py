@@ -1,7 +1,10 @@
 """From an OpenAI request to a stream of text pieces: tokenize, admit, detokenize, stop.
 
-``Generator`` is shared by the chat and completions handlers. It tokenizes off the event loop
-(one worker thread, so the tokenizer is never used from two threads at once), admits the
+``Generator`` is shared by the chat and completions handlers. Before any tokenizer work it
+checks what is cheap to check (stop-string limits, the prompt's length in characters against
+``max_model_len``: limits.py); it tokenizes off the event loop (one worker thread, so the
+tokenizer is never used from two threads at once, behind a bounded queue of prompt
+characters), refuses ``max_tokens`` that cannot fit next to the prompt, admits the
 request into the AsyncEngine, and turns RequestDeltas into ``Piece``s: new text, the number of
 tokens generated so far and, on the last piece, the finish reason. A matched stop string ends
 the request in the engine (``AsyncEngine.finish``), and a handler that stops iterating early
@@ -14,21 +17,30 @@ Errors: InvalidRequestError (400), OverloadedError (429), EngineDeadError (503) 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from poise.config import RequestLimitsConfig
 from poise.core.sampling_params import SamplingParams
-from poise.errors import InvalidRequestError, PoiseError, ShuttingDownError
+from poise.errors import InvalidRequestError, ShuttingDownError
 from poise.serving.async_engine import AsyncEngine
+from poise.serving.errors import GenerationFailed
+from poise.serving.limits import (
+    PromptCharBound,
+    TokenizerQueue,
+    check_stop_limits,
+    longest_token_chars,
+)
 from poise.serving.protocol import ChatCompletionRequest, CompletionRequest
 from poise.text import IncrementalDetokenizer, apply_chat_template, encode_prompt
+from poise.text.tokenizer import normalize_messages
 
-
-class GenerationFailed(PoiseError):
-    """The engine failed this request after admission (HTTP 500)."""
+__all__ = ["GenerationFailed", "Generator", "Piece", "Prepared"]
 
 
 @dataclass
@@ -55,6 +67,7 @@ class Generator:
         max_model_len: int,
         vocab_size: int | None,
         default_sampling: dict[str, Any] | None = None,
+        limits: RequestLimitsConfig | None = None,
     ) -> None:
         self.engine = engine
         # Defaults for fields a request leaves out (the model's generation config).
@@ -62,32 +75,65 @@ class Generator:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.limits = limits or RequestLimitsConfig()
+        self.prompt_bound = PromptCharBound(max_model_len, longest_token_chars(tokenizer))
+        self.tokenizer_queue = TokenizerQueue(self.limits.max_tokenizer_queue_chars)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poise-tokenizer")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+    async def _tokenize(self, num_chars: int, param: str, fn: Any, *args: Any) -> list[int]:
+        self.prompt_bound.check(num_chars, param)
+        queue = self.tokenizer_queue
+        queue.admit(num_chars)
+        loop = asyncio.get_running_loop()
+
+        started: list[float] = []
+
+        def timed() -> Any:
+            started.append(time.perf_counter())
+            return fn(*args)
+
+        def release(_: Any) -> None:  # in the worker when done, or where it was cancelled
+            seconds = time.perf_counter() - started[0] if started else 0.0
+            with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown)
+                loop.call_soon_threadsafe(queue.release, num_chars, seconds)
+
+        try:
+            work = self._pool.submit(timed)
+        except BaseException:
+            queue.release(num_chars, 0.0)
+            raise
+        work.add_done_callback(release)
+        return list(await asyncio.wrap_future(work))
 
     async def call_tokenizer(self, fn: Any) -> Any:
-        """``fn()`` on the tokenizer's thread (never two threads in the tokenizer at once)."""
-        return await self._run(fn)
+        """``fn()`` on the tokenizer's thread (never two threads in the tokenizer at once); the
+        body-size limit bounds its input (/tokenize and /detokenize)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
     # ---- preparing ----------------------------------------------------------------------
 
     async def prepare_chat(self, req: ChatCompletionRequest, arrival: float) -> Prepared:
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        ids = await self._run(apply_chat_template, self.tokenizer, messages)
+        self._check_cheap(req)
+        messages = normalize_messages([m.model_dump(exclude_none=True) for m in req.messages])
+        chars = sum(len(m["content"]) for m in messages)
+        ids = await self._tokenize(chars, "messages", apply_chat_template, self.tokenizer, messages)
         return self._prepared("chatcmpl", ids, req, arrival)
 
     async def prepare_completion(self, req: CompletionRequest, arrival: float) -> Prepared:
+        self._check_cheap(req)
         prompt = req.single_prompt()
         if isinstance(prompt, str):
-            ids = await self._run(encode_prompt, self.tokenizer, prompt)
+            ids = await self._tokenize(len(prompt), "prompt", encode_prompt, self.tokenizer, prompt)
         else:
             ids = prompt
         return self._prepared("cmpl", ids, req, arrival)
+
+    def _check_cheap(self, req: ChatCompletionRequest | CompletionRequest) -> None:
+        """Limits that need no tokenizer, so a bad request costs no tokenizer time."""
+        check_stop_limits(req.stop_list(), list(req.stop_token_ids or []), self.limits)
 
     def _prepared(
         self,
@@ -99,9 +145,17 @@ class Generator:
         # EngineCore.validate only reads immutable limits, so calling it from the event loop
         # is safe; it raises the 400s that name the limit (max_model_len, KV pool, vocab).
         self.engine.core.validate(ids, SamplingParams(max_tokens=1))
-        params = req.to_sampling_params(
-            max(1, self.max_model_len - len(ids)), self.default_sampling
-        )
+        room = self.max_model_len - len(ids)
+        asked = req.requested_max_tokens()
+        if asked is not None and asked > room:
+            # vLLM's rule, rather than a silent cap: the prompt and the output must both fit.
+            raise InvalidRequestError(
+                f"{req.max_tokens_field()} is {asked}, but the prompt has {len(ids)} tokens and "
+                f"max_model_len is {self.max_model_len}: at most {room} tokens can be generated",
+                req.max_tokens_field(),
+                reason="too_long",
+            )
+        params = req.to_sampling_params(max(1, room), self.default_sampling)
         params.validate(self.vocab_size)
         return Prepared(f"{prefix}-{uuid.uuid4().hex}", ids, params, arrival)
 

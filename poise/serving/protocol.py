@@ -4,18 +4,24 @@ Requests accept unknown fields (clients send many optional ones) but reject valu
 honour (n > 1, logprobs, penalties) with a 400 that names the field, rather than ignoring them
 silently. Extensions follow vLLM's spelling: ``top_k``, ``min_p``, ``ignore_eos``,
 ``stop_token_ids``, ``include_stop_str_in_output``.
+
+Ranges are pydantic constraints (``Field(ge=..)``, ``min_length``, ``Literal``), so the published
+OpenAPI schema and the validation are one thing. Numbers must be finite (JSON parsers accept
+NaN and Infinity). ``temperature`` is 0 (greedy) or at least ``MIN_TEMPERATURE``: the sampler
+divides float32 logits by it, and below about 1e-38 that division overflows to inf and NaN
+(vLLM treats temperatures under the same 1e-5 as greedy; poise refuses them rather than
+silently changing the request).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from poise.core.sampling_params import SamplingParams
-from poise.errors import InvalidRequestError
 
 
 class _Lenient(BaseModel):
@@ -26,35 +32,63 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+MIN_TEMPERATURE = 1e-5
+# OpenAI's roles; "developer" is its newer name for "system" (and is rendered as system).
+ROLES = ("system", "user", "assistant", "tool", "developer")
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
 class ChatMessage(_Lenient):
-    role: str
+    role: Literal["system", "user", "assistant", "tool", "developer"]
     # A string, a list of content parts ({"type": "text", "text": ...}) or None (assistant
     # messages that only carry tool calls).
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
+    @field_validator("role")
+    @classmethod
+    def _developer_is_system(cls, v: str) -> str:
+        return "system" if v == "developer" else v
+
+
+_STOP_DOC = (
+    "Up to --max-stop-sequences strings (default 16) of at most --max-stop-sequence-chars "
+    "characters (default 256)."
+)
+
 
 class _SamplingRequest(_Lenient):
     """Fields chat and completions share."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True, allow_inf_nan=False)
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    max_tokens: int | None = Field(
+        None, ge=1, description="At most max_model_len minus the prompt's tokens."
+    )
+    temperature: float | None = Field(
+        None,
+        ge=0.0,
+        description=f"0 (greedy) or at least {MIN_TEMPERATURE}.",
+        json_schema_extra={
+            "not": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": MIN_TEMPERATURE}
+        },
+    )
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0 disable it.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = Field(None, description=_STOP_DOC)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="Up to --max-stop-token-ids ids (default 256)."
+    )
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    n: int = 1
+    n: int = Field(1, ge=1, le=1, description="Only 1 is supported.")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=0.0, le=0.0, description="Only 0.")
+    frequency_penalty: float | None = Field(None, ge=0.0, le=0.0, description="Only 0.")
     user: str | None = None
     # Scheduling inputs (vLLM's ``priority``: lower first; poise's traffic class and per-request
     # SLO overrides, in ms). The class may also come in the ``X-Poise-Class`` header.
@@ -63,19 +97,21 @@ class _SamplingRequest(_Lenient):
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
 
-    @field_validator("n")
+    @field_validator("temperature")
     @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
+    def _not_tiny(cls, v: float | None) -> float | None:
+        if v is not None and 0.0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {v}")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float | None) -> float | None:
-        if v not in (None, 0, 0.0):
-            raise ValueError("penalties are not supported (only 0)")
-        return v
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def max_tokens_field(self) -> str:
+        return "max_tokens"
+
+    def requested_max_tokens(self) -> int | None:
+        return self._max_tokens()
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -87,7 +123,7 @@ class _SamplingRequest(_Lenient):
         generation config, ``--generation-config``), else OpenAI's (temperature 1, top_p 1).
         ``default_max_tokens`` (what the context leaves) caps a default max_tokens. Validated."""
         d = defaults or {}
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        stop = self.stop_list()
         max_tokens = self._max_tokens()
         if max_tokens is None:
             max_tokens = min(default_max_tokens, d.get("max_tokens", default_max_tokens))
@@ -116,16 +152,9 @@ class _SamplingRequest(_Lenient):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="Wins over max_tokens.")
     logprobs: bool | None = None
-
-    @field_validator("messages")
-    @classmethod
-    def _not_empty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
-        if not v:
-            raise ValueError("messages must not be empty")
-        return v
 
     @field_validator("logprobs")
     @classmethod
@@ -140,10 +169,18 @@ class ChatCompletionRequest(_SamplingRequest):
             self.max_tokens
         )  # fmt: skip
 
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
 
 class CompletionRequest(_SamplingRequest):
     # A string, a list with one string, a list of token ids, or a list with one such list.
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=1)]
+        | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+        | Annotated[list[list[Annotated[int, Field(ge=0)]]], Field(min_length=1, max_length=1)]
+    )
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -159,22 +196,16 @@ class CompletionRequest(_SamplingRequest):
         return self
 
     def single_prompt(self) -> str | list[int]:
-        """The one prompt (text or token ids); batched prompts are a 400."""
+        """The one prompt: text or token ids (the field's constraints allow only one)."""
         p = self.prompt
         if isinstance(p, str):
             return p
-        if not p:
-            raise InvalidRequestError("prompt must not be empty", "prompt")
-        if all(isinstance(x, int) for x in p):
-            return list(p)  # type: ignore[arg-type]
-        if len(p) != 1:
-            raise InvalidRequestError(
-                f"only one prompt per request is supported, got {len(p)}", "prompt"
-            )
         first = p[0]
         if isinstance(first, str):
             return first
-        return [int(t) for t in first]  # type: ignore[union-attr]
+        if isinstance(first, list):
+            return list(first)
+        return list(p)  # type: ignore[arg-type]
 
 
 # ---- responses -------------------------------------------------------------------------------

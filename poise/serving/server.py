@@ -23,7 +23,7 @@ from typing import Any
 
 import uvicorn
 
-from poise.config import EngineConfig
+from poise.config import EngineConfig, RequestLimitsConfig
 from poise.engine.observer import EngineObserver
 from poise.serving.app import VERSION, ServingState, create_app
 from poise.serving.async_engine import AsyncEngine
@@ -55,18 +55,20 @@ def build_state(
     num_kv_blocks: int | None = None,
     log_requests: bool = False,
     default_sampling: dict[str, Any] | None = None,
+    limits: RequestLimitsConfig | None = None,
 ) -> ServingState:
     names = served_model_names or [model_name]
     metrics = ServingMetrics(names[0], log_requests=log_requests)
     engine = AsyncEngine(core, metrics, log_interval_s=log_interval_s)
     max_len = int(core.max_model_len)
+    limits = limits or RequestLimitsConfig()
     generator = Generator(engine, tokenizer, max_model_len=max_len, vocab_size=vocab_size,
-                          default_sampling=default_sampling)  # fmt: skip
+                          default_sampling=default_sampling, limits=limits)  # fmt: skip
     info = describe(getattr(core, "config", None), model=names[0], version=VERSION,
                     max_model_len=max_len, dtype=dtype, device=device,
                     num_kv_blocks=num_kv_blocks)  # fmt: skip
     metrics.registry.register(ConfigInfoCollector(info))
-    return ServingState(engine, generator, names, max_len, info=info)
+    return ServingState(engine, generator, names, max_len, limits=limits, info=info)
 
 
 def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> ServingState:
@@ -104,6 +106,7 @@ def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> S
         num_kv_blocks=info.num_kv_blocks,
         log_requests=settings.enable_log_requests,
         default_sampling=info.default_sampling,
+        limits=settings.limits,
     )
 
 

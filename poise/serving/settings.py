@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from poise.config import RequestLimitsConfig
+
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -44,6 +46,8 @@ class ServerSettings:
     # One structured log line per finished request (serving/request_log.py): ids, lengths,
     # timings, finish reason; never prompts or generated text.
     enable_log_requests: bool = False
+    # What one request may ask (body size, stop strings, tokenizer queue): poise.config.
+    limits: RequestLimitsConfig = field(default_factory=RequestLimitsConfig)
 
     def __post_init__(self) -> None:
         for name in ("header_read_timeout_s", "body_read_timeout_s", "keep_alive_timeout_s"):

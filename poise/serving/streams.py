@@ -20,7 +20,8 @@ from typing import Any
 from fastapi import Request
 
 from poise.errors import InvalidRequestError, ShuttingDownError
-from poise.serving.generation import GenerationFailed, Piece
+from poise.serving.errors import GenerationFailed
+from poise.serving.generation import Piece
 from poise.serving.protocol import (
     ChatChoice,
     ChatChunkChoice,

@@ -28,12 +28,15 @@ Token ids -> text (``TokenWindowDecoder``), the prefix-offset / read-offset tech
   byte-level tokenizers (tests check it on the real SmolLM2 tokenizer).
 
 Text -> stream (``StopChecker``):
-- Each new piece of text is searched for every stop string, starting far enough back to catch
-  a stop string that spans the previous piece. The earliest match wins; the output is cut
+- Each stop string keeps a Knuth-Morris-Pratt state: the length of the longest tail of the text
+  so far that is a prefix of it. Each new character advances every state in amortized O(1), so
+  the cost of a token is O(number of stops x its new characters), whatever the length of the
+  text generated before it (the text is never searched again). A state reaching the stop's
+  length is a match; the earliest-starting match in the new piece wins, and the output is cut
   before it (or after it with ``include_stop_str_in_output``) and ``stopped`` is reported.
-- A tail of the text that is a proper prefix of some stop string (at most max stop length - 1
-  characters) is held back from the stream until it is disambiguated, and flushed at finish.
-  So streamed text never has to be retracted.
+- The largest state is exactly the tail that may still become a stop string (at most max stop
+  length - 1 characters): it is held back from the stream until it is disambiguated, and
+  flushed at finish. So streamed text never has to be retracted.
 """
 
 from __future__ import annotations
@@ -103,61 +106,83 @@ class TokenWindowDecoder:
         return new_text[len(prefix_text) :]
 
 
+class _StopState:
+    """One stop string and its KMP state (the longest text tail that is a prefix of it)."""
+
+    __slots__ = ("stop", "_fail", "state")
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        # _fail[i]: length of the longest proper prefix of stop[: i + 1] that is also its suffix.
+        fail = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            fail[i] = k
+        self._fail = fail
+        self.state = 0
+
+    def feed(self, text: str) -> int:
+        """Advance over ``text``; the index in ``text`` just past the first match, or -1."""
+        stop, fail, k, n = self.stop, self._fail, self.state, len(self.stop)
+        for i, ch in enumerate(text):
+            while k and stop[k] != ch:
+                k = fail[k - 1]
+            if stop[k] == ch:
+                k += 1
+                if k == n:
+                    self.state = k
+                    return i + 1
+        self.state = k
+        return -1
+
+
 class StopChecker:
     """Finds stop strings across text pieces and holds back possible stop prefixes."""
 
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
-        self._stops = [s for s in stop if s]
+        self._stops = [_StopState(s) for s in dict.fromkeys(stop) if s]
         self._include = include_stop_str_in_output
-        self._text = ""
-        self._num_streamed = 0
+        self._streamed: list[str] = []  # text already returned
+        self._pending = ""  # text held back: a tail that may still become a stop string
         self.stopped = False
         self.stop_str: str | None = None
 
     @property
     def text(self) -> str:
         """All text so far, cut at the stop string if one matched."""
-        return self._text
+        return "".join(self._streamed) + self._pending
 
     def append(self, new_text: str, finished: bool = False) -> TextDelta:
         """Add text; return what may be streamed now."""
         if self.stopped:
             return TextDelta("", True, self.stop_str)
-        old_len = len(self._text)
-        self._text += new_text
-        match = self._find_stop(old_len)
-        if match is not None:
-            index, stop = match
-            self._text = self._text[: index + len(stop) if self._include else index]
+        base = len(self._pending)
+        self._pending += new_text
+        best: tuple[int, str] | None = None
+        for state in self._stops:
+            end = state.feed(new_text)
+            if end >= 0:
+                # A match starts at or after the held-back tail: its part in the old text was a
+                # prefix of the stop, hence no longer than that stop's state, hence held back.
+                start = base + end - len(state.stop)
+                if best is None or start < best[0]:
+                    best = (start, state.stop)
+        if best is not None:
+            start, stop = best
             self.stopped, self.stop_str = True, stop
-            return TextDelta(self._take(len(self._text)), True, stop)
-        end = len(self._text) if finished else len(self._text) - self._holdback()
-        return TextDelta(self._take(end))
+            return TextDelta(self._take(start + len(stop) if self._include else start), True, stop)
+        hold = 0 if finished else max((s.state for s in self._stops), default=0)
+        return TextDelta(self._take(len(self._pending) - hold))
 
     def _take(self, end: int) -> str:
-        # Streamed text is never retracted: a stop match cannot start inside it (held back).
-        out = self._text[self._num_streamed : end]
-        self._num_streamed = max(self._num_streamed, end)
+        """Stream ``_pending[:end]``; keep the rest held back (dropped once stopped)."""
+        out, self._pending = self._pending[:end], "" if self.stopped else self._pending[end:]
+        self._streamed.append(out)
         return out
-
-    def _find_stop(self, old_len: int) -> tuple[int, str] | None:
-        """Earliest stop string occurrence that ends in the newly added text."""
-        best: tuple[int, str] | None = None
-        for stop in self._stops:
-            index = self._text.find(stop, max(0, old_len - len(stop) + 1))
-            if index >= 0 and (best is None or index < best[0]):
-                best = (index, stop)
-        return best
-
-    def _holdback(self) -> int:
-        """Length of the longest text tail that is a proper prefix of some stop string."""
-        longest = 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest
 
 
 class IncrementalDetokenizer:
