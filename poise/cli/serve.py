@@ -206,7 +206,9 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas > 1:
         given = [flag for flag, value in (("--api-key", settings.api_key),
                  ("--chat-template", chat_template), ("--enable-log-requests",
-                 args.enable_log_requests)) if value]  # fmt: skip
+                 args.enable_log_requests), ("request limit flags (--max-request-body-bytes, "
+                 "--max-stop-*, --max-tokenizer-queue-chars)", limits != RequestLimitsConfig()))
+                 if value]  # fmt: skip
         if given:  # refused rather than ignored: the replicas do not take them yet
             print(f"poise serve: error: {', '.join(given)} not supported with --replicas yet",
                   file=sys.stderr)  # fmt: skip

@@ -185,3 +185,5 @@ def test_replicas_refuse_the_flags_they_do_not_take(capsys: pytest.CaptureFixtur
     assert main(["serve", "--replicas", "2", "--api-key", "k", "--enable-log-requests"]) == 2
     err = capsys.readouterr().err
     assert "--api-key, --enable-log-requests not supported with --replicas" in err
+    assert main(["serve", "--replicas", "2", "--max-stop-sequences", "4"]) == 2
+    assert "request limit flags" in capsys.readouterr().err
