@@ -27,6 +27,7 @@ for a given seed the draws are the same.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import random
@@ -46,18 +47,12 @@ class ArrivalModel:
     def __post_init__(self) -> None:
         # Negative overheads, spreads or workers would move requests back in time or silently
         # switch the model off.
-        for name in ("request_overhead_s", "request_overhead_cv", "way_in_workers",
-                     "way_in_s_per_token"):  # fmt: skip
+        for name in (f.name for f in dataclasses.fields(self)):
             if getattr(self, name) < 0:
                 raise ValueError(f"arrival model: {name} must be >= 0, got {getattr(self, name)}")
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "request_overhead_s": self.request_overhead_s,
-            "request_overhead_cv": self.request_overhead_cv,
-            "way_in_workers": self.way_in_workers,
-            "way_in_s_per_token": self.way_in_s_per_token,
-        }
+        return dataclasses.asdict(self)
 
 
 class WayIn:

@@ -134,18 +134,7 @@ class StepShape:
         )
 
     def to_dict(self) -> dict[str, int]:
-        return {
-            "num_tokens": self.num_tokens,
-            "num_seqs": self.num_seqs,
-            "num_sampled": self.num_sampled,
-            "num_prefill_tokens": self.num_prefill_tokens,
-            "num_decode_seqs": self.num_decode_seqs,
-            "prefill_attn_pairs": self.prefill_attn_pairs,
-            "decode_ctx_tokens": self.decode_ctx_tokens,
-            "kv_tokens": self.kv_tokens,
-            "decode_max_ctx": self.decode_max_ctx,
-            "decode_unique_ctx_tokens": self.decode_unique_ctx_tokens,
-        }
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepShape:

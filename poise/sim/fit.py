@@ -15,6 +15,7 @@ so it can be refitted without measuring again.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -96,13 +97,7 @@ class FitQuality:
     r2: float
 
     def to_dict(self) -> dict[str, float]:
-        return {
-            "n": self.n,
-            "rmse_s": self.rmse_s,
-            "mape": self.mape,
-            "max_rel_error": self.max_rel_error,
-            "r2": self.r2,
-        }
+        return dataclasses.asdict(self)
 
 
 def fit_step_costs(

@@ -25,6 +25,7 @@ stopped by SIGTERM is complete up to its last step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -166,14 +167,7 @@ class TraceComparison:
         return self.measured_cpu_s / self.predicted_s
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "num_steps": self.num_steps,
-            "measured_s": self.measured_s,
-            "measured_cpu_s": self.measured_cpu_s,
-            "predicted_s": self.predicted_s,
-            "ratio": self.ratio,
-            "cpu_ratio": self.cpu_ratio,
-        }
+        return {**dataclasses.asdict(self), "ratio": self.ratio, "cpu_ratio": self.cpu_ratio}
 
 
 def predicted_vs_measured(model: CostModel, steps: Sequence[TracedStep]) -> TraceComparison:
