@@ -32,13 +32,10 @@ def build_engine(
     from poise.runner.factory import create_model_runner
 
     runner, info = create_model_runner(config)
-    engine = EngineCore(
+    engine = EngineCore.for_model(
         config,
         runner,
-        num_kv_blocks=info.num_kv_blocks,
-        max_model_len=info.max_model_len,
-        vocab_size=info.vocab_size,
-        eos_token_ids=info.eos_token_ids,
+        info,
         clock=clock,
         observers=observers(info) if observers is not None else (),
     )

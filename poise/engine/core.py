@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from types import MappingProxyType
+from typing import Protocol
 
 from poise.config import EngineConfig
 from poise.core.outputs import ModelRunnerOutput, RequestDelta, StepStats
@@ -33,6 +34,19 @@ from poise.kv.manager import KVCacheManager
 from poise.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+class EngineLimits(Protocol):
+    """What the engine needs to know of the model it drives (``runner.factory.ModelInfo``)."""
+
+    @property
+    def num_kv_blocks(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
 
 
 class EngineCore:
@@ -59,6 +73,29 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len)
         self.max_model_len = self.scheduler.max_len
+
+    @classmethod
+    def for_model(
+        cls,
+        config: EngineConfig,
+        executor: Executor,
+        limits: EngineLimits,
+        *,
+        clock: Clock | None = None,
+        observers: Sequence[EngineObserver] = (),
+    ) -> EngineCore:
+        """The engine around an executor whose model load found ``limits`` (its KV blocks,
+        context length, vocabulary and EOS ids)."""
+        return cls(
+            config,
+            executor,
+            num_kv_blocks=limits.num_kv_blocks,
+            max_model_len=limits.max_model_len,
+            vocab_size=limits.vocab_size,
+            eos_token_ids=limits.eos_token_ids,
+            clock=clock,
+            observers=observers,
+        )
 
     # -- admission ----------------------------------------------------------------------------
 

@@ -12,26 +12,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 from poise.config import EngineConfig
 from poise.core.sampling_params import SamplingParams
-from poise.engine.core import EngineCore
+from poise.engine.core import EngineCore, EngineLimits
 from poise.engine.executor import Executor
 from poise.engine.observer import StepTimer
-
-
-class EngineLimits(Protocol):
-    """What the engine needs to know of the model it drives (``runner.factory.ModelInfo``)."""
-
-    @property
-    def num_kv_blocks(self) -> int: ...
-    @property
-    def max_model_len(self) -> int: ...
-    @property
-    def vocab_size(self) -> int: ...
-    @property
-    def eos_token_ids(self) -> frozenset[int]: ...
 
 
 def measure_engine_overhead(
@@ -44,15 +30,7 @@ def measure_engine_overhead(
 ) -> float:
     """Median seconds per engine step spent outside ``runner.execute`` (scheduler, updates)."""
     timer = StepTimer(tick)
-    engine = EngineCore(
-        config,
-        runner,
-        num_kv_blocks=info.num_kv_blocks,
-        max_model_len=info.max_model_len,
-        vocab_size=info.vocab_size,
-        eos_token_ids=info.eos_token_ids,
-        observers=[timer],
-    )
+    engine = EngineCore.for_model(config, runner, info, observers=[timer])
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(num_requests):
         engine.add_request(f"o{i}", [11 + (i + j) % 50 for j in range(24)], params)

@@ -51,16 +51,7 @@ def test_real_runner_and_simulator_decide_identically(tiny_dir: Path, policy: st
     runner, info = create_model_runner(cfg)
     clock = VirtualClock()
     real = DecisionRecorder()
-    engine = EngineCore(
-        cfg,
-        runner,
-        num_kv_blocks=info.num_kv_blocks,
-        max_model_len=info.max_model_len,
-        vocab_size=info.vocab_size,
-        eos_token_ids=info.eos_token_ids,
-        clock=clock,
-        observers=[real],
-    )
+    engine = EngineCore.for_model(cfg, runner, info, clock=clock, observers=[real])
     real_results, _, _ = drive(engine, clock, _cell())
 
     cost = FixedCostModel(
