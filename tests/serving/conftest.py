@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import signal
@@ -182,6 +183,19 @@ class ServerProcess:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+def post_all_at_once(url: str, bodies: list[dict[str, Any]]) -> list[httpx.Response]:
+    """POST every body to ``url`` from its own thread, all released together by a barrier (a
+    burst that reaches the server at once), and return the responses in ``bodies`` order."""
+    start = threading.Barrier(len(bodies))
+
+    def one(body: dict[str, Any]) -> httpx.Response:
+        start.wait()
+        return httpx.post(url, json=body, timeout=60)
+
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(one, bodies))
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

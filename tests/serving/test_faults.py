@@ -7,8 +7,6 @@ the real EngineCore, AsyncEngine and app, with the real SmolLM2 tokenizer.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import threading
 import time
 from typing import Any
 
@@ -21,7 +19,7 @@ from poise.core.outputs import ModelRunnerOutput, SchedulerOutput
 from poise.engine.core import EngineCore
 from poise.serving.server import build_state
 from poise.text import eos_token_ids
-from tests.serving.conftest import InProcessServer, metric_value
+from tests.serving.conftest import InProcessServer, metric_value, post_all_at_once
 from tests.unit.fake_executor import FakeExecutor
 
 POISON = 4242  # a prompt token that makes the step running it raise
@@ -100,16 +98,10 @@ def test_flood_against_a_tiny_queue_gets_429_with_retry_after(smol_tokenizer: An
     server, executor = _server(smol_tokenizer, max_num_seqs=2, max_num_queued_requests=2)
     executor.delay_s = 0.01
     with server:
-        url = server.base_url + "/v1/completions"
-        start = threading.Barrier(24)
-
-        def one(i: int) -> httpx.Response:
-            start.wait()
-            body = {"prompt": [5, 6, i + 10], "max_tokens": 20, "ignore_eos": True}
-            return httpx.post(url, json=body, timeout=60)
-
-        with concurrent.futures.ThreadPoolExecutor(24) as pool:
-            responses = list(pool.map(one, range(24)))
+        bodies = [
+            {"prompt": [5, 6, i + 10], "max_tokens": 20, "ignore_eos": True} for i in range(24)
+        ]
+        responses = post_all_at_once(server.base_url + "/v1/completions", bodies)
         codes = [r.status_code for r in responses]
         assert set(codes) <= {200, 429}, codes
         assert codes.count(429) > 0 and codes.count(200) >= 4, codes

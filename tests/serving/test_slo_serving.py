@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import concurrent.futures
-import threading
 from typing import Any
 
 import httpx
 
-from tests.serving.conftest import metric_value
+from tests.serving.conftest import metric_value, post_all_at_once
 from tests.serving.test_faults import _server
 
 CLASSES = "chat:ttft_p95_ms=60000,tpot_p50_ms=60000,share=0.5;tight:ttft_p95_ms=30,share=0.5"
@@ -49,17 +47,16 @@ def test_predictive_admission_answers_429_with_a_computed_retry_after(smol_token
     )  # fmt: skip
     executor.delay_s = 0.02
     with server:
-        url = server.base_url + "/v1/completions"
-        start = threading.Barrier(16)
-
-        def one(i: int) -> httpx.Response:
-            start.wait()
-            body = {"prompt": [5, 6] * 30 + [i + 10], "max_tokens": 8, "ignore_eos": True,
-                    "class": "tight"}  # fmt: skip
-            return httpx.post(url, json=body, timeout=60)
-
-        with concurrent.futures.ThreadPoolExecutor(16) as pool:
-            responses = list(pool.map(one, range(16)))
+        bodies = [
+            {
+                "prompt": [5, 6] * 30 + [i + 10],
+                "max_tokens": 8,
+                "ignore_eos": True,
+                "class": "tight",
+            }
+            for i in range(16)
+        ]
+        responses = post_all_at_once(server.base_url + "/v1/completions", bodies)
         codes = [r.status_code for r in responses]
         assert set(codes) <= {200, 429} and codes.count(429) > 0, codes
         for r in responses:
