@@ -33,7 +33,6 @@ from poise.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
-    RequestLimitsConfig,
     SchedulerConfig,
     normalize_policy,
 )
@@ -181,16 +180,6 @@ def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
         if getattr(args, f.name, None) is not None
     }
     return cls(**given)
-
-
-def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
-    add_config_group(
-        parser,
-        "request limits",
-        "What one HTTP request may ask of the server; beyond a limit the answer is a 4xx that "
-        "names it.",
-        RequestLimitsConfig,
-    )
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

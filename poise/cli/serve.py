@@ -13,14 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from poise.cli.options import (
+    add_config_group,
     add_engine_args,
-    add_request_limit_args,
     config_from_args,
     engine_config_from_args,
 )
 from poise.cli.router_options import add_router_args, router_from_args
-from poise.config import RequestLimitsConfig
-from poise.serving.settings import UVICORN_LOG_LEVELS
+from poise.serving.settings import UVICORN_LOG_LEVELS, RequestLimitsConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -277,3 +276,13 @@ def _non_negative(text: str) -> float:
 
 def _positive_int(text: str) -> int:
     return int(_number(text, int, lambda v: v > 0, "a whole number > 0"))
+
+
+def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
+    add_config_group(
+        parser,
+        "request limits",
+        "What one HTTP request may ask of the server; beyond a limit the answer is a 4xx that "
+        "names it.",
+        RequestLimitsConfig,
+    )

@@ -26,7 +26,6 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from poise.config import RequestLimitsConfig
 from poise.serving import streams
 from poise.serving.async_engine import AsyncEngine
 from poise.serving.body import BodySizeLimit, OpenAIRoute
@@ -42,6 +41,7 @@ from poise.serving.protocol import (
     ModelCard,
     ModelList,
 )
+from poise.serving.settings import RequestLimitsConfig
 
 logger = logging.getLogger(__name__)
 VERSION = "0.1.0"

@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from poise.config import RequestLimitsConfig
 from poise.core.sampling_params import SamplingParams
 from poise.errors import InvalidRequestError, ShuttingDownError
 from poise.serving.async_engine import AsyncEngine
@@ -37,6 +36,7 @@ from poise.serving.limits import (
     longest_token_chars,
 )
 from poise.serving.protocol import ChatCompletionRequest, CompletionRequest
+from poise.serving.settings import RequestLimitsConfig
 from poise.text import IncrementalDetokenizer, apply_chat_template, encode_prompt
 from poise.text.tokenizer import normalize_messages
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from poise.config import RequestLimitsConfig
 from poise.errors import InvalidRequestError, OverloadedError
+from poise.serving.settings import RequestLimitsConfig
 
 
 def _flag(name: str) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 import uvicorn
 
-from poise.config import EngineConfig, RequestLimitsConfig
+from poise.config import EngineConfig
 from poise.engine.observer import EngineObserver
 from poise.serving.app import VERSION, ServingState, create_app
 from poise.serving.async_engine import AsyncEngine
@@ -33,7 +33,7 @@ from poise.serving.generation import Generator
 from poise.serving.hosts import AllowedHostsMiddleware, allowed_host_names
 from poise.serving.info import ConfigInfoCollector, describe
 from poise.serving.metrics import ServingMetrics
-from poise.serving.settings import ServerSettings
+from poise.serving.settings import RequestLimitsConfig, ServerSettings
 from poise.serving.shutdown import PoiseServer, backstop_timeout_s
 from poise.serving.tokenize import add_tokenize_routes
 

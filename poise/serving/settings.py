@@ -7,11 +7,48 @@ Every limit and timeout here is listed with its flag and default in docs/reliabi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from poise.config import RequestLimitsConfig
+from poise.config import _help, _require
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@dataclass(frozen=True)
+class RequestLimitsConfig:
+    """What one HTTP request may ask of ``poise serve``; beyond each limit the answer is a 4xx
+    that names the limit (docs/reliability.md lists them)."""
+
+    max_request_body_bytes: int = _help(
+        "Largest request body; a bigger one is answered 413 before it is read or parsed "
+        "(Content-Length checked first, chunked bodies counted as they arrive).",
+        default=4 * 1024 * 1024,
+    )
+    max_stop_sequences: int = _help(
+        "Most stop strings one request may give (TGI's name); more is a 400.", default=16
+    )
+    max_stop_sequence_chars: int = _help(
+        "Longest stop string, in characters; longer is a 400. Streamed text is held back by at "
+        "most this many characters minus one while it may still become a stop string.",
+        default=256,
+    )
+    max_stop_token_ids: int = _help(
+        "Most stop_token_ids one request may give; more is a 400 (the engine checks them for "
+        "every generated token).",
+        default=256,
+    )
+    max_tokenizer_queue_chars: int = _help(
+        "Characters of prompt text waiting for or in tokenization, all requests together; a "
+        "request that would go beyond gets 429 + Retry-After instead of queueing behind "
+        "seconds of tokenizer work (a request alone is always taken).",
+        default=4_000_000,
+    )
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            _require(value > 0, f.name, f"must be > 0, got {value}")
 
 
 @dataclass(frozen=True)

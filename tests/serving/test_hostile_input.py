@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
-from poise.config import EngineConfig, RequestLimitsConfig
+from poise.config import EngineConfig
 from poise.engine.core import EngineCore
 from poise.serving.server import build_state
-from poise.serving.settings import ServerSettings
+from poise.serving.settings import RequestLimitsConfig, ServerSettings
 from poise.text import apply_chat_template, eos_token_ids
 from tests.serving.conftest import InProcessServer
 from tests.unit.fake_executor import FakeExecutor
@@ -346,7 +346,8 @@ def test_openapi_schema_matches_what_the_server_answers(server: InProcessServer)
 def test_limit_flags_reach_the_config() -> None:
     import argparse
 
-    from poise.cli.options import add_request_limit_args, config_from_args
+    from poise.cli.options import config_from_args
+    from poise.cli.serve import add_request_limit_args
 
     parser = argparse.ArgumentParser()
     add_request_limit_args(parser)
