@@ -137,6 +137,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "and generated text are never logged. (default: off)",
     )
     server.add_argument(
+        "--enable-per-request-metrics",
+        action="store_true",
+        help='Let a request ask for its own timing with "include_metrics": true: a '
+        "'metrics' object (TTFT, queue, way in, prefill, ITL, tok/s) on the response or the "
+        "last streamed chunk, as vLLM's flag. (default: off)",
+    )
+    server.add_argument(
         "--step-trace",
         default=None,
         metavar="FILE",
@@ -196,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
         allowed_hosts=list(args.allowed_hosts),
         enable_api_docs=args.enable_api_docs,
         enable_log_requests=args.enable_log_requests,
+        enable_per_request_metrics=args.enable_per_request_metrics,
         step_trace=args.step_trace,
         api_key=args.api_key or api_key_from_env(),
         chat_template=chat_template,
@@ -205,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas > 1:
         given = [flag for flag, value in (("--api-key", settings.api_key),
                  ("--chat-template", chat_template), ("--enable-log-requests",
-                 args.enable_log_requests), ("request limit flags (--max-request-body-bytes, "
+                 args.enable_log_requests), ("--enable-per-request-metrics",
+                 args.enable_per_request_metrics), ("request limit flags (--max-request-body-bytes, "
                  "--max-stop-*, --max-tokenizer-queue-chars)", limits != RequestLimitsConfig()))
                  if value]  # fmt: skip
         if given:  # refused rather than ignored: the replicas do not take them yet

@@ -102,7 +102,8 @@ class RequestDelta:
     # The stop token id that ended it, if any.
     stop_reason: str | int | None = None
     error_message: str | None = None
-    # Set on the finishing delta only: what metrics and responses need about the request.
+    # Set on the finishing delta only (num_cached_tokens on token deltas too): what metrics
+    # and responses need about the request.
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0

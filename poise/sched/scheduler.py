@@ -365,7 +365,9 @@ class Scheduler:
             status = check_stop(request, token, self.max_len)
             if status is None:
                 slo = request.slo if first else None
-                deltas.append(RequestDelta(sched.request_id, [token], times=request.times, slo=slo))
+                delta = RequestDelta(sched.request_id, [token], times=request.times, slo=slo)
+                delta.num_cached_tokens = request.num_cached_tokens  # for per-request metrics
+                deltas.append(delta)
                 continue
             self.running.remove(request)
             deltas.append(self._finish(request, status, now, [token]))

@@ -71,6 +71,7 @@ class ServingState:
     version: str = VERSION
     # The server's self-description (poise.serving.info.describe), for GET /server_info.
     info: dict[str, Any] = field(default_factory=dict)
+    enable_per_request_metrics: bool = False  # --enable-per-request-metrics
 
     @property
     def metrics(self) -> Any:
@@ -197,6 +198,11 @@ async def _generate(
             f"{state.served_model_names}", param="model",
             code="model_not_found",
         )  # fmt: skip
+    if req.include_metrics and not state.enable_per_request_metrics:
+        state.metrics.rejected("invalid")
+        return error_response(400, "include_metrics: per-request metrics are off on this "
+                              "server; start it with --enable-per-request-metrics",
+                              param="include_metrics")  # fmt: skip
     header_class = raw.headers.get("x-poise-class")
     if req.traffic_class is None and header_class:
         req.traffic_class = header_class.strip()  # the body's "class" wins over the header

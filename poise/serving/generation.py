@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from poise.core.outputs import RequestDelta
 from poise.core.sampling_params import SamplingParams
 from poise.errors import InvalidRequestError, ShuttingDownError
 from poise.serving.async_engine import AsyncEngine
@@ -36,6 +37,7 @@ from poise.serving.limits import (
     longest_token_chars,
 )
 from poise.serving.protocol import ChatCompletionRequest, CompletionRequest
+from poise.serving.request_metrics import response_metrics
 from poise.serving.settings import RequestLimitsConfig
 from poise.text import IncrementalDetokenizer, apply_chat_template, encode_prompt
 from poise.text.tokenizer import normalize_messages
@@ -48,6 +50,8 @@ class Piece:
     text: str
     num_tokens: int  # output tokens generated so far (usage.completion_tokens at the end)
     finish_reason: str | None = None
+    # On the last piece of a request that asked for it: request_metrics.response_metrics.
+    metrics: dict[str, Any] | None = None
 
 
 @dataclass
@@ -56,6 +60,7 @@ class Prepared:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    include_metrics: bool = False  # the response carries per-request timing
 
 
 class Generator:
@@ -157,7 +162,7 @@ class Generator:
             )
         params = req.to_sampling_params(max(1, room), self.default_sampling)
         params.validate(self.vocab_size)
-        return Prepared(f"{prefix}-{uuid.uuid4().hex}", ids, params, arrival)
+        return Prepared(f"{prefix}-{uuid.uuid4().hex}", ids, params, arrival, req.include_metrics)
 
     # ---- generating ---------------------------------------------------------------------
 
@@ -193,15 +198,19 @@ class Generator:
                     # for this request; end it there and report "stop" to the client now.
                     self.engine.finish(prep.request_id)
                     done = True
-                    yield Piece(out.text, n_tokens, "stop")
+                    yield Piece(out.text, n_tokens, "stop", self._metrics(prep, delta, n_tokens))
                     return
                 if delta.finished:
                     done = True
                     reason = "stop" if out.stopped else delta.finish_reason
-                    yield Piece(out.text, n_tokens, reason)
+                    yield Piece(out.text, n_tokens, reason, self._metrics(prep, delta, n_tokens))
                     return
                 if out.text:
                     yield Piece(out.text, n_tokens)
         finally:
             if not done:
                 self.engine.abort(prep.request_id)
+
+    @staticmethod
+    def _metrics(prep: Prepared, delta: RequestDelta, n_tokens: int) -> dict[str, Any] | None:
+        return response_metrics(delta, n_tokens) if prep.include_metrics else None

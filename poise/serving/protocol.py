@@ -96,6 +96,8 @@ class _SamplingRequest(_Lenient):
     traffic_class: str | None = Field(default=None, alias="class")
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
+    # vLLM's per-request metrics: timing in the response (needs --enable-per-request-metrics).
+    include_metrics: bool = False
 
     @field_validator("temperature")
     @classmethod
@@ -250,6 +252,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    metrics: dict[str, Any] | None = None  # include_metrics; left out when None
 
 
 class DeltaMessage(BaseModel):
@@ -271,6 +274,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    metrics: dict[str, Any] | None = None  # include_metrics; left out when None
 
 
 class CompletionChoice(BaseModel):
@@ -287,6 +291,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    metrics: dict[str, Any] | None = None  # include_metrics; left out when None
 
 
 class ModelCard(BaseModel):

@@ -56,6 +56,7 @@ def build_state(
     log_requests: bool = False,
     default_sampling: dict[str, Any] | None = None,
     limits: RequestLimitsConfig | None = None,
+    enable_per_request_metrics: bool = False,
 ) -> ServingState:
     names = served_model_names or [model_name]
     metrics = ServingMetrics(names[0], log_requests=log_requests)
@@ -68,7 +69,8 @@ def build_state(
                     max_model_len=max_len, dtype=dtype, device=device,
                     num_kv_blocks=num_kv_blocks)  # fmt: skip
     metrics.registry.register(ConfigInfoCollector(info))
-    return ServingState(engine, generator, names, max_len, limits=limits, info=info)
+    return ServingState(engine, generator, names, max_len, limits=limits, info=info,
+                        enable_per_request_metrics=enable_per_request_metrics)  # fmt: skip
 
 
 def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> ServingState:
@@ -107,6 +109,7 @@ def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> S
         log_requests=settings.enable_log_requests,
         default_sampling=info.default_sampling,
         limits=settings.limits,
+        enable_per_request_metrics=settings.enable_per_request_metrics,
     )
 
 

@@ -83,6 +83,9 @@ class ServerSettings:
     # One structured log line per finished request (serving/request_log.py): ids, lengths,
     # timings, finish reason; never prompts or generated text.
     enable_log_requests: bool = False
+    # vLLM's --enable-per-request-metrics: a request with "include_metrics": true gets its own
+    # timing (serving/request_metrics.py) in the response body.
+    enable_per_request_metrics: bool = False
     # What one request may ask (body size, stop strings, tokenizer queue): poise.config.
     limits: RequestLimitsConfig = field(default_factory=RequestLimitsConfig)
 

@@ -2,7 +2,8 @@
 
 Stream shape (chat): a first chunk with ``delta.role``, one chunk per text piece, a last chunk
 with ``finish_reason``, then (``stream_options.include_usage``) a chunk with empty ``choices``
-and the usage, then ``data: [DONE]``. An error after the stream started becomes one
+and the usage, then ``data: [DONE]``. Per-request timing (``include_metrics``) rides on the last
+chunk before ``[DONE]``, and on the body of a response that is not streamed. An error after the stream started becomes one
 ``data: {"error": ...}`` event (the openai client raises it as APIError), then ``[DONE]``.
 
 Invariant: leaving a stream early (client disconnect cancels the response task) closes the
@@ -42,25 +43,41 @@ def _event(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
+_Body = ChatCompletionResponse | ChatCompletionChunk | CompletionResponse
+
+
+def _no_metrics(body: _Body) -> set[str] | None:
+    # ``metrics`` appears only where a request asked for it (include_metrics).
+    return {"metrics"} if body.metrics is None else None
+
+
+def _json(body: _Body) -> str:
+    return body.model_dump_json(exclude=_no_metrics(body))
+
+
 def _chunk(rid: str, model: str, created: int, chat: bool, text: str | None,
-           finish: str | None, role: str | None = None) -> str:  # fmt: skip
+           finish: str | None, role: str | None = None,
+           metrics: dict[str, Any] | None = None) -> str:  # fmt: skip
     if chat:
         choice = ChatChunkChoice(delta=DeltaMessage(role=role, content=text), finish_reason=finish)
-        return ChatCompletionChunk(
-            id=rid, created=created, model=model, choices=[choice]
-        ).model_dump_json()
+        return _json(ChatCompletionChunk(
+            id=rid, created=created, model=model, choices=[choice], metrics=metrics
+        ))  # fmt: skip
     c = CompletionChoice(text=text or "", finish_reason=finish)
-    return CompletionResponse(id=rid, created=created, model=model, choices=[c]).model_dump_json()
+    return _json(
+        CompletionResponse(id=rid, created=created, model=model, choices=[c], metrics=metrics)
+    )
 
 
-def _usage_chunk(rid: str, model: str, created: int, chat: bool, usage: UsageInfo) -> str:
+def _usage_chunk(rid: str, model: str, created: int, chat: bool, usage: UsageInfo,
+                 metrics: dict[str, Any] | None) -> str:  # fmt: skip
     if chat:
-        return ChatCompletionChunk(
-            id=rid, created=created, model=model, choices=[], usage=usage
-        ).model_dump_json()
-    return CompletionResponse(
-        id=rid, created=created, model=model, choices=[], usage=usage
-    ).model_dump_json()
+        return _json(ChatCompletionChunk(
+            id=rid, created=created, model=model, choices=[], usage=usage, metrics=metrics
+        ))  # fmt: skip
+    return _json(CompletionResponse(
+        id=rid, created=created, model=model, choices=[], usage=usage, metrics=metrics
+    ))  # fmt: skip
 
 
 def _error_event(exc: Exception) -> str:
@@ -84,6 +101,7 @@ async def sse(
 ) -> AsyncIterator[str]:
     created = now_s()
     n_tokens = 0
+    metrics = None  # per-request timing (include_metrics): on the last chunk before [DONE]
     try:
         if chat:
             yield _event(_chunk(rid, model, created, chat, "", None, role="assistant"))
@@ -91,11 +109,14 @@ async def sse(
             n_tokens = piece.num_tokens
             if piece.finish_reason is None:
                 yield _event(_chunk(rid, model, created, chat, piece.text, None))
-            else:
-                yield _event(_chunk(rid, model, created, chat, piece.text, piece.finish_reason))
+                continue
+            metrics = piece.metrics
+            last = None if include_usage else metrics
+            yield _event(_chunk(rid, model, created, chat, piece.text, piece.finish_reason,
+                                metrics=last))  # fmt: skip
         if include_usage:
             usage = UsageInfo.of(num_prompt_tokens, n_tokens)
-            yield _event(_usage_chunk(rid, model, created, chat, usage))
+            yield _event(_usage_chunk(rid, model, created, chat, usage, metrics))
     except (GenerationFailed, InvalidRequestError, ShuttingDownError) as exc:
         yield _error_event(exc)
     finally:
@@ -111,6 +132,7 @@ class Result:
     text: str
     num_tokens: int
     finish_reason: str | None
+    metrics: dict[str, Any] | None = None
 
 
 async def _collect(pieces: AsyncIterator[Piece]) -> Result:
@@ -119,7 +141,7 @@ async def _collect(pieces: AsyncIterator[Piece]) -> Result:
     async for piece in pieces:
         parts.append(piece.text)
         last = piece
-    return Result("".join(parts), last.num_tokens, last.finish_reason)
+    return Result("".join(parts), last.num_tokens, last.finish_reason, last.metrics)
 
 
 async def _wait_disconnect(raw: Request) -> None:
@@ -150,11 +172,16 @@ async def collect_until_disconnect(pieces: AsyncIterator[Piece], raw: Request) -
 
 def full_response(result: Result, rid: str, model: str, n_prompt: int, *, chat: bool) -> Any:
     usage = UsageInfo.of(n_prompt, result.num_tokens)
+    body: _Body
     if chat:
         msg = ChatResponseMessage(content=result.text)
         choice = ChatChoice(message=msg, finish_reason=result.finish_reason)
-        return ChatCompletionResponse(
-            id=rid, model=model, choices=[choice], usage=usage
-        ).model_dump()
-    c = CompletionChoice(text=result.text, finish_reason=result.finish_reason)
-    return CompletionResponse(id=rid, model=model, choices=[c], usage=usage).model_dump()
+        body = ChatCompletionResponse(
+            id=rid, model=model, choices=[choice], usage=usage, metrics=result.metrics
+        )
+    else:
+        c = CompletionChoice(text=result.text, finish_reason=result.finish_reason)
+        body = CompletionResponse(
+            id=rid, model=model, choices=[c], usage=usage, metrics=result.metrics
+        )
+    return body.model_dump(exclude=_no_metrics(body))
