@@ -77,6 +77,12 @@ def _add_record_args(p: argparse.ArgumentParser) -> None:
         help="Server args for the record (repeatable).",
     )
     g.add_argument("--no-progress", action="store_true")
+    g.add_argument(
+        "--live",
+        action="store_true",
+        help="Show the server's live view in the terminal while the bench runs (a poise "
+        "server's /dashboard feed: queue, KV, step composition, TTFT parts, SLO attainment).",
+    )
 
 
 def command_line() -> str:
@@ -146,16 +152,29 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
     console = Console(stderr=True)
     out = lab_options.record_path(args.out, "bench-results")
-    with CellProgress(console) as bar:
-        prog = None if args.no_progress else bar
-        record = asyncio.run(
-            run_matrix(
-                cfg,
-                on_cell_start=(lambda spec, n: prog.start_cell(spec.label, n)) if prog else None,
-                progress=prog.update if prog else None,
-                checkpoint=out,  # finished cells survive an interrupted run
-            )
+    bar = CellProgress(console)
+    prog = None if args.no_progress else bar
+
+    async def run() -> Any:
+        return await run_matrix(
+            cfg,
+            on_cell_start=(lambda spec, n: prog.start_cell(spec.label, n)) if prog else None,
+            progress=prog.update if prog else None,
+            checkpoint=out,  # finished cells survive an interrupted run
         )
+
+    async def run_live() -> Any:
+        from poise.bench.live_view import LiveView
+
+        # The progress bar is drawn inside the live view (rich runs one live display at once).
+        async with LiveView(console, cfg.base_url, cfg.api_key, prog.progress if prog else None):
+            return await run()
+
+    if args.live:
+        record = asyncio.run(run_live())
+    else:
+        with bar:
+            record = asyncio.run(run())
     if not record.capabilities.get("ok"):
         console.print(f"[red]capability probe failed: {record.capabilities.get('error')}[/red]")
     finish_record(record, out, args)
