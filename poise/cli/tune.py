@@ -44,6 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--max-probes", type=int, default=30, help="At most this many probes.")
     g.add_argument("--no-policies", action="store_true", help="Do not try the other policy.")
     g.add_argument("--no-trade", action="store_true", help="Do not trade budget for seqs.")
+    g.add_argument("--no-slo-scheduling", action="store_true", help="Do not try policy slo "
+                   "with traffic classes, their shares and the token budget controller "
+                   "(poise only; off with --command-template).")  # fmt: skip
     g.add_argument("--no-latency-search", action="store_true",
                    help="Skip the latency-first descent.")  # fmt: skip
     t = lab_options.add_server_args(parser)
@@ -172,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         settings = TuneSettings(
             slo_ttft, slo_tpot, budgets=budgets, seqs=seqs,
             policy=policy, try_policies=try_policies, trade=not args.no_trade,
+            slo_scheduling=not (args.no_slo_scheduling or args.command_template),
             latency_search=not args.no_latency_search, min_gain=args.min_gain,
             tail_tolerance=args.tail_tolerance, kv_headroom=args.kv_headroom,
             max_probes=args.max_probes,

@@ -13,6 +13,7 @@ keyword names (``EngineConfig.from_kwargs``).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -28,6 +29,10 @@ class Candidate:
     max_num_seqs: int
     scheduling_policy: str = "fifo"
     fixed: tuple[tuple[str, Any], ...] = field(default=(), compare=True)
+    # SLO-aware scheduling knobs (lab/tune_slo.py); None / False: the fixed value holds.
+    traffic_classes: str | None = None
+    token_budget_controller: bool = False
+    target_tpot_ms: float | None = None
 
     def with_(self, **changes: Any) -> Candidate:
         return replace(self, **changes)
@@ -40,17 +45,32 @@ class Candidate:
             max_num_seqs=self.max_num_seqs,
             scheduling_policy=self.scheduling_policy,
         )
+        if self.traffic_classes is not None:
+            out["traffic_classes"] = self.traffic_classes
+        if self.token_budget_controller:
+            out.update(token_budget_controller=True, target_tpot_ms=self.target_tpot_ms)
         return out
 
     @property
     def label(self) -> str:
         policy = "" if self.scheduling_policy == "fifo" else f" {self.scheduling_policy}"
-        return f"budget {self.max_num_batched_tokens} / seqs {self.max_num_seqs}{policy}"
+        label = f"budget {self.max_num_batched_tokens} / seqs {self.max_num_seqs}{policy}"
+        if self.traffic_classes is not None:
+            label += f" classes {self.traffic_classes}"
+        if self.token_budget_controller:
+            label += f" controller {self.target_tpot_ms:g} ms"
+        return label
 
     @property
     def key(self) -> str:
         """Filesystem-safe identity (store keys, server names)."""
-        return f"b{self.max_num_batched_tokens}-s{self.max_num_seqs}-{self.scheduling_policy}"
+        key = f"b{self.max_num_batched_tokens}-s{self.max_num_seqs}-{self.scheduling_policy}"
+        if self.traffic_classes is not None:
+            digest = hashlib.sha1(self.traffic_classes.encode()).hexdigest()[:8]
+            key += f"-c{digest}"
+        if self.token_budget_controller:
+            key += f"-t{self.target_tpot_ms:g}"
+        return key
 
 
 class Probe(Protocol):

@@ -10,7 +10,10 @@ probe:
    headroom (peak usage under ``kv_headroom``, no preemptions) and the SLO holds;
 4. trade: when step 3 stopped on the SLO, try one budget step down with one seqs step up
    (fewer prefill tokens per step, more decodes in flight) and keep it if it pays;
-5. policy: at the best config, try the other scheduling policy (one variable, one probe).
+5. policy: at the best config, try the other scheduling policy (one variable, one probe);
+6. SLO scheduling (lab/tune_slo.py): at the best config, policy ``slo`` with traffic classes,
+   their shares, and the token-budget controller's TPOT target; kept where they lower the
+   TTFT tail at the same throughput.
 Every probe is recorded (``Evidence``), every decision explained in one line. Answers are
 picked over ALL probes: throughput-first = highest output tokens/s meeting the SLO;
 latency-first = lowest TTFT p95 meeting the SLO (ties: higher throughput).
@@ -27,6 +30,7 @@ from typing import Any
 from poise.lab.metrics import CellMetrics, fmt_ms, fmt_pct, rel_change
 from poise.lab.probe import Candidate, Probe
 from poise.lab.tune_result import DEFAULT_BUDGETS, DEFAULT_SEQS, Evidence, TuneResult, TuneSettings
+from poise.lab.tune_slo import phase_slo
 
 __all__ = ["DEFAULT_BUDGETS", "DEFAULT_SEQS", "Evidence", "TuneResult", "TuneSettings", "Tuner"]
 
@@ -302,6 +306,9 @@ class Tuner:
             cur = self.coordinate(cur)
             if s.try_policies:
                 self.phase_policy(cur)
+            if s.slo_scheduling:
+                best = max(self.eligible(), key=lambda e: (_thr(e), -_ttft(e)), default=cur)
+                phase_slo(self, best, dict(self.fixed).get("traffic_classes"))
             if s.latency_search:
                 self.phase_latency()
         self.pick()

@@ -30,6 +30,11 @@ class TuneSettings:
     tail_tolerance: float = 0.10  # TTFT p95 growth above this is "the tail worsens"
     kv_headroom: float = 0.90  # peak KV usage at or above this: no headroom left
     max_probes: int = 30
+    # The SLO-aware scheduling phase (lab/tune_slo.py): policy slo with classes, the first
+    # class's share ladder, and the controller's TPOT target as fractions of the TPOT SLO.
+    slo_scheduling: bool = True
+    class_shares: tuple[float, ...] = (0.5, 0.7, 0.9)
+    controller_targets: tuple[float, ...] = (0.6, 0.8, 1.0)
 
     def __post_init__(self) -> None:
         if self.slo_ttft_p95_ms <= 0:

@@ -187,6 +187,22 @@ def parse_inline(spec: str) -> ClassSet:
     return ClassSet(tuple(classes))
 
 
+def to_inline(classes: ClassSet) -> str:
+    """The inline spec that ``parse_inline`` reads back as ``classes`` (for flags and records)."""
+
+    def one(c: TrafficClass) -> str:
+        fields = [f"{k}={v:g}" for k, v in (("ttft_p95_ms", c.ttft_ms), ("tpot_p50_ms", c.tpot_ms))
+                  if v is not None]  # fmt: skip
+        fields.append(f"share={c.share:g}")
+        if c.min_prompt_tokens:
+            fields.append(f"prompt_tokens>={c.min_prompt_tokens}")
+        if c.max_prompt_tokens is not None:
+            fields.append(f"prompt_tokens<{c.max_prompt_tokens}")
+        return f"{c.name}:{','.join(fields)}"
+
+    return ";".join(one(c) for c in classes.classes)
+
+
 def from_mapping(data: Any) -> ClassSet:
     """A parsed YAML document: ``{name: {key: value}}`` (or ``{classes: {...}}``)."""
     if isinstance(data, Mapping) and set(data) == {"classes"}:

@@ -41,3 +41,24 @@ def test_tune_cli_simulate(tmp_path: object, capsys: pytest.CaptureFixture[str])
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "Throughput-first: budget" in out and "poise serve --device cuda" in out
+
+
+def test_tune_cli_simulate_runs_the_slo_phase_on_the_real_scheduler(tmp_path: object) -> None:
+    """Policy slo, classes, shares and the controller through the simulator: every probe of
+    the phase measured (no error), the classes reach the scheduler (requests are classed)."""
+    import json
+    from pathlib import Path
+
+    argv = ["tune", "--simulate", "--accelerator", "h100", "--model-shape", "Qwen2.5-7B-Instruct",
+            "--device", "cuda", "--slo-ttft-p95-ms", "5000", "--slo-tpot-p50-ms", "80",
+            "--concurrency", "8", "--long-ratio", "0.5", "--max-tokens", "32",
+            "--num-requests", "16", "--budgets", "1024,2048", "--seqs", "8",
+            "--no-latency-search", "--no-policies", "--out", str(tmp_path)]  # fmt: skip
+    main(argv)
+    record = json.loads((Path(str(tmp_path)) / "tune.json").read_text())
+    slo = [e for e in record["evidence"] if e["phase"] == "slo"]
+    # policy slo, the shares 0.5 and 0.9 (0.7 is the default set's own), three controller targets
+    assert len(slo) == 1 + 2 + 3
+    assert all(e["error"] is None and e["metrics"]["num_requests"] > 0 for e in slo)
+    assert {e["args"]["scheduling_policy"] for e in slo} == {"slo"}
+    assert any(e["args"].get("token_budget_controller") for e in slo)

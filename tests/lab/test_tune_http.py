@@ -23,7 +23,9 @@ def probe_for(tmp_path: Path, workload: WorkloadSpec, extra: str = "") -> LivePr
 
 
 def settings(slo: float) -> TuneSettings:
-    return TuneSettings(slo, budgets=(512, 1024, 2048), seqs=(4,), try_policies=False)
+    # As `poise tune --command-template` sets them: the scripted engine takes no policy.
+    return TuneSettings(slo, budgets=(512, 1024, 2048), seqs=(4,), try_policies=False,
+                        slo_scheduling=False)  # fmt: skip
 
 
 def test_tune_over_http_finds_the_largest_budget_within_slo(
