@@ -47,7 +47,8 @@ ALLOWED: dict[str, set[str]] = {
         "router",
     },
     "bench": {"workload"},
-    "lab": {"bench", "workload", "sim", "config", "errors"},
+    # sched: the tuner reads and rewrites traffic-class specs (lab/tune_slo.py).
+    "lab": {"bench", "workload", "sim", "sched", "config", "errors"},
     "serving": {"engine", "text", "core", "config", "errors"},
     "deploy": {"router", "serving", "text", "config", "errors"},
     "cli": {"*"},  # the entry point wires everything; its imports before dispatch are tested below
