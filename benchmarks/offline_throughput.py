@@ -8,6 +8,9 @@ tokens (default 160; ``ignore_eos`` for poise, EOS disabled / ``min_new_tokens``
 
 Engines:
 - ``poise``: ``LLM(model=None, dtype=..., max_num_seqs=...).generate(token_ids, params)``.
+- ``poise+penalties`` (``--penalties``): the same, each request sampling with top-p 0.95,
+  temperature 0.8 and repetition / frequency / presence penalties (``PENALTIES``), a fresh
+  engine; ``poise/poise+penalties`` is the cost of those fields (issue 13: within 10 %).
 - ``generate_batch``: transformers ``model.generate_batch`` (its continuous batching; paged
   cache, ``attn_implementation="sdpa"`` on CPU).
 - ``static``: transformers ``model.generate`` on left-padded batches of ``--static-batch-size``
@@ -199,24 +202,39 @@ def run_transformers_static_generate(
     return RunResult("static", dtype, len(prompts), sum(map(len, outputs)), seconds, outputs)
 
 
+# ``--penalties``: what every request asks in the sampling-cost run (issue 13: penalties + top-p
+# on every request, compared with plain greedy in the same run). Seeded so runs repeat.
+PENALTIES = {"temperature": 0.8, "top_p": 0.95, "repetition_penalty": 1.1,
+             "frequency_penalty": 0.2, "presence_penalty": 0.2}  # fmt: skip
+
+
 def run_poise(
-    prompts: list[list[int]], max_tokens: int, max_num_seqs: int, dtype: str, **engine_kwargs: Any
+    prompts: list[list[int]],
+    max_tokens: int,
+    max_num_seqs: int,
+    dtype: str,
+    sampling: dict[str, Any] | None = None,
+    **engine_kwargs: Any,
 ) -> RunResult:
-    """poise's offline engine on the same token ids."""
+    """poise's offline engine on the same token ids: greedy, or ``sampling``'s fields on every
+    request (engine name ``poise+penalties``)."""
     from poise.engine.llm import LLM
 
     # Like the generate_batch run: a KV pool that holds every request at once (no preemption).
     blocks = sum(-(-(len(p) + max_tokens) // 16) for p in prompts) + 16
     engine_kwargs = {"block_size": 16, "num_kv_blocks": blocks} | engine_kwargs
     llm = LLM(model=None, dtype=dtype, max_num_seqs=max_num_seqs, **engine_kwargs)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    kw: dict[str, Any] = {"temperature": 0.0} if sampling is None else sampling
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i, **kw)
+              for i in range(len(prompts))]  # fmt: skip
     batch: list[str | list[int]] = list(prompts)
     warmup: list[str | list[int]] = [prompts[0][:8]]
-    llm.generate(warmup, SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    llm.generate(warmup, SamplingParams(max_tokens=2, **kw), use_tqdm=False)
     start = time.perf_counter()
     outputs = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     seconds = time.perf_counter() - start
-    return RunResult("poise", dtype, len(prompts), sum(map(len, outputs)), seconds, outputs)
+    name = "poise" if sampling is None else "poise+penalties"
+    return RunResult(name, dtype, len(prompts), sum(map(len, outputs)), seconds, outputs)
 
 
 def _run_peers(dtype: str, prompts: list[list[int]], args: argparse.Namespace) -> list[RunResult]:
@@ -266,12 +284,18 @@ def run_all(args: argparse.Namespace) -> list[RunResult]:
         if "poise" in args.engines:
             results.append(run_poise(prompts, args.max_tokens, args.max_num_seqs, dtype))
             _log_result(results[-1])
+            if args.penalties:
+                results.append(
+                    run_poise(prompts, args.max_tokens, args.max_num_seqs, dtype, PENALTIES)
+                )
+                _log_result(results[-1])
         results += _run_peers(dtype, prompts, args)
     return results
 
 
 def ratios(results: list[RunResult]) -> dict[str, dict[str, float]]:
-    """dtype -> {peer: poise tok/s / peer tok/s}."""
+    """dtype -> {peer: poise tok/s / peer tok/s}; ``poise+penalties`` is a peer too (its ratio
+    is greedy's speed over the penalties run's: within 1.1 is the issue's target)."""
     out: dict[str, dict[str, float]] = {}
     for dtype in dict.fromkeys(r.dtype for r in results):
         by_engine = {r.engine: r for r in results if r.dtype == dtype}
@@ -295,7 +319,7 @@ def agreement(results: list[RunResult]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for r in results:
         ours = next((x for x in results if x.engine == "poise" and x.dtype == r.dtype), None)
-        if r.engine == "poise" or ours is None or not r.outputs:
+        if r.engine.startswith("poise") or ours is None or not r.outputs:
             continue
         same = sum(a == b for a, b in zip(ours.outputs, r.outputs, strict=True))
         out.setdefault(r.dtype, {})[r.engine] = same / len(r.outputs)
@@ -312,6 +336,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=32, help="poise and generate_batch cap")
     p.add_argument("--static-batch-size", type=int, default=8)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--penalties", action="store_true",
+                   help="also run poise with top-p and the three penalties on every request "
+                   f"({PENALTIES}) and print greedy / that")  # fmt: skip
     p.add_argument("--json", default=None, help="write results here")
     return p.parse_args(argv)
 

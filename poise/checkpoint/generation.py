@@ -2,10 +2,8 @@
 
 ``--generation-config``: ``auto`` (the default, as in vLLM) reads the model directory's file,
 ``vllm`` ignores it (poise's own defaults), a directory reads that directory's file. The keys
-taken are vLLM's: temperature, top_p, top_k, min_p and max_new_tokens (as max_tokens); a value
-a request gives wins. repetition_penalty is also one of vLLM's keys, but poise does not
-implement penalties yet: it is reported by ``unapplied`` (and logged at load), never silently
-dropped.
+taken are vLLM's: repetition_penalty, temperature, top_p, top_k, min_p and max_new_tokens (as
+max_tokens); a value a request gives wins.
 """
 
 from __future__ import annotations
@@ -18,13 +16,13 @@ from poise.checkpoint.source import ModelSource
 
 # generation_config.json key -> SamplingParams field.
 SAMPLING_KEYS = {
+    "repetition_penalty": "repetition_penalty",
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",
     "min_p": "min_p",
     "max_new_tokens": "max_tokens",
 }
-NOT_APPLIED_KEYS = ("repetition_penalty",)
 
 
 def generation_config(setting: str, source: ModelSource) -> dict[str, Any]:
@@ -55,9 +53,3 @@ def sampling_defaults(setting: str, source: ModelSource) -> dict[str, Any]:
     return {
         field: config[key] for key, field in SAMPLING_KEYS.items() if config.get(key) is not None
     }
-
-
-def unapplied(setting: str, source: ModelSource) -> dict[str, Any]:
-    """vLLM default keys in the generation config that poise cannot apply yet (non-neutral)."""
-    config = generation_config(setting, source)
-    return {k: config[k] for k in NOT_APPLIED_KEYS if config.get(k) not in (None, 1, 1.0)}

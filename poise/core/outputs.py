@@ -43,6 +43,9 @@ class ScheduledRequest:
     # Output tokens generated before this step (index of the token sampled now), for seeding.
     output_index: int
     num_prompt_tokens: int
+    # (prompt token ids, output token ids so far): the request's own lists, not copies, set
+    # only when it samples this step and its params read past tokens (penalties).
+    token_history: tuple[list[int], list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:

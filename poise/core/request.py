@@ -96,6 +96,9 @@ class Request:
     # Scheduling inputs: lower priority values go first (vLLM); class and targets set on entry.
     priority: int = 0
     slo: SloTargets = field(default_factory=SloTargets)
+    # A sibling of the same n > 1 request that computes the shared prompt (core/parallel.py):
+    # this one is admitted once that one holds the prompt's full blocks, and shares them.
+    prompt_leader: str | None = None
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:

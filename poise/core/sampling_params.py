@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from poise.errors import InvalidRequestError
@@ -34,16 +35,19 @@ class SamplingParams:
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
 
-    # vLLM's fields that poise does not implement yet, at their "off" value. Any other value is
-    # refused by ``validate`` with a message naming the field, never silently ignored.
+    # vLLM's sampling fields (runner/penalties.py applies the logit ones). ``n`` samples share
+    # the prompt (core/parallel.py); child ``i`` of a seeded request uses ``seed + i``.
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+
+    # vLLM's fields that poise does not implement yet, at their "off" value. Any other value is
+    # refused by ``validate`` with a message naming the field, never silently ignored.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: object | None = None
@@ -53,6 +57,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_token_history(self) -> bool:
+        """Whether sampling reads the request's past tokens (any of the three penalties)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the field; ``vocab_size`` checks stop token ids."""
@@ -80,6 +93,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise InvalidRequestError(f"{name} must be > 0, got {value}", name)
+        self._validate_logit_fields(vocab_size)
         for name, off in NOT_IMPLEMENTED.items():
             if getattr(self, name) not in off:
                 raise InvalidRequestError(
@@ -97,18 +111,47 @@ class SamplingParams:
                         "stop_token_ids",
                     )
 
+    def _validate_logit_fields(self, vocab_size: int | None) -> None:
+        """n, penalties, min_tokens and logit_bias: vLLM's ranges (logit_bias: OpenAI's)."""
+        if not _is_int(self.n) or self.n < 1:
+            raise InvalidRequestError(f"n must be at least 1, got {self.n!r}", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", name)
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise InvalidRequestError(
+                f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty}",
+                "repetition_penalty",
+            )
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+                "min_tokens",
+            )
+        for token, bias in (self.logit_bias or {}).items():
+            if not _is_int(token) or token < 0 or (vocab_size is not None and token >= vocab_size):
+                within = f" [0, {vocab_size})" if vocab_size is not None else ""
+                raise InvalidRequestError(
+                    f"logit_bias: token id {token!r} is outside the vocabulary{within}",
+                    "logit_bias",
+                )
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError(
+                    f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias}",
+                    "logit_bias",
+                )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 # Field -> the values that mean "off" (the first is the default), for vLLM's fields not yet
 # implemented. An empty dict or list counts as off.
 NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
-    "n": (1,),
-    "presence_penalty": (0.0,),
-    "frequency_penalty": (0.0,),
-    "repetition_penalty": (1.0,),
-    "min_tokens": (0,),
     "logprobs": (None,),
     "prompt_logprobs": (None,),
-    "logit_bias": (None, {}),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "structured_outputs": (None,),

@@ -146,13 +146,24 @@ class EngineCore:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
+        *,
+        prompt_leader: str | None = None,
     ) -> Request:
+        """``prompt_leader``: the request that computes this one's prompt (``n`` > 1 siblings,
+        ``poise.core.parallel.fan_out``); a request with ``n`` > 1 must be fanned out first."""
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "id")
         self.validate(prompt_token_ids, sampling_params)
+        if sampling_params.n != 1:
+            raise InvalidRequestError(
+                "n > 1 reaches the engine as n requests: add poise.core.parallel.fan_out's "
+                "children",
+                "n",
+            )
         self.check_capacity()
         now = self.clock.now()
         request = self._new_request(request_id, prompt_token_ids, sampling_params, arrival_time)
+        request.prompt_leader = prompt_leader
         request.times.enqueued = now
         self.scheduler.check_admission(request, now)
         self.scheduler.add_request(request)

@@ -16,7 +16,7 @@ from poise.core.timing import RequestMetrics
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence (poise has one per request until ``n`` > 1 is implemented)."""
+    """One generated sequence: ``RequestOutput.outputs`` holds ``n`` of them, by ``index``."""
 
     index: int
     text: str

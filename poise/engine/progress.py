@@ -1,5 +1,8 @@
 """The offline engine loop: add a batch of requests, step until all finish, build outputs.
 
+A request with ``n`` > 1 runs as ``n`` engine requests sharing its prompt (core/parallel.py);
+its ``RequestOutput`` gets one ``CompletionOutput`` per sample, in index order.
+
 Each delta's tokens go through the request's incremental detokenizer (stop strings end the
 request in the engine); a finishing delta sets the finish reason, the stop reason and the
 latency breakdown. With ``use_tqdm`` a progress bar counts finished requests and shows the
@@ -12,6 +15,7 @@ import time
 from typing import Any
 
 from poise.core.outputs import RequestDelta
+from poise.core.parallel import fan_out
 from poise.core.sampling_params import SamplingParams
 from poise.core.timing import derive
 from poise.engine.core import EngineCore
@@ -31,32 +35,37 @@ def run_requests(
     from poise.text.detokenizer import IncrementalDetokenizer
 
     outputs: dict[str, RequestOutput] = {}
+    # Engine request id -> (its RequestOutput, the CompletionOutput it fills, its params):
+    # one per request, or one per sample when n > 1 (core/parallel.py's children).
+    slots: dict[str, tuple[RequestOutput, CompletionOutput, SamplingParams]] = {}
     detoks: dict[str, IncrementalDetokenizer] = {}
     for tokens, sp in zip(token_lists, params, strict=True):
         engine.validate(tokens, sp)  # refuse a bad request before any of the batch is admitted
     for rid, text, tokens, sp in zip(ids, texts, token_lists, params, strict=True):
-        engine.add_request(rid, tokens, sp)
-        outputs[rid] = RequestOutput(rid, text, tokens, [CompletionOutput(0, "", [])])
-        if tokenizer is not None:  # a bare checkpoint without tokenizer: ids only
-            detoks[rid] = IncrementalDetokenizer(tokenizer, tokens, sp)
-    by_id = dict(zip(ids, params, strict=True))
+        out = outputs[rid] = RequestOutput(rid, text, tokens, [])
+        for child in fan_out(rid, sp):
+            engine.add_request(child.request_id, tokens, child.params,
+                               prompt_leader=child.prompt_leader)  # fmt: skip
+            completion = CompletionOutput(child.index, "", [])
+            out.outputs.append(completion)
+            slots[child.request_id] = (out, completion, child.params)
+            if tokenizer is not None:  # a bare checkpoint without tokenizer: ids only
+                detoks[child.request_id] = IncrementalDetokenizer(tokenizer, tokens, child.params)
     bar = _Progress(len(ids), sum(len(t) for t in token_lists)) if use_tqdm else None
-    pending = set(ids)
+    pending = set(slots)
     try:
         while pending:
             deltas, _ = engine.step()
             for delta in deltas:
-                out = outputs.get(delta.request_id)
-                if out is None:
+                slot = slots.get(delta.request_id)
+                if slot is None:
                     continue
-                delta = _apply(
-                    engine, out, detoks.get(delta.request_id), delta, by_id[out.request_id]
-                )
+                delta = _apply(engine, *slot, detoks.get(delta.request_id), delta)
                 if bar is not None:
                     bar.tokens(len(delta.new_token_ids))
                 if delta.finished:
                     pending.discard(delta.request_id)
-                    if bar is not None:
+                    if bar is not None and slot[0].finished:
                         bar.finished()
     finally:
         if pending:  # an exception (KeyboardInterrupt) must not leave requests running
@@ -67,9 +76,13 @@ def run_requests(
 
 
 def _apply(
-    engine: EngineCore, out: RequestOutput, detok: Any, delta: RequestDelta, sp: SamplingParams
+    engine: EngineCore,
+    out: RequestOutput,
+    completion: CompletionOutput,
+    sp: SamplingParams,
+    detok: Any,
+    delta: RequestDelta,
 ) -> RequestDelta:
-    completion = out.outputs[0]
     completion.token_ids.extend(delta.new_token_ids)
     if detok is not None:
         text = detok.update(delta.new_token_ids, delta.finished)
@@ -85,10 +98,12 @@ def _apply(
         # vLLM's stop_reason: the stop string or stop token id; None for EOS and length.
         if completion.stop_reason is None and delta.stop_reason in sp.stop_token_ids:
             completion.stop_reason = delta.stop_reason
-        out.finished = True
-        out.error_message = delta.error_message
-        out.num_preemptions = delta.num_preemptions
-        out.num_cached_tokens = delta.num_cached_tokens
+        # The request is finished with its last sample; its metrics are that sample's (for
+        # n > 1 the latest to finish), its preemptions those of all samples.
+        out.finished = all(c.finish_reason is not None for c in out.outputs)
+        out.error_message = out.error_message or delta.error_message
+        out.num_preemptions += delta.num_preemptions
+        out.num_cached_tokens = max(out.num_cached_tokens, delta.num_cached_tokens)
         out.metrics = derive(delta.times) if delta.times else None
     return delta
 

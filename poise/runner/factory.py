@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from poise.checkpoint.generation import sampling_defaults, unapplied
+from poise.checkpoint.generation import sampling_defaults
 from poise.checkpoint.source import resolve_model
 from poise.config import EngineConfig
 from poise.model.loader import LoadedModel, load_model
@@ -79,14 +79,16 @@ def create_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelInfo]:
     caches = allocate_kv_caches(arch, blocks, cc.block_size, dtype, device)
     tokenizer_source = mc.tokenizer or loaded.tokenizer_source
     tokenizer = load_tokenizer(tokenizer_source) if tokenizer_source else None
-    runner = ModelRunner(loaded.model, attention, caches, cc.block_size, device, seed=mc.seed)
+    eos_ids = _eos_ids(loaded, tokenizer)
+    runner = ModelRunner(loaded.model, attention, caches, cc.block_size, device, seed=mc.seed,
+                         eos_token_ids=eos_ids)  # fmt: skip
     info = ModelInfo(
         model_name=loaded.name,
         vocab_size=arch.vocab_size,
         max_model_len=max_model_len,
         num_kv_blocks=blocks,
         block_size=cc.block_size,
-        eos_token_ids=_eos_ids(loaded, tokenizer),
+        eos_token_ids=eos_ids,
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
         attention_backend=attention.name,
@@ -97,12 +99,7 @@ def create_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelInfo]:
 
 
 def _generation_defaults(setting: str, model: str | None) -> dict[str, Any]:
-    source = resolve_model(model)
-    skipped = unapplied(setting, source)
-    if skipped:
-        logger.warning("generation config: %s not applied (poise does not implement it yet)",
-                       ", ".join(f"{k}={v}" for k, v in skipped.items()))  # fmt: skip
-    defaults = sampling_defaults(setting, source)
+    defaults = sampling_defaults(setting, resolve_model(model))
     if defaults:
         logger.info("default sampling parameters from the generation config: %s", defaults)
     return defaults

@@ -30,12 +30,15 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         seed: int = 0,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.model = model
         self.attention = attention
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        # What min_tokens holds back besides a request's own stop_token_ids.
+        self.eos_token_ids = eos_token_ids
         # Unseeded sampling draws from here, so a run with a given engine seed is reproducible.
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -60,5 +63,7 @@ class ModelRunner:
             [r.sampling_params for r in sampled],
             [r.output_index for r in sampled],
             generator=self.generator,
+            histories=[r.token_history for r in sampled],
+            eos_token_ids=self.eos_token_ids,
         )
         return ModelRunnerOutput({r.request_id: t for r, t in zip(sampled, tokens, strict=True)})

@@ -5,6 +5,9 @@ step into one token id each. Row ``i`` of ``logits`` belongs to ``params[i]``, w
 is its ``output_indices[i]``-th output token.
 
 Invariants and choices:
+- Before anything else, ``penalties.adjust`` applies ``logit_bias``, ``min_tokens`` and the
+  repetition / frequency / presence penalties to the rows that ask for them (vLLM's order);
+  greedy rows take the argmax of the adjusted logits, as in vLLM.
 - All math is float32, whatever the logits dtype.
 - ``temperature == 0`` (and ``top_k == 1``) is greedy: the argmax of the raw logits. A batch of
   only greedy rows takes one ``argmax`` and nothing else.
@@ -30,6 +33,8 @@ from collections.abc import Sequence
 import torch
 
 from poise.core.sampling_params import SamplingParams
+from poise.runner import penalties
+from poise.runner.penalties import TokenHistory
 
 # First candidate count for top-p; it grows by _GROWTH until the row's top-p mass is covered.
 _TOP_P_CANDIDATES = 256
@@ -43,8 +48,13 @@ def sample(
     output_indices: list[int],
     *,
     generator: torch.Generator | None = None,
+    histories: Sequence[TokenHistory | None] | None = None,
+    eos_token_ids: frozenset[int] = frozenset(),
 ) -> list[int]:
-    """One token id per logits row. ``logits`` is [S, V] in any float dtype."""
+    """One token id per logits row. ``logits`` is [S, V] in any float dtype.
+
+    ``histories[i]``: row ``i``'s (prompt, output) token ids, needed where its params ask for
+    a penalty; ``eos_token_ids``: what ``min_tokens`` masks besides ``stop_token_ids``."""
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(output_indices):
         raise ValueError(
             f"logits {tuple(logits.shape)} must be [S, V] with S == len(params) == "
@@ -52,6 +62,7 @@ def sample(
         )
     if not params:
         return []
+    logits = penalties.adjust(logits, params, output_indices, histories, eos_token_ids)
     is_greedy = [p.temperature == 0.0 or p.top_k == 1 for p in params]
     if all(is_greedy):
         # Fast path: argmax is exact in any float dtype, no float32 copy needed.

@@ -47,6 +47,7 @@ from poise.sched.ordering import PolicyContext, is_partial_prefill
 from poise.sched.policies import StepPlan
 from poise.sched.predictor import Forecast, prefill_left
 from poise.sched.shares import ShareLedger
+from poise.sched.siblings import leader_blocks
 from poise.sched.steering import Steering
 from poise.sched.stopping import check_stop
 
@@ -278,7 +279,11 @@ class Scheduler:
         if not ledger.slot_allowed(cls, free):
             ledger.left_waiting(cls)
             return True  # the slot is held for another class that has work waiting
-        cached = self.kv.find_cached_prefix(request)
+        shared = leader_blocks(request, self.requests, self.kv)
+        if shared is None:  # an n > 1 sibling waits for its leader's prompt; others may pass
+            ledger.left_waiting(cls)
+            return True
+        cached = shared or self.kv.find_cached_prefix(request)
         start = len(cached) * self.kv.block_size  # the cached prefix counts as computed
         remaining = request.num_tokens - start
         n = self._chunk_size(remaining, ledger.token_allowance(cls, plan.budget))
@@ -325,6 +330,9 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     output_index=request.num_output_tokens,
                     num_prompt_tokens=request.num_prompt_tokens,
+                    token_history=(request.prompt_token_ids, request.output_token_ids)
+                    if sample and request.sampling_params.needs_token_history
+                    else None,
                 )
             )
         out.preempted_request_ids = plan.preempted_ids

@@ -142,6 +142,10 @@ def _document_limits(props: dict[str, Any], state: ServingState) -> None:
         v["items"]["maxLength"] = limits.max_stop_sequence_chars
     for v in _variants(props["stop_token_ids"], "array"):
         v["maxItems"] = limits.max_stop_token_ids
+    for v in _variants(props["n"], "integer"):
+        v["maximum"] = limits.max_n
+    for v in _variants(props["logit_bias"], "object"):
+        v["maxProperties"] = limits.max_logit_bias
     for name in ("max_tokens", "max_completion_tokens"):
         for v in _variants(props.get(name, {}), "integer"):
             v["maximum"] = state.max_model_len - 1  # and the prompt must fit next to it
@@ -219,13 +223,14 @@ async def _generate(
     n_prompt = len(prep.prompt_token_ids)
     if req.stream:
         body = streams.sse(pieces, prep.request_id, model, n_prompt, chat=chat,
-                           include_usage=req.include_usage)  # fmt: skip
+                           include_usage=req.include_usage,
+                           continuous_usage=req.continuous_usage, n=req.n)  # fmt: skip
         return StreamingResponse(body, media_type="text/event-stream")
     try:
-        result = await streams.collect_until_disconnect(pieces, raw)
+        results = await streams.collect_until_disconnect(pieces, raw)
     except Exception as exc:  # noqa: BLE001
         return map_exception(exc, state.metrics)
-    if result is None:  # client left; nobody reads this
+    if results is None:  # client left; nobody reads this
         return Response(status_code=499)
-    resp = streams.full_response(result, prep.request_id, model, n_prompt, chat=chat)
+    resp = streams.full_response(results, prep.request_id, model, n_prompt, chat=chat)
     return Response(json.dumps(resp), media_type="application/json")

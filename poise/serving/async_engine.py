@@ -52,6 +52,8 @@ class CoreLike(Protocol):
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
+        *,
+        prompt_leader: str | None = None,
     ) -> Any: ...
     def abort(self, request_ids: Iterable[str]) -> list[RequestDelta]: ...
     def finish(self, request_id: str) -> RequestDelta | None: ...
@@ -84,6 +86,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     admitted: asyncio.Future[None]
+    prompt_leader: str | None = None  # an n > 1 sibling's leader (core/parallel.py)
 
 
 class AsyncEngine:
@@ -168,8 +171,11 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float,
+        *,
+        prompt_leader: str | None = None,
     ) -> RequestStream:
-        """Admit a request; raises InvalidRequestError, OverloadedError or EngineDeadError."""
+        """Admit a request; raises InvalidRequestError, OverloadedError or EngineDeadError.
+        ``prompt_leader``: as ``EngineCore.add_request`` (n > 1 siblings)."""
         if self.error is not None:
             raise EngineDeadError(self.error)
         if not self.accepting:
@@ -179,7 +185,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, len(prompt_token_ids))
         self._streams[request_id] = stream
-        add = _Add(request_id, prompt_token_ids, params, arrival_time, loop.create_future())
+        add = _Add(request_id, prompt_token_ids, params, arrival_time, loop.create_future(),
+                   prompt_leader)  # fmt: skip
         with self._cv:
             self._adds.append(add)
             self._cv.notify()
@@ -279,7 +286,7 @@ class AsyncEngine:
             exc: BaseException | None = None
             try:
                 self.core.add_request(add.request_id, add.prompt_token_ids, add.params,
-                                      add.arrival_time)  # fmt: skip
+                                      add.arrival_time, prompt_leader=add.prompt_leader)  # fmt: skip
                 self._live.add(add.request_id)
                 self._awaiting_first[add.request_id] = len(add.prompt_token_ids)
             except Exception as e:  # noqa: BLE001 - InvalidRequest/Overloaded go to the client

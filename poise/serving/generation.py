@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from poise.core.outputs import RequestDelta
+from poise.core.parallel import Child, fan_out
 from poise.core.sampling_params import SamplingParams
 from poise.errors import InvalidRequestError, ShuttingDownError
 from poise.serving.async_engine import AsyncEngine
@@ -33,6 +34,7 @@ from poise.serving.errors import GenerationFailed
 from poise.serving.limits import (
     PromptCharBound,
     TokenizerQueue,
+    check_sampling_limits,
     check_stop_limits,
     longest_token_chars,
 )
@@ -48,10 +50,11 @@ __all__ = ["GenerationFailed", "Generator", "Piece", "Prepared"]
 @dataclass
 class Piece:
     text: str
-    num_tokens: int  # output tokens generated so far (usage.completion_tokens at the end)
+    num_tokens: int  # this sample's output tokens so far (its share of usage.completion_tokens)
     finish_reason: str | None = None
     # On the last piece of a request that asked for it: request_metrics.response_metrics.
     metrics: dict[str, Any] | None = None
+    index: int = 0  # the sample (choice) it belongs to, for n > 1
 
 
 @dataclass
@@ -138,7 +141,9 @@ class Generator:
 
     def _check_cheap(self, req: ChatCompletionRequest | CompletionRequest) -> None:
         """Limits that need no tokenizer, so a bad request costs no tokenizer time."""
+        req.check_fields()
         check_stop_limits(req.stop_list(), list(req.stop_token_ids or []), self.limits)
+        check_sampling_limits(req.n, req.logit_bias, self.limits)
 
     def _prepared(
         self,
@@ -167,14 +172,27 @@ class Generator:
     # ---- generating ---------------------------------------------------------------------
 
     async def generate(self, prep: Prepared) -> AsyncIterator[Piece]:
-        """Admit and stream. Raises at admission before the first yield."""
-        stream = await self.engine.add_request(
-            prep.request_id, prep.prompt_token_ids, prep.params, prep.arrival_time
-        )
-        return self._pieces(prep, stream)
+        """Admit and stream. Raises at admission before the first yield. With n > 1 every
+        sample is its own engine request sharing the prompt (core/parallel.py), and the
+        pieces of all samples come interleaved, tagged with their ``index``."""
+        admitted: list[tuple[Child, Any]] = []
+        try:
+            for child in fan_out(prep.request_id, prep.params):
+                stream = await self.engine.add_request(
+                    child.request_id, prep.prompt_token_ids, child.params, prep.arrival_time,
+                    prompt_leader=child.prompt_leader,
+                )  # fmt: skip
+                admitted.append((child, stream))
+        except BaseException:
+            for child, _ in admitted:  # all samples or none
+                self.engine.abort(child.request_id)
+            raise
+        pieces = [self._pieces(prep, c, stream) for c, stream in admitted]
+        return pieces[0] if len(pieces) == 1 else _merged(pieces)
 
-    async def _pieces(self, prep: Prepared, stream: Any) -> AsyncIterator[Piece]:
-        detok = IncrementalDetokenizer(self.tokenizer, prep.prompt_token_ids, prep.params)
+    async def _pieces(self, prep: Prepared, child: Child, stream: Any) -> AsyncIterator[Piece]:
+        detok = IncrementalDetokenizer(self.tokenizer, prep.prompt_token_ids, child.params)
+        rid, index = child.request_id, child.index
         n_tokens = 0
         done = False
         try:
@@ -196,21 +214,56 @@ class Generator:
                 if out.stopped and not delta.finished:
                     # A stop string matched: the engine may already be computing more tokens
                     # for this request; end it there and report "stop" to the client now.
-                    self.engine.finish(prep.request_id)
+                    self.engine.finish(rid)
                     done = True
-                    yield Piece(out.text, n_tokens, "stop", self._metrics(prep, delta, n_tokens))
+                    yield Piece(out.text, n_tokens, "stop", self._metrics(prep, delta, n_tokens),
+                                index)  # fmt: skip
                     return
                 if delta.finished:
                     done = True
                     reason = "stop" if out.stopped else delta.finish_reason
-                    yield Piece(out.text, n_tokens, reason, self._metrics(prep, delta, n_tokens))
+                    yield Piece(out.text, n_tokens, reason, self._metrics(prep, delta, n_tokens),
+                                index)  # fmt: skip
                     return
                 if out.text:
-                    yield Piece(out.text, n_tokens)
+                    yield Piece(out.text, n_tokens, index=index)
         finally:
             if not done:
-                self.engine.abort(prep.request_id)
+                self.engine.abort(rid)
 
     @staticmethod
     def _metrics(prep: Prepared, delta: RequestDelta, n_tokens: int) -> dict[str, Any] | None:
         return response_metrics(delta, n_tokens) if prep.include_metrics else None
+
+
+async def _merged(sources: list[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:
+    """The pieces of several samples in the order they arrive. Closing this (client gone)
+    closes every source, whose ``finally`` aborts its engine request."""
+    queue: asyncio.Queue[Piece | BaseException | None] = asyncio.Queue()
+
+    async def pump(source: AsyncIterator[Piece]) -> None:
+        try:
+            async for piece in source:
+                await queue.put(piece)
+            await queue.put(None)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put(exc)
+
+    tasks = [asyncio.ensure_future(pump(source)) for source in sources]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for source in sources:
+            with contextlib.suppress(Exception):
+                await source.aclose()  # type: ignore[attr-defined]

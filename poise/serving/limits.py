@@ -1,7 +1,8 @@
 """Per-request limits checked before any expensive work (docs/reliability.md lists them).
 
 - ``check_stop_limits``: the number and length of stop strings and the number of stop token
-  ids (``RequestLimitsConfig``); 400 naming the limit and its flag.
+  ids (``RequestLimitsConfig``); 400 naming the limit and its flag. ``check_sampling_limits``:
+  ``n`` and the number of ``logit_bias`` entries, likewise.
 - ``PromptCharBound``: a prompt that cannot fit in ``max_model_len`` judged from its length in
   characters, before it is tokenized. No token of the tokenizer decodes to more characters than
   its longest vocabulary entry (``L``, 81 for SmolLM2: byte-level BPE entries spell one
@@ -49,6 +50,22 @@ def check_stop_limits(
             f"stop_token_ids: {len(stop_token_ids)} ids, more than the "
             f"{limits.max_stop_token_ids} this server accepts ({_flag('max_stop_token_ids')})",
             "stop_token_ids",
+        )
+
+
+def check_sampling_limits(
+    n: int, logit_bias: dict[str, float] | None, limits: RequestLimitsConfig
+) -> None:
+    if n > limits.max_n:
+        raise InvalidRequestError(
+            f"n: {n} samples, more than the {limits.max_n} this server accepts ({_flag('max_n')})",
+            "n",
+        )
+    if logit_bias and len(logit_bias) > limits.max_logit_bias:
+        raise InvalidRequestError(
+            f"logit_bias: {len(logit_bias)} entries, more than the {limits.max_logit_bias} this "
+            f"server accepts ({_flag('max_logit_bias')})",
+            "logit_bias",
         )
 
 

@@ -1,7 +1,7 @@
 """The OpenAI HTTP schema (the subset poise serves) as pydantic models.
 
 Requests accept unknown fields (clients send many optional ones) but reject values poise cannot
-honour (n > 1, logprobs, penalties) with a 400 that names the field, rather than ignoring them
+honour (logprobs, ...) with a 400 that names the field, rather than ignoring them
 silently. Extensions follow vLLM's spelling: ``top_k``, ``min_p``, ``ignore_eos``,
 ``stop_token_ids``, ``include_stop_str_in_output``.
 
@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from poise.core.sampling_params import SamplingParams
+from poise.errors import InvalidRequestError
 
 
 class _Lenient(BaseModel):
@@ -30,6 +31,8 @@ class _Lenient(BaseModel):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    # vLLM's extension: with include_usage, every chunk also carries the usage so far.
+    continuous_usage_stats: bool = False
 
 
 MIN_TEMPERATURE = 1e-5
@@ -84,11 +87,20 @@ class _SamplingRequest(_Lenient):
     )
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    n: int = Field(1, ge=1, le=1, description="Only 1 is supported.")
+    n: int = Field(
+        1, ge=1, description="Samples of the one prompt (sharing its KV); up to --max-n."
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(None, ge=0.0, le=0.0, description="Only 0.")
-    frequency_penalty: float | None = Field(None, ge=0.0, le=0.0, description="Only 0.")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(
+        None, gt=0.0, description="vLLM's: > 1 discourages tokens of the prompt and output."
+    )
+    min_tokens: int = Field(0, ge=0, description="EOS and stop tokens are held back until then.")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100]; up to --max-logit-bias."
+    )
     user: str | None = None
     # Scheduling inputs (vLLM's ``priority``: lower first; poise's traffic class and per-request
     # SLO overrides, in ms). The class may also come in the ``X-Poise-Class`` header.
@@ -105,6 +117,22 @@ class _SamplingRequest(_Lenient):
         if v is not None and 0.0 < v < MIN_TEMPERATURE:
             raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {v}")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids (integers as strings), got {key!r}")
+        return v
+
+    def check_fields(self) -> None:
+        """Rules across fields, as InvalidRequestError naming the field."""
+        if self.stream_options is not None and not self.stream:
+            # vLLM and OpenAI refuse them without a stream rather than ignoring them.
+            raise InvalidRequestError(
+                "stream_options: only allowed when stream is true", "stream_options"
+            )
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -135,6 +163,16 @@ class _SamplingRequest(_Lenient):
             top_p=d.get("top_p", 1.0) if self.top_p is None else self.top_p,
             top_k=d.get("top_k", 0) if self.top_k is None else self.top_k,
             min_p=d.get("min_p", 0.0) if self.min_p is None else self.min_p,
+            n=self.n,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=(
+                d.get("repetition_penalty", 1.0)
+                if self.repetition_penalty is None
+                else self.repetition_penalty
+            ),
+            min_tokens=self.min_tokens,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             seed=self.seed,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
@@ -152,10 +190,19 @@ class _SamplingRequest(_Lenient):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (vLLM: ``continuous_usage_stats`` with ``include_usage``)."""
+        return self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
+
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="Wins over max_tokens.")
+    max_completion_tokens: int | None = Field(
+        None, ge=1, description="OpenAI's newer name for max_tokens; both, if given, must agree."
+    )
     logprobs: bool | None = None
 
     @field_validator("logprobs")
@@ -165,8 +212,19 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("logprobs are not supported")
         return v
 
+    def check_fields(self) -> None:
+        super().check_fields()
+        # max_tokens is OpenAI's deprecated name; two different limits is a client bug that
+        # no precedence rule answers well, so it is refused rather than one silently dropped.
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise InvalidRequestError(
+                f"max_completion_tokens ({self.max_completion_tokens}) and max_tokens "
+                f"({self.max_tokens}) differ; give one (max_tokens is the deprecated name)",
+                "max_completion_tokens",
+            )
+
     def _max_tokens(self) -> int | None:
-        # The newer name wins; the old one is deprecated by OpenAI but still common.
         return self.max_completion_tokens if self.max_completion_tokens is not None else (
             self.max_tokens
         )  # fmt: skip

@@ -38,6 +38,15 @@ class RequestLimitsConfig:
         "every generated token).",
         default=256,
     )
+    max_n: int = _help(
+        "Largest n (samples per request); more is a 400. Each sample is a running sequence.",
+        default=128,
+    )
+    max_logit_bias: int = _help(
+        "Most logit_bias entries one request may give; more is a 400 (each entry is work in "
+        "every step that samples the request).",
+        default=300,
+    )
     max_tokenizer_queue_chars: int = _help(
         "Characters of prompt text waiting for or in tokenization, all requests together; a "
         "request that would go beyond gets 429 + Retry-After instead of queueing behind "

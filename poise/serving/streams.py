@@ -2,8 +2,10 @@
 
 Stream shape (chat): a first chunk with ``delta.role``, one chunk per text piece, a last chunk
 with ``finish_reason``, then (``stream_options.include_usage``) a chunk with empty ``choices``
-and the usage, then ``data: [DONE]``. Per-request timing (``include_metrics``) rides on the last
-chunk before ``[DONE]``, and on the body of a response that is not streamed. An error after the stream started becomes one
+and the usage, then ``data: [DONE]``. With ``continuous_usage_stats`` too (vLLM's extension),
+every chunk also carries the usage so far. Per-request timing (``include_metrics``) rides on the
+last chunk before ``[DONE]``, and on the body of a response that is not streamed (with ``n`` > 1:
+the timing of the sample that finished last). An error after the stream started becomes one
 ``data: {"error": ...}`` event (the openai client raises it as APIError), then ``[DONE]``.
 
 Invariant: leaving a stream early (client disconnect cancels the response task) closes the
@@ -57,16 +59,19 @@ def _json(body: _Body) -> str:
 
 def _chunk(rid: str, model: str, created: int, chat: bool, text: str | None,
            finish: str | None, role: str | None = None,
+           usage: UsageInfo | None = None, index: int = 0,
            metrics: dict[str, Any] | None = None) -> str:  # fmt: skip
     if chat:
-        choice = ChatChunkChoice(delta=DeltaMessage(role=role, content=text), finish_reason=finish)
+        choice = ChatChunkChoice(
+            index=index, delta=DeltaMessage(role=role, content=text), finish_reason=finish
+        )
         return _json(ChatCompletionChunk(
-            id=rid, created=created, model=model, choices=[choice], metrics=metrics
+            id=rid, created=created, model=model, choices=[choice], usage=usage, metrics=metrics
         ))  # fmt: skip
-    c = CompletionChoice(text=text or "", finish_reason=finish)
-    return _json(
-        CompletionResponse(id=rid, created=created, model=model, choices=[c], metrics=metrics)
-    )
+    c = CompletionChoice(index=index, text=text or "", finish_reason=finish)
+    return _json(CompletionResponse(
+        id=rid, created=created, model=model, choices=[c], usage=usage, metrics=metrics
+    ))  # fmt: skip
 
 
 def _usage_chunk(rid: str, model: str, created: int, chat: bool, usage: UsageInfo,
@@ -98,24 +103,37 @@ async def sse(
     *,
     chat: bool,
     include_usage: bool,
+    continuous_usage: bool = False,
+    n: int = 1,
 ) -> AsyncIterator[str]:
+    """``n`` samples: each has its own choice ``index`` (chat: its own role chunk first);
+    completion tokens in the usage are those of all samples."""
     created = now_s()
-    n_tokens = 0
+    counts = [0] * n  # output tokens so far, per sample
+    finished = 0
     metrics = None  # per-request timing (include_metrics): on the last chunk before [DONE]
+
+    def so_far() -> UsageInfo | None:  # vLLM's continuous_usage_stats: usage on every chunk
+        return UsageInfo.of(num_prompt_tokens, sum(counts)) if continuous_usage else None
+
     try:
         if chat:
-            yield _event(_chunk(rid, model, created, chat, "", None, role="assistant"))
+            for i in range(n):
+                yield _event(_chunk(rid, model, created, chat, "", None, role="assistant",
+                                    usage=so_far(), index=i))  # fmt: skip
         async for piece in pieces:
-            n_tokens = piece.num_tokens
+            counts[piece.index] = piece.num_tokens
             if piece.finish_reason is None:
-                yield _event(_chunk(rid, model, created, chat, piece.text, None))
+                yield _event(_chunk(rid, model, created, chat, piece.text, None,
+                                    usage=so_far(), index=piece.index))  # fmt: skip
                 continue
-            metrics = piece.metrics
-            last = None if include_usage else metrics
+            finished += 1
+            metrics = piece.metrics  # the sample finishing last gives the request's timing
+            last = None if include_usage or finished < n else metrics
             yield _event(_chunk(rid, model, created, chat, piece.text, piece.finish_reason,
-                                metrics=last))  # fmt: skip
+                                usage=so_far(), index=piece.index, metrics=last))  # fmt: skip
         if include_usage:
-            usage = UsageInfo.of(num_prompt_tokens, n_tokens)
+            usage = UsageInfo.of(num_prompt_tokens, sum(counts))
             yield _event(_usage_chunk(rid, model, created, chat, usage, metrics))
     except (GenerationFailed, InvalidRequestError, ShuttingDownError) as exc:
         yield _error_event(exc)
@@ -133,15 +151,24 @@ class Result:
     num_tokens: int
     finish_reason: str | None
     metrics: dict[str, Any] | None = None
+    finish_order: int = 0  # among the request's samples (n > 1)
 
 
-async def _collect(pieces: AsyncIterator[Piece]) -> Result:
-    parts: list[str] = []
-    last = Piece("", 0)
+async def _collect(pieces: AsyncIterator[Piece]) -> list[Result]:
+    """One Result per sample, by index."""
+    parts: dict[int, list[str]] = {}
+    last: dict[int, Piece] = {}
+    order: list[int] = []  # sample indices as they finished
     async for piece in pieces:
-        parts.append(piece.text)
-        last = piece
-    return Result("".join(parts), last.num_tokens, last.finish_reason, last.metrics)
+        parts.setdefault(piece.index, []).append(piece.text)
+        last[piece.index] = piece
+        if piece.finish_reason is not None:
+            order.append(piece.index)
+    return [
+        Result("".join(parts[i]), last[i].num_tokens, last[i].finish_reason, last[i].metrics,
+               order.index(i) if i in order else -1)
+        for i in sorted(last)
+    ]  # fmt: skip
 
 
 async def _wait_disconnect(raw: Request) -> None:
@@ -151,8 +178,11 @@ async def _wait_disconnect(raw: Request) -> None:
             return
 
 
-async def collect_until_disconnect(pieces: AsyncIterator[Piece], raw: Request) -> Result | None:
-    """Run a non-streaming request to the end; None (and aborted) if the client leaves first."""
+async def collect_until_disconnect(
+    pieces: AsyncIterator[Piece], raw: Request
+) -> list[Result] | None:
+    """Run a non-streaming request to the end (a Result per sample); None (and aborted) if the
+    client leaves first."""
     work = asyncio.ensure_future(_collect(pieces))
     gone = asyncio.ensure_future(_wait_disconnect(raw))
     try:
@@ -170,18 +200,22 @@ async def collect_until_disconnect(pieces: AsyncIterator[Piece], raw: Request) -
     return work.result()
 
 
-def full_response(result: Result, rid: str, model: str, n_prompt: int, *, chat: bool) -> Any:
-    usage = UsageInfo.of(n_prompt, result.num_tokens)
+def full_response(results: list[Result], rid: str, model: str, n_prompt: int, *, chat: bool) -> Any:
+    usage = UsageInfo.of(n_prompt, sum(r.num_tokens for r in results))
+    # The request's timing is that of the sample that finished last (n > 1).
+    metrics = max(results, key=lambda r: r.finish_order).metrics
     body: _Body
     if chat:
-        msg = ChatResponseMessage(content=result.text)
-        choice = ChatChoice(message=msg, finish_reason=result.finish_reason)
+        choices = [
+            ChatChoice(index=i, message=ChatResponseMessage(content=r.text),
+                       finish_reason=r.finish_reason)
+            for i, r in enumerate(results)
+        ]  # fmt: skip
         body = ChatCompletionResponse(
-            id=rid, model=model, choices=[choice], usage=usage, metrics=result.metrics
+            id=rid, model=model, choices=choices, usage=usage, metrics=metrics
         )
     else:
-        c = CompletionChoice(text=result.text, finish_reason=result.finish_reason)
-        body = CompletionResponse(
-            id=rid, model=model, choices=[c], usage=usage, metrics=result.metrics
-        )
+        cs = [CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
+              for i, r in enumerate(results)]  # fmt: skip
+        body = CompletionResponse(id=rid, model=model, choices=cs, usage=usage, metrics=metrics)
     return body.model_dump(exclude=_no_metrics(body))

@@ -139,6 +139,12 @@ class _StopState:
         self.state = k
         return -1
 
+    def skip(self, text: str) -> None:
+        """Advance over ``text`` ignoring matches (stop strings not checked yet: min_tokens)."""
+        while (end := self.feed(text)) >= 0:
+            self.state = self._fail[-1]
+            text = text[end:]
+
 
 class StopChecker:
     """Finds stop strings across text pieces and holds back possible stop prefixes."""
@@ -156,14 +162,15 @@ class StopChecker:
         """All text so far, cut at the stop string if one matched."""
         return "".join(self._streamed) + self._pending
 
-    def append(self, new_text: str, finished: bool = False) -> TextDelta:
-        """Add text; return what may be streamed now."""
+    def append(self, new_text: str, finished: bool = False, check: bool = True) -> TextDelta:
+        """Add text; return what may be streamed now. ``check=False``: no stop string may end
+        in this text (vLLM's ``min_tokens`` rule), but it still counts for later matches."""
         if self.stopped:
             return TextDelta("", True, self.stop_str)
         base = len(self._pending)
         self._pending += new_text
         best: tuple[int, str] | None = None
-        for state in self._stops:
+        for state in self._stops if check else ():
             end = state.feed(new_text)
             if end >= 0:
                 # A match starts at or after the held-back tail: its part in the old text was a
@@ -175,6 +182,9 @@ class StopChecker:
             start, stop = best
             self.stopped, self.stop_str = True, stop
             return TextDelta(self._take(start + len(stop) if self._include else start), True, stop)
+        if not check:
+            for state in self._stops:
+                state.skip(new_text)
         hold = 0 if finished else max((s.state for s in self._stops), default=0)
         return TextDelta(self._take(len(self._pending) - hold))
 
@@ -197,6 +207,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._decoder = TokenWindowDecoder(tokenizer, prompt_token_ids, skip_special_tokens)
         self._stop = StopChecker(params.stop, params.include_stop_str_in_output)
+        self._min_tokens = params.min_tokens
 
     @property
     def output_text(self) -> str:
@@ -219,4 +230,6 @@ class IncrementalDetokenizer:
         if self._stop.stopped:
             return TextDelta("", True, self._stop.stop_str)
         piece = self._decoder.update(new_token_ids, flush=finished)
-        return self._stop.append(piece, finished=finished)
+        # vLLM: stop strings count only once more than min_tokens tokens were generated.
+        check = len(self._decoder.output_token_ids) > self._min_tokens
+        return self._stop.append(piece, finished=finished, check=check)

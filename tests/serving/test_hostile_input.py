@@ -323,7 +323,9 @@ def test_openapi_schema_matches_what_the_server_answers(server: InProcessServer)
             assert ref.endswith("/ErrorResponse")
     chat, completion = models["ChatCompletionRequest"], models["CompletionRequest"]
     assert chat["properties"]["messages"]["minItems"] == 1
-    assert chat["properties"]["n"]["maximum"] == 1 == chat["properties"]["n"]["minimum"]
+    assert chat["properties"]["n"]["maximum"] == 128 and chat["properties"]["n"]["minimum"] == 1
+    bias = next(v for v in chat["properties"]["logit_bias"]["anyOf"] if v.get("type") == "object")
+    assert bias["maxProperties"] == 300
     roles = models["ChatMessage"]["properties"]["role"]["enum"]
     assert set(roles) == {"system", "user", "assistant", "tool", "developer"}
     variants = completion["properties"]["prompt"]["anyOf"]

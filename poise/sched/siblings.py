@@ -1,0 +1,31 @@
+"""Admission of ``n`` > 1 siblings: they share the prompt blocks their leader computed.
+
+``poise.core.parallel`` explains the fan-out; this is the scheduler's half of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from poise.core.request import Request, RequestStatus
+from poise.kv.manager import KVCacheManager
+
+
+def leader_blocks(
+    request: Request, requests: Mapping[str, Request], kv: KVCacheManager
+) -> list[int] | None:
+    """The prompt blocks ``request`` takes from its ``prompt_leader`` on admission.
+
+    [] when there is nothing to share (no leader, the leader finished, or the prompt has no
+    full block before its last token); None while the leader has not computed them yet: the
+    request waits (requests behind it may still be admitted).
+    """
+    full = (request.num_prompt_tokens - 1) // kv.block_size  # one token short, to sample
+    leader = requests.get(request.prompt_leader) if request.prompt_leader else None
+    if leader is None or leader.is_finished or full == 0:
+        return []
+    if leader.status is not RequestStatus.RUNNING or (
+        leader.num_computed_tokens < full * kv.block_size
+    ):
+        return None
+    return kv.get_block_ids(leader.request_id)[:full]
