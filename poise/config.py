@@ -18,11 +18,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from poise.config_fields import _help, _require
+
+# Re-exported: ModelConfig and its choices live in config_model.py (this file's size).
+from poise.config_model import ATTENTION_BACKENDS as ATTENTION_BACKENDS
+from poise.config_model import DTYPES as DTYPES
+from poise.config_model import QUANTIZATIONS as QUANTIZATIONS
+from poise.config_model import ModelConfig as ModelConfig
+
 SchedulingPolicy = Literal["fifo", "prefill_first", "priority", "slo"]
 SCHEDULING_POLICIES: tuple[str, ...] = ("fifo", "prefill_first", "priority", "slo")
 ADMISSION_CONTROLS: tuple[str, ...] = ("none", "predictive")
-DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "auto")
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu")
 # vLLM's default share of device memory.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # The byte base of a CPU KV pool (a CPU has no device memory to take a fraction of).
@@ -45,75 +51,6 @@ ALIASES: dict[str, str] = {
     "scheduler_type": "scheduling_policy",
     "torch_threads": "num_threads",
 }
-
-
-def _help(text: str, **kw: Any) -> Any:
-    return field(metadata={"help": text}, **kw)
-
-
-def _require(cond: bool, field_name: str, message: str) -> None:
-    if not cond:
-        raise ValueError(f"{field_name}: {message}")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    model: str | None = _help(
-        "Hugging Face directory (config.json + *.safetensors), a Hub id in the local HF cache "
-        "(never downloaded), a .gguf file, or 'dummy:<dir or config.json>' for random weights. "
-        "Default: the embedded SmolLM2-135M-Instruct GGUF.",
-        default=None,
-    )
-    tokenizer: str | None = _help(
-        "Tokenizer directory, when it differs from the model's.", default=None
-    )
-    dtype: str = _help(
-        "Weights and activations dtype: float32, bfloat16, float16 or auto (bfloat16 on CUDA "
-        "and on CPUs with native bf16 matmul, AVX512-BF16 or AMX; float32 on other CPUs). "
-        "float32 matches the fp32 transformers reference exactly; bfloat16 halves weight and "
-        "KV memory and is about twice as fast where the CPU has native bf16.",
-        default="auto",
-    )
-    device: str = _help(
-        "torch device: auto (cuda when a CUDA device is present, else cpu), cpu, cuda, cuda:1...",
-        default="auto",
-    )
-    seed: int = _help("Seed for dummy weights and for unseeded sampling.", default=0)
-    generation_config: str = _help(
-        "Where default sampling parameters come from: auto (the model's generation_config.json: "
-        "temperature, top_p, top_k, min_p, max_new_tokens, as vLLM), vllm (none: poise's "
-        "defaults) or a directory holding a generation_config.json. A request's values win.",
-        default="auto",
-    )
-    max_model_len: int | None = _help(
-        "Longest sequence (prompt + output) a request may reach. Default: the model's context "
-        "length. Longer prompts are rejected with a 400, never truncated.",
-        default=None,
-    )
-    attention_backend: str = _help(
-        "Paged attention implementation: auto, torch or cpu. 'cpu' is a C++ kernel (built once "
-        "with the system compiler, cached) that reads K/V in place through the block tables; "
-        "'torch' gathers blocks and calls SDPA. auto = cpu on a CPU device when the kernel "
-        "builds (float32/bfloat16), else torch.",
-        default="auto",
-    )
-    num_threads: int | None = _help(
-        "torch intra-op threads for the model (torch.set_num_threads). Default: torch's choice "
-        "(the number of cores). Fewer threads than cores helps when other processes compete "
-        "for the CPU.",
-        default=None,
-    )
-
-    def __post_init__(self) -> None:
-        _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
-        _require(
-            self.attention_backend in ATTENTION_BACKENDS,
-            "attention_backend",
-            f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
-        )
-        for name in ("num_threads", "max_model_len"):
-            value = getattr(self, name)
-            _require(value is None or value > 0, name, f"must be > 0, got {value}")
 
 
 @dataclass(frozen=True)

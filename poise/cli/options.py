@@ -29,6 +29,7 @@ from poise.config import (
     ADMISSION_CONTROLS,
     ALIASES,
     DTYPES,
+    QUANTIZATIONS,
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
@@ -125,6 +126,8 @@ def _kwargs_for(field: dataclasses.Field[Any], hint: Any) -> dict[str, Any]:
         kwargs.update(choices=ADMISSION_CONTROLS)
     elif field.name == "dtype":
         kwargs.update(choices=DTYPES)
+    elif field.name == "quantization":
+        kwargs.update(choices=QUANTIZATIONS)
     elif field.name.endswith("_bytes") or field.name == "kv_cache_memory_base":
         kwargs.update(type=parse_bytes, metavar="BYTES")
     elif base in (int, float):

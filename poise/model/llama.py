@@ -10,11 +10,15 @@ Weights: q/k/v are fused into one ``qkv_proj`` and gate/up into ``gate_up_proj``
 each instead of three/two). Hugging Face names are kept at the loading boundary:
 ``load_weights`` takes (HF name, tensor) pairs such as ``model.layers.0.self_attn.q_proj.weight``
 and copies each into its slice of the fused parameter.
+
+Quantization (``--quantization``, model/quant.py): the decoder layers' projections are built as
+quantized linears instead of ``Linear`` (``linear_class``); ``load_weights`` hands each of
+their float weights (or shards) to the layer, which quantizes those rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -23,10 +27,13 @@ from torch import nn
 
 from poise.checkpoint.arch import ArchConfig
 from poise.model.attention import AttentionBackend, AttentionMetadata
+from poise.model.quant import QUANT_LINEARS, QuantLinear
 from poise.model.rope import RotaryEmbedding, apply_rope
 
 # Per layer: [num_blocks, block_size, 2 * Hkv, hd], K heads then V heads per token slot.
 KVCache = torch.Tensor
+# (in_features, out_features, bias) -> the module: Linear, or a quantized one.
+LinearClass = Callable[[int, int, bool], nn.Module]
 
 
 class Linear(nn.Module):
@@ -77,14 +84,14 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, linear: LinearClass) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
         self.head_dim = arch.head_dim
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
-        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.qkv_proj = linear(arch.hidden_size, self.q_size + 2 * self.kv_size, arch.qkv_bias)
+        self.o_proj = linear(self.q_size, arch.hidden_size, arch.o_bias)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
@@ -113,11 +120,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, linear: LinearClass) -> None:
         super().__init__()
         self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = linear(arch.hidden_size, 2 * arch.intermediate_size, False)
+        self.down_proj = linear(arch.intermediate_size, arch.hidden_size, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
@@ -125,10 +132,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, linear: LinearClass) -> None:
         super().__init__()
-        self.self_attn = Attention(arch)
-        self.mlp = MLP(arch)
+        self.self_attn = Attention(arch, linear)
+        self.mlp = MLP(arch, linear)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -146,10 +153,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, linear: LinearClass) -> None:
         super().__init__()
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, linear) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
@@ -164,10 +171,12 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, quantization: str | None = None) -> None:
+        """``quantization``: None (every Linear in the model dtype) or a QUANT_LINEARS key."""
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch)
+        linear: LinearClass = Linear if quantization is None else QUANT_LINEARS[quantization]
+        self.model = LlamaModel(arch, linear)
         # Tied: compute_logits reuses embed_tokens.weight (no second Parameter to keep tied).
         self.lm_head = (
             None
@@ -218,8 +227,13 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"model: unexpected weight {name!r}")
             param = params[target]
+            module_name, _, leaf = target.rpartition(".")
+            module = self.get_submodule(module_name)
             with torch.no_grad():
-                if shard is None:
+                if isinstance(module, QuantLinear) and leaf == "weight":
+                    start = 0 if shard is None else self._shard_range(target, shard)[0]
+                    module.load_rows(start, tensor)
+                elif shard is None:
                     param.copy_(tensor.view_as(param))
                 else:
                     start, size = self._shard_range(target, shard)

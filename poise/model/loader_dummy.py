@@ -1,5 +1,6 @@
 """``dummy:<config.json or dir>``: random weights for a given architecture (for perf work on
-shapes we have no checkpoint for). Deterministic for a given seed."""
+shapes we have no checkpoint for). Deterministic for a given seed. Quantized layers draw their
+float weights the same way, then quantize them (model/quant.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from poise.checkpoint.source import ModelSource, describe
 from poise.model.loader import LoadedModel, empty_model
+from poise.model.quant import QuantLinear
 
 
 def load_dummy(
@@ -14,13 +16,20 @@ def load_dummy(
     dtype: torch.dtype,
     device: torch.device,
     seed: int,
+    quantization: str | None = None,
 ) -> LoadedModel:
     arch = describe(source)
-    model = empty_model(arch, dtype, device)
+    model = empty_model(arch, dtype, device, quantization)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            module = model.get_submodule(name.rpartition(".")[0])
+            if isinstance(module, QuantLinear) and param is module.weight:
+                shape = (module.out_features, module.in_features)
+                module.load_rows(
+                    0, torch.empty(shape, device=device).normal_(0.0, 0.02, generator=gen)
+                )
+            elif name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()

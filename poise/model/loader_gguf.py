@@ -2,7 +2,8 @@
 
 - Config: ``checkpoint.gguf_config`` (torch-free: the simulator describes GGUFs too).
 - Weights: GGUF names -> HF names (``blk.N.attn_q.weight`` -> ``model.layers.N.self_attn.
-  q_proj.weight`` ...), dequantised to float32 then cast to the model dtype.
+  q_proj.weight`` ...), dequantised to float32; the model casts them to its dtype, or
+  quantizes them (``--quantization``) from those float32 values.
 - Q/K rows: llama.cpp's converter reorders the rows of q_proj/k_proj of "llama" models (and
   Mistral, stored as llama) so each head's rotary pairs are interleaved (GPT-J style, pairs
   (2i, 2i+1)) instead of HF's halves (pairs (i, i + hd/2)). We undo it per head::
@@ -72,9 +73,8 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(rows, *w.shape[3:])
 
 
-def iter_gguf_weights(
-    gf: GGUFFile, arch: ArchConfig, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(gf: GGUFFile, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) pairs."""
     permuted = gf.get("general.architecture") in _PERMUTED_ARCHES
     for name, info in gf.tensors.items():
         target = hf_name(name)
@@ -87,19 +87,21 @@ def iter_gguf_weights(
             w = unpermute_qk(w, arch.num_heads)
         elif permuted and target.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute_qk(w, arch.num_kv_heads)
-        yield target, w.to(dtype)
+        yield target, w
 
 
-def load_gguf(source: ModelSource, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_gguf(
+    source: ModelSource, dtype: torch.dtype, device: torch.device, quantization: str | None
+) -> LoadedModel:
     path = source.path
     gf = GGUFFile(path)
     arch = arch_from_gguf(gf)
-    model = empty_model(arch, dtype, device)
+    model = empty_model(arch, dtype, device, quantization)
     # Small tensor ops: extra intra-op threads cost more than they give on a busy machine.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        loaded = model.load_weights(iter_gguf_weights(gf, arch, dtype))
+        loaded = model.load_weights(iter_gguf_weights(gf, arch))
     finally:
         torch.set_num_threads(threads)
     check_complete(model, loaded, str(path))

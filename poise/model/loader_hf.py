@@ -23,11 +23,12 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs in the checkpoint's dtype: the model casts (or quantizes) each."""
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name).to(dtype)
+                yield name, f.get_tensor(name)
 
 
 def _eos_from_generation_config(path: Path) -> frozenset[int]:
@@ -40,11 +41,13 @@ def _eos_from_generation_config(path: Path) -> frozenset[int]:
     return frozenset([value] if isinstance(value, int) else value)
 
 
-def load_hf_dir(source: ModelSource, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_hf_dir(
+    source: ModelSource, dtype: torch.dtype, device: torch.device, quantization: str | None
+) -> LoadedModel:
     path = source.path
     arch = describe(source)
-    model = empty_model(arch, dtype, device)
-    loaded = model.load_weights(iter_safetensors(safetensors_files(path), dtype))
+    model = empty_model(arch, dtype, device, quantization)
+    loaded = model.load_weights(iter_safetensors(safetensors_files(path)))
     check_complete(model, loaded, str(path))
     return LoadedModel(
         model=model,

@@ -71,7 +71,7 @@ def create_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelInfo]:
     if mc.num_threads is not None:
         torch.set_num_threads(mc.num_threads)
     attention = create_attention_backend(mc.attention_backend, device, dtype)
-    loaded = load_model(mc.model, dtype, device, seed=mc.seed)
+    loaded = load_model(mc.model, dtype, device, seed=mc.seed, quantization=mc.quantization)
     arch = loaded.arch
     max_model_len = resolve_max_model_len(mc.max_model_len, arch.context_length)
     loaded.model.init_rope(max_model_len)

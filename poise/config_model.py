@@ -1,0 +1,86 @@
+"""ModelConfig: what to load and how (the ``model`` group of every engine command's flags).
+
+Torch-free, like all of poise/config*.py: the simulator and the lab describe models too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from poise.config_fields import _help, _require
+
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "auto")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu")
+# --quantization values (vLLM's flag; its method names are checkpoint formats, ours are what
+# the weights become at load). None: the weights stay in dtype.
+QUANTIZATIONS: tuple[str, ...] = ("int8", "int4")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = _help(
+        "Hugging Face directory (config.json + *.safetensors), a Hub id in the local HF cache "
+        "(never downloaded), a .gguf file, or 'dummy:<dir or config.json>' for random weights. "
+        "Default: the embedded SmolLM2-135M-Instruct GGUF.",
+        default=None,
+    )
+    tokenizer: str | None = _help(
+        "Tokenizer directory, when it differs from the model's.", default=None
+    )
+    dtype: str = _help(
+        "Weights and activations dtype: float32, bfloat16, float16 or auto (bfloat16 on CUDA "
+        "and on CPUs with native bf16 matmul, AVX512-BF16 or AMX; float32 on other CPUs). "
+        "float32 matches the fp32 transformers reference exactly; bfloat16 halves weight and "
+        "KV memory and is about twice as fast where the CPU has native bf16.",
+        default="auto",
+    )
+    device: str = _help(
+        "torch device: auto (cuda when a CUDA device is present, else cpu), cpu, cuda, cuda:1...",
+        default="auto",
+    )
+    seed: int = _help("Seed for dummy weights and for unseeded sampling.", default=0)
+    generation_config: str = _help(
+        "Where default sampling parameters come from: auto (the model's generation_config.json: "
+        "temperature, top_p, top_k, min_p, max_new_tokens, as vLLM), vllm (none: poise's "
+        "defaults) or a directory holding a generation_config.json. A request's values win.",
+        default="auto",
+    )
+    max_model_len: int | None = _help(
+        "Longest sequence (prompt + output) a request may reach. Default: the model's context "
+        "length. Longer prompts are rejected with a 400, never truncated.",
+        default=None,
+    )
+    attention_backend: str = _help(
+        "Paged attention implementation: auto, torch or cpu. 'cpu' is a C++ kernel (built once "
+        "with the system compiler, cached) that reads K/V in place through the block tables; "
+        "'torch' gathers blocks and calls SDPA. auto = cpu on a CPU device when the kernel "
+        "builds (float32/bfloat16), else torch.",
+        default="auto",
+    )
+    num_threads: int | None = _help(
+        "torch intra-op threads for the model (torch.set_num_threads). Default: torch's choice "
+        "(the number of cores). Fewer threads than cores helps when other processes compete "
+        "for the CPU.",
+        default=None,
+    )
+
+    quantization: str | None = _help(
+        "Weight quantization of the decoder layers' linear layers (vLLM's flag): int8 "
+        "(per-output-channel symmetric int8) or int4 (groups of 32 along the input, a scale and "
+        "a zero point each: a GGUF's Q4_0/Q4_1 weights fit exactly). Activations, norms, "
+        "embeddings and the lm_head stay in dtype. CPU only. Default: none (weights in dtype).",
+        default=None,
+    )
+
+    def __post_init__(self) -> None:
+        choices = {
+            "dtype": DTYPES,
+            "attention_backend": ATTENTION_BACKENDS,
+            "quantization": (None, *QUANTIZATIONS),
+        }
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            _require(value in allowed, name, f"must be one of {allowed}, got {value!r}")
+        for name in ("num_threads", "max_model_len"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, name, f"must be > 0, got {value}")
