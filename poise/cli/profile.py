@@ -123,6 +123,7 @@ def _provenance(args: argparse.Namespace, info: Any, grid: str, threads: int) ->
         "python": platform.python_version(),
         "device": info.device,
         "dtype": info.dtype,
+        "quantization": info.quantization,
         "model": info.model_name,
         "block_size": info.block_size,
         "num_kv_blocks": info.num_kv_blocks,

@@ -96,12 +96,25 @@ def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
     from poise.sim.roofline import RooflineCostModel
 
     step = None if args.step_overhead_ms is None else args.step_overhead_ms / 1000
+    quantization = config.model.quantization
     if args.profile:
-        return load_profile(
+        model = load_profile(
             args.profile,
             step_overhead_s=step,
             time_scale=args.time_scale,
             step_jitter_cv=args.step_jitter,
+        )
+        measured = model.provenance.get("quantization")
+        if quantization is not None and quantization != measured:
+            raise ValueError(
+                f"quantization: the profile measured {measured or 'unquantized'} weights; "
+                f"profile the engine with --quantization {quantization} to simulate it"
+            )
+        return model
+    if quantization is not None:
+        raise ValueError(
+            "quantization: the roofline cost model prices weights in dtype; simulate a "
+            "quantized engine from its profile (poise profile --quantization ...; --profile)"
         )
     if not args.accelerator:
         raise ValueError("cost model: give --profile FILE (see `poise profile`) or --accelerator")

@@ -68,6 +68,8 @@ class QuantLinear(nn.Module):
 
 
 class Int8Linear(QuantLinear):
+    scales: torch.Tensor
+
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias)
         self.weight = nn.Parameter(
@@ -87,6 +89,8 @@ class Int8Linear(QuantLinear):
 
 
 class Int4Linear(QuantLinear):
+    scales_and_zeros: torch.Tensor
+
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias)
         if in_features % INT4_GROUP or out_features % _INT4_ROW_TILE:

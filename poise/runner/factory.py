@@ -42,6 +42,7 @@ class ModelInfo:
     tokenizer: Any  # a transformers tokenizer (chat_template set when known), or None
     # SamplingParams defaults from the generation config (checkpoint/generation.py).
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    quantization: str | None = None  # ModelConfig.quantization: how the weights are stored
 
 
 def resolve_max_model_len(requested: int | None, context_length: int) -> int:
@@ -94,6 +95,7 @@ def create_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelInfo]:
         attention_backend=attention.name,
         tokenizer=tokenizer,
         default_sampling=_generation_defaults(mc.generation_config, mc.model),
+        quantization=mc.quantization,
     )
     return runner, info
 
