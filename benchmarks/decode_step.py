@@ -1,11 +1,13 @@
 """Decode step time of poise vs the floor of its own linear layers (same run, same dtype).
 
-32 short requests are prefilled, then decode together; each step is timed end to end through
+``--batch`` (32) short requests are prefilled, then decode together; each step is timed end to end through
 ``ModelRunner.execute`` (input building, forward, paged attention, logits, sampling). The
-floor is the model's matmuls alone at batch 32 (every q/k/v, o, gate/up, down projection and
-the lm_head, with the model's own weights): no framework can do a step faster than that.
+floor is the model's matmuls alone at that batch (every q/k/v, o, gate/up, down projection and
+the lm_head, with the model's own weights and layers: quantized ones under
+``--quantizations``): no framework can do a step faster than that.
 
     .venv/bin/python benchmarks/decode_step.py [--model PATH] [--steps 20] [--threads N]
+    .venv/bin/python benchmarks/decode_step.py --dtypes bfloat16 --quantizations none,int8,int4
 
 Timings are the best of ``--steps`` repeats, in wall and in process-CPU time (the steadier
 one on a machine shared with other work). ``--threads 1`` gives the most repeatable numbers
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 # As poise.runner does for the CLI: OpenMP reads this once, when torch loads.
@@ -28,10 +31,12 @@ from poise.config import EngineConfig  # noqa: E402
 from poise.core.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
 from poise.core.sampling_params import SamplingParams  # noqa: E402
 from poise.model.llama import Linear  # noqa: E402
+from poise.model.quant import QuantLinear  # noqa: E402
 from poise.runner.factory import create_model_runner  # noqa: E402
 from poise.runner.model_runner import ModelRunner  # noqa: E402
 
-BATCH, BLOCK = 32, 16
+BLOCK = 16
+BATCH = 32  # --batch
 
 
 class Timer:
@@ -53,21 +58,27 @@ def best_pair(timers: list[Timer]) -> tuple[float, float]:
 
 
 def linear_floor(runner: ModelRunner, steps: int) -> tuple[float, float]:
-    """Best (wall, cpu) seconds for all of the model's matmuls at batch BATCH."""
+    """Best (wall, cpu) seconds for all of the model's linear layers (as the model runs them:
+    quantized or not) and the lm_head at batch BATCH."""
     model = runner.model
-    weights = [m.weight for m in model.modules() if isinstance(m, Linear)]
+    layers = [m for m in model.modules() if isinstance(m, (Linear, QuantLinear))]
     head = model.lm_head.weight if model.lm_head is not None else model.model.embed_tokens.weight
-    weights.append(head)
     dtype = head.dtype
-    inputs = {w.shape[1]: torch.randn(BATCH, w.shape[1], dtype=dtype) for w in weights}
+    sizes = {head.shape[1], *(_in_features(m) for m in layers)}
+    inputs = {k: torch.randn(BATCH, k, dtype=dtype) for k in sizes}
     timers = []
     with torch.inference_mode():
         for _ in range(steps + 2):
             with Timer() as t:
-                for w in weights:
-                    F.linear(inputs[w.shape[1]], w)
+                for m in layers:
+                    m(inputs[_in_features(m)])
+                F.linear(inputs[head.shape[1]], head)
             timers.append(t)
     return best_pair(timers[2:])
+
+
+def _in_features(m: torch.nn.Module) -> int:
+    return m.in_features if isinstance(m, QuantLinear) else int(m.weight.shape[1])
 
 
 def decode_steps(runner: ModelRunner, steps: int, prompt_len: int) -> tuple[float, float]:
@@ -102,19 +113,31 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument(
+        "--quantizations", default="none", help="comma list of none, int8, int4 (--quantization)"
+    )
+    parser.add_argument("--batch", type=int, default=32, help="requests decoding together")
+    parser.add_argument(
+        "--floor-repeats", type=int, default=5, help="interleaved rounds comparing the floors"
+    )
+    parser.add_argument(
         "--prompt-len", type=int, default=16, help="context each request decodes against"
     )
     args = parser.parse_args()
+    global BATCH
+    BATCH = args.batch
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"batch {BATCH}, prompt {args.prompt_len}, threads {torch.get_num_threads()}")
-    print(f"{'':>9} {'---------- wall ----------':>28} {'---------- cpu -----------':>28}")
+    print(f"{'':>14} {'---------- wall ----------':>28} {'---------- cpu -----------':>28}")
     header = f"{'step ms':>9} {'floor ms':>9} {'ratio':>8}"
-    print(f"{'dtype':>9} {header} {header} {'tok/s':>8}")
-    for dtype in args.dtypes.split(","):
+    print(f"{'dtype':>14} {header} {header} {'tok/s':>8}")
+    settings = [(d, q) for d in args.dtypes.split(",") for q in args.quantizations.split(",")]
+    runners: dict[str, ModelRunner] = {}
+    for dtype, quantization in settings:
         config = EngineConfig.from_kwargs(
             model=args.model,
             dtype=dtype,
+            quantization=None if quantization == "none" else quantization,
             num_kv_blocks=BATCH * ((args.prompt_len + args.steps + 2) // BLOCK + 2),
             block_size=BLOCK,
         )
@@ -126,7 +149,29 @@ def main() -> None:
         cols = [
             f"{step[i] * 1e3:9.2f} {floor[i] * 1e3:9.2f} {step[i] / floor[i]:8.2f}" for i in (0, 1)
         ]
-        print(f"{dtype:>9} {cols[0]} {cols[1]} {BATCH / step[0]:8.0f}")
+        name = dtype if quantization == "none" else f"{dtype} {quantization}"
+        print(f"{name:>14} {cols[0]} {cols[1]} {BATCH / step[0]:8.0f}")
+        runners[name] = runner
+    if len(runners) > 1 and args.floor_repeats:
+        compare_floors(runners, args.floor_repeats, args.steps)
+
+
+def compare_floors(runners: dict[str, ModelRunner], repeats: int, steps: int) -> None:
+    """The linear floors of every setting, interleaved (a round of each setting, ``repeats``
+    rounds) so a busy machine's drift hits all alike; medians of the rounds' best-of-steps CPU
+    times, and each setting's ratio to the first."""
+    cpu: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, runner in runners.items():
+            cpu[name].append(linear_floor(runner, steps)[1])
+    first = statistics.median(next(iter(cpu.values())))
+    print(f"linear floor at batch {BATCH}, CPU ms, {repeats} interleaved rounds:")
+    for name, times in cpu.items():
+        med = statistics.median(times)
+        rounds = " ".join(f"{t * 1e3:.1f}" for t in times)
+        print(
+            f"{name:>14} median {med * 1e3:8.2f}  speedup vs first {first / med:5.2f}x  ({rounds})"
+        )
 
 
 if __name__ == "__main__":
