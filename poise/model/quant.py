@@ -8,7 +8,9 @@ float tensor under its usual name (``...qkv_proj.weight``, or one shard of it) a
 shard (q, k or v of a fused qkv_proj) quantizes alone, exactly as the whole matrix would.
 
 - int8: symmetric per output channel, ``w ~= q * scale``, q in [-127, 127], scale =
-  max|row| / 127. ``torch.ops.aten._weight_int8pack_mm``.
+  max|row| / 127. In bfloat16 on AVX512-BF16 CPUs: our kernel (cpu_int8_linear.cpp, weights
+  repacked by ``finalize``), faster than bf16 at every batch; else
+  ``torch.ops.aten._weight_int8pack_mm`` (fast at batch 1, 2x slower than bf16 at batch 32).
 - int4: groups of ``INT4_GROUP`` = 32 inputs (a GGUF block), asymmetric: ``w ~= q * d + m``,
   q in [0, 15], m = group min, d = (max - min) / 15. A GGUF Q4_1 block is stored as exactly
   that (Q4_0 as d * (q - 8)), and its min and max are the values of q = 0 and 15, so the GGUF's
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from poise.model.quant_kernel import fits, int8_linear, load_int8_kernel, pack_int8
 
 INT4_GROUP = 32
 # torch's int4 CPU packing works on tiles of 16 output rows.
@@ -69,22 +73,50 @@ class QuantLinear(nn.Module):
 
 class Int8Linear(QuantLinear):
     scales: torch.Tensor
+    kernel_scales: torch.Tensor
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias)
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=torch.int8), requires_grad=False
         )
-        # In the model dtype (the kernel's requirement), like the bias.
+        # In the model dtype (torch's kernel's requirement), like the bias.
         self.register_buffer("scales", torch.empty(out_features))
+        self.packed = False  # weight in cpu_int8_linear.cpp's layout (finalize)
 
     def load_rows(self, start: int, w: torch.Tensor) -> None:
         q, scale = quantize_int8(w)
         self.weight.narrow(0, start, q.shape[0]).copy_(q)
         self.scales.narrow(0, start, q.shape[0]).copy_(scale)
 
+    def finalize(self) -> None:
+        use_kernel = (
+            self.scales.dtype == torch.bfloat16
+            and self.weight.device.type == "cpu"
+            and fits(self.out_features, self.in_features)
+            and load_int8_kernel() is not None
+        )
+        if self.packed:
+            return
+        if not use_kernel:
+            # torch 2.13's bf16/fp16 _weight_int8pack_mm returns garbage unless K % 16 == 0.
+            if self.scales.dtype != torch.float32 and self.in_features % 16:
+                raise ValueError(
+                    f"quantization: int8 in {self.scales.dtype} needs in_features divisible by "
+                    f"16 without the AVX512-BF16 kernel; this model has a {self.in_features} -> "
+                    f"{self.out_features} layer"
+                )
+            return
+        self.weight = nn.Parameter(pack_int8(self.weight), requires_grad=False)
+        # The same (bf16-rounded) scales torch's kernel would use, as the kernel's float32.
+        self.register_buffer("kernel_scales", self.scales.float(), persistent=False)
+        self.packed = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight, self.scales)
+        if self.packed:
+            y = int8_linear(x.contiguous(), self.weight, self.kernel_scales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight, self.scales)
         return y if self.bias is None else y + self.bias
 
 

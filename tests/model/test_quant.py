@@ -31,6 +31,7 @@ from poise.model.quant import (
     quantize_int4,
     quantize_int8,
 )
+from poise.model.quant_kernel import load_int8_kernel
 from poise.runner.factory import create_model_runner
 from tests.model.harness import PagedHarness
 from tests.model.test_gguf import CHAT_IDS, GREEDY, _greedy
@@ -46,6 +47,40 @@ def _layer(cls: type[QuantLinear], w: torch.Tensor, dtype: torch.dtype) -> Quant
         layer.load_rows(32, w[32:])
         layer.finalize()
     return layer
+
+
+@pytest.mark.skipif(load_int8_kernel() is None, reason="no AVX512-BF16 or no C++ compiler")
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 6, 7, 13, 32])
+@pytest.mark.parametrize(("n", "k"), [(64, 96), (48, 160), (112, 64)])
+def test_int8_kernel_matches_torch_kernel(m: int, n: int, k: int) -> None:
+    """Our kernel (bf16, packed weights) against torch's _weight_int8pack_mm on the same int8
+    weights and bf16 scales: row counts through the streamed (<= 4) and buffered paths and
+    every register block height, channel groups of 1-4 vectors (48, 64, 112)."""
+    torch.manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k) * torch.linspace(0.01, 1.0, n)[:, None]
+    layer = _layer(Int8Linear, w, torch.bfloat16)
+    assert layer.packed
+    x = torch.randn(m, k).bfloat16()
+    q, scale = quantize_int8(w)
+    want = torch.ops.aten._weight_int8pack_mm(x, q, scale.bfloat16())
+    got = layer(x)
+    # Both sum in float32 and round once to bf16: at most one bf16 ulp apart, plus the order.
+    torch.testing.assert_close(
+        got.float(), want.float(), atol=1e-2 * want.abs().max().item(), rtol=1e-2
+    )
+
+
+@pytest.mark.skipif(load_int8_kernel() is None, reason="no AVX512-BF16 or no C++ compiler")
+def test_int8_kernel_any_even_width() -> None:
+    """in_features 130: torch's bf16 int8 kernel returns garbage unless in_features % 16 == 0
+    (torch 2.13); ours takes any even width."""
+    torch.manual_seed(0)
+    w = torch.randn(48, 130)
+    layer = _layer(Int8Linear, w, torch.bfloat16)
+    x = torch.randn(9, 130).bfloat16()
+    q, scale = quantize_int8(w)
+    want = F.linear(x.float(), q.float() * scale.bfloat16().float()[:, None])
+    torch.testing.assert_close(layer(x).float(), want, atol=2e-2 * want.abs().max().item(), rtol=0)
 
 
 def _q4_1(w: torch.Tensor) -> torch.Tensor:
