@@ -61,18 +61,23 @@ def linear_floor(runner: ModelRunner, steps: int) -> tuple[float, float]:
     """Best (wall, cpu) seconds for all of the model's linear layers (as the model runs them:
     quantized or not) and the lm_head at batch BATCH."""
     model = runner.model
-    layers = [m for m in model.modules() if isinstance(m, (Linear, QuantLinear))]
-    head = model.lm_head.weight if model.lm_head is not None else model.model.embed_tokens.weight
-    dtype = head.dtype
-    sizes = {head.shape[1], *(_in_features(m) for m in layers)}
+    layers = [m for m in model.model.modules() if isinstance(m, (Linear, QuantLinear))]
+    head = model.lm_head if model.lm_head is not None else model.tied_head
+    embed = model.model.embed_tokens.weight
+    dtype = embed.dtype
+    sizes = {embed.shape[1], *(_in_features(m) for m in layers)}
     inputs = {k: torch.randn(BATCH, k, dtype=dtype) for k in sizes}
+    hidden = inputs[embed.shape[1]]
     timers = []
     with torch.inference_mode():
         for _ in range(steps + 2):
             with Timer() as t:
                 for m in layers:
                     m(inputs[_in_features(m)])
-                F.linear(inputs[head.shape[1]], head)
+                if head is not None:
+                    head(hidden)
+                else:  # tied, unquantized: the embedding is the head
+                    F.linear(hidden, embed)
             timers.append(t)
     return best_pair(timers[2:])
 

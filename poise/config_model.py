@@ -67,8 +67,9 @@ class ModelConfig:
     quantization: str | None = _help(
         "Weight quantization of the decoder layers' linear layers (vLLM's flag): int8 "
         "(per-output-channel symmetric int8) or int4 (groups of 32 along the input, a scale and "
-        "a zero point each: a GGUF's Q4_0/Q4_1 weights fit exactly). Activations, norms, "
-        "embeddings and the lm_head stay in dtype. CPU only. Default: none (weights in dtype).",
+        "a zero point each: a GGUF's Q4_1 weights fit exactly). int8 also quantizes the "
+        "lm_head. Activations, norms and embeddings stay in dtype. CPU only. Default: none "
+        "(weights in dtype).",
         default=None,
     )
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from poise.checkpoint.arch import ArchConfig
 from poise.model.attention import AttentionBackend, AttentionMetadata
-from poise.model.quant import QUANT_LINEARS, QuantLinear
+from poise.model.quant import QUANT_LINEARS, Int8Linear, QuantLinear
 from poise.model.rope import RotaryEmbedding, apply_rope
 
 # Per layer: [num_blocks, block_size, 2 * Hkv, hd], K heads then V heads per token slot.
@@ -177,11 +177,17 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         linear: LinearClass = Linear if quantization is None else QUANT_LINEARS[quantization]
         self.model = LlamaModel(arch, linear)
-        # Tied: compute_logits reuses embed_tokens.weight (no second Parameter to keep tied).
-        self.lm_head = (
-            None
-            if arch.tie_word_embeddings
-            else Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        # int8 quantizes the lm_head too (~20% of SmolLM2's decode matmuls; our int8 kernel
+        # beats bf16 on it). int4 does not: torch's int4 kernel is slower than bf16 on the head
+        # at batch 32, and a GGUF's head/embedding is usually 8-bit (Q8_0), not 4-bit.
+        head: LinearClass = Int8Linear if quantization == "int8" else Linear
+        # Tied: compute_logits reuses embed_tokens.weight (no second Parameter to keep tied),
+        # or, quantized, an int8 copy made from it once loaded (tie_quantized_head); the
+        # embedding lookup keeps the dtype weights.
+        tied = arch.tie_word_embeddings
+        self.lm_head = None if tied else head(arch.hidden_size, arch.vocab_size, False)
+        self.tied_head = (
+            head(arch.hidden_size, arch.vocab_size, False) if tied and head is not Linear else None
         )
         self.rotary: RotaryEmbedding | None = None
 
@@ -211,8 +217,16 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden_size] -> float32 logits [S, vocab]."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        head = self.lm_head if self.lm_head is not None else self.tied_head
+        if head is not None:
+            return head(hidden).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
+
+    def tie_quantized_head(self) -> None:
+        """Quantize the tied head from the loaded embedding (once the checkpoint is in)."""
+        if isinstance(self.tied_head, QuantLinear):
+            with torch.no_grad():
+                self.tied_head.load_rows(0, self.model.embed_tokens.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into our (possibly fused) parameters; returns HF names used."""
@@ -262,6 +276,8 @@ class LlamaForCausalLM(nn.Module):
         """The HF weight names a complete checkpoint provides for this architecture."""
         names: set[str] = set()
         for name, _ in self.named_parameters():
+            if name.startswith("tied_head."):
+                continue  # made from the embedding, not read from the checkpoint
             hf_names = [
                 name.replace(f".{fused}.", f".{hf}.")
                 for hf, (fused, _shard) in _FUSED.items()

@@ -88,5 +88,6 @@ def load_model(
         from poise.model.loader_hf import load_hf_dir
 
         loaded = load_hf_dir(source, dtype, device, quantization)
+    loaded.model.tie_quantized_head()
     finalize(loaded.model)
     return loaded

@@ -24,6 +24,8 @@ def load_dummy(
     with torch.no_grad():
         for name, param in model.named_parameters():
             module = model.get_submodule(name.rpartition(".")[0])
+            if name.startswith("tied_head."):
+                continue  # quantized from the embedding once it is drawn (load_model)
             if isinstance(module, QuantLinear) and param is module.weight:
                 shape = (module.out_features, module.in_features)
                 module.load_rows(

@@ -18,7 +18,8 @@ shard (q, k or v of a fused qkv_proj) quantizes alone, exactly as the whole matr
   zero = m + 8 d. ``torch.ops.aten._weight_int4pack_mm_for_cpu``; the nibbles are packed once
   every row is loaded (``finalize``), since the packed layout needs the whole matrix.
 
-Embeddings and the lm_head are not quantized (vLLM's quantized checkpoints keep them too).
+Embeddings stay in the model dtype. int8 also quantizes the lm_head (a tied one gets an int8
+copy of the embedding: llama.py); int4 keeps it in dtype.
 """
 
 from __future__ import annotations

@@ -156,14 +156,18 @@ def test_tiny_quantized_equals_float_model_on_dequantized_weights(
     tiny_checkpoints: dict[str, Path], kind: str, quantization: str
 ) -> None:
     """HF checkpoints, loaded shard by shard into fused q/k/v and gate/up (qkv bias for qwen2):
-    the quantized model computes what the float model does with each projection's weight
-    replaced by its dequantized values."""
+    the quantized model computes what the float model does with each projection's weight (and
+    int8's lm_head) replaced by its dequantized values."""
     path = str(tiny_checkpoints[kind])
     ids = list(range(3, 40))
     ref = load_model(path, torch.float32, torch.device("cpu")).model
     for module in ref.model.layers.modules():
         if isinstance(module, Linear):
             module.weight.copy_(_dequantized(module.weight, quantization))
+    if quantization == "int8":  # the lm_head too (tied: an int8 copy of the embedding)
+        head = ref.lm_head.weight if ref.lm_head is not None else ref.model.embed_tokens.weight
+        ref.lm_head = Linear(head.shape[1], head.shape[0], bias=False)
+        ref.lm_head.weight = torch.nn.Parameter(_dequantized(head, "int8"), requires_grad=False)
     quant = load_model(path, torch.float32, torch.device("cpu"), quantization=quantization).model
     logits = []
     for model in (ref, quant):
