@@ -18,13 +18,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from poise.config_fields import _help, _require
-
 # Re-exported: ModelConfig and its choices live in config_model.py (this file's size).
 from poise.config_model import ATTENTION_BACKENDS as ATTENTION_BACKENDS
 from poise.config_model import DTYPES as DTYPES
 from poise.config_model import QUANTIZATIONS as QUANTIZATIONS
 from poise.config_model import ModelConfig as ModelConfig
+from poise.config_model import _help, _require
 
 SchedulingPolicy = Literal["fifo", "prefill_first", "priority", "slo"]
 SCHEDULING_POLICIES: tuple[str, ...] = ("fifo", "prefill_first", "priority", "slo")

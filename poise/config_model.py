@@ -1,13 +1,25 @@
-"""ModelConfig: what to load and how (the ``model`` group of every engine command's flags).
+"""ModelConfig: what to load and how (the ``model`` group of every engine command's flags),
+and the two helpers every config dataclass is written with (here, config.py,
+serving/settings.py): a field carrying its CLI help text, and a check naming the field.
 
-Torch-free, like all of poise/config*.py: the simulator and the lab describe models too.
+A module of its own for config.py's size; config.py re-exports all of it. Torch-free: the
+simulator and the lab describe models too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from poise.config_fields import _help, _require
+
+def _help(text: str, **kw: Any) -> Any:
+    return field(metadata={"help": text}, **kw)
+
+
+def _require(cond: bool, field_name: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{field_name}: {message}")
+
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "auto")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu")
