@@ -15,9 +15,11 @@ vLLM's semantics and order, all on float32 rows:
 4. ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI's definitions): over the output
    tokens only, ``logit -= f * count(token) + p * (count(token) > 0)``.
 
-Counting is vectorised over the batch: the rows' tokens are concatenated once into flat
-``row * V + token`` keys and counted with one ``bincount`` (no Python loop over the vocabulary;
-the only per-row Python work is handing over each row's token list).
+Counting is vectorised over the batch and sparse: the rows' tokens are concatenated once into
+flat ``row * V + token`` keys, ``unique`` counts them, and only the logits at those positions are
+gathered, changed and scattered back (no Python loop over the vocabulary, no [S, V] temporaries;
+the only per-row Python work is handing over each row's token list). The one dense operation is
+the float32 copy of the logits that every adjusted batch makes.
 """
 
 from __future__ import annotations
@@ -49,34 +51,30 @@ def adjust(
     rows = [i for i, (p, k) in enumerate(zip(params, output_indices, strict=True)) if _active(p, k)]
     if not rows:
         return logits
-    dev = logits.device
-    idx = torch.tensor(rows, device=dev)
-    sub = logits.index_select(0, idx).to(torch.float32)  # [R, V], a copy
-    sub_params = [params[i] for i in rows]
-    _add_bias(sub, sub_params)
-    _mask_stops(sub, sub_params, [output_indices[i] for i in rows], eos_token_ids)
-    penalised = [j for j, p in enumerate(sub_params) if p.needs_token_history]
+    out = logits.to(torch.float32, copy=True)  # [S, V]; the caller's logits stay raw
+    _add_bias(out, rows, params)
+    _mask_stops(out, rows, params, output_indices, eos_token_ids)
+    penalised = [i for i in rows if params[i].needs_token_history]
     if penalised:
-        if histories is None or any(histories[rows[j]] is None for j in penalised):
+        if histories is None or any(histories[i] is None for i in penalised):
             raise ValueError("penalties need the request's token history (ScheduledRequest)")
-        hist = [histories[rows[j]] for j in penalised]
-        _penalise(sub, penalised, [sub_params[j] for j in penalised], hist)  # type: ignore[arg-type]
-    out = logits.to(torch.float32, copy=True)
-    return out.index_copy_(0, idx, sub)
+        _penalise(out, penalised, params, histories)  # type: ignore[arg-type]
+    return out
 
 
-def _add_bias(sub: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+def _add_bias(out: torch.Tensor, rows: list[int], params: Sequence[SamplingParams]) -> None:
     r_idx: list[int] = []
     t_idx: list[int] = []
     values: list[float] = []
-    for j, p in enumerate(params):
-        if p.logit_bias:
-            r_idx += [j] * len(p.logit_bias)
-            t_idx += [int(t) for t in p.logit_bias]
-            values += [float(v) for v in p.logit_bias.values()]
+    for i in rows:
+        bias = params[i].logit_bias
+        if bias:
+            r_idx += [i] * len(bias)
+            t_idx += [int(t) for t in bias]
+            values += [float(v) for v in bias.values()]
     if values:
-        dev = sub.device
-        sub.index_put_(
+        dev = out.device
+        out.index_put_(
             (torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
             torch.tensor(values, dtype=torch.float32, device=dev),
             accumulate=True,
@@ -84,59 +82,64 @@ def _add_bias(sub: torch.Tensor, params: Sequence[SamplingParams]) -> None:
 
 
 def _mask_stops(
-    sub: torch.Tensor,
+    out: torch.Tensor,
+    rows: list[int],
     params: Sequence[SamplingParams],
     output_indices: Sequence[int],
     eos_token_ids: frozenset[int],
 ) -> None:
     r_idx: list[int] = []
     t_idx: list[int] = []
-    for j, (p, k) in enumerate(zip(params, output_indices, strict=True)):
-        if k < p.min_tokens:
+    for i in rows:
+        p = params[i]
+        if output_indices[i] < p.min_tokens:
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            r_idx += [j] * len(stops)
+            r_idx += [i] * len(stops)
             t_idx += sorted(stops)
     if t_idx:
-        dev = sub.device
-        sub.index_put_(
+        dev = out.device
+        out.index_put_(
             (torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
             torch.tensor(float("-inf"), device=dev),
         )
 
 
-def _flat_keys(token_lists: Sequence[Sequence[int]], vocab: int) -> np.ndarray:
-    """``row * vocab + token`` for every token of every row, as one int64 array."""
+def _flat_keys(rows: list[int], token_lists: Sequence[Sequence[int]], vocab: int) -> np.ndarray:
+    """``row * vocab + token`` for every token of every listed row, as one int64 array."""
     lengths = np.fromiter((len(t) for t in token_lists), dtype=np.int64, count=len(token_lists))
     total = int(lengths.sum())
     flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=total)
-    return np.repeat(np.arange(len(token_lists), dtype=np.int64) * vocab, lengths) + flat
-
-
-def _counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[R, V] int64: how often each token occurs in each row's list."""
-    keys = torch.from_numpy(_flat_keys(token_lists, vocab)).to(device)
-    return torch.bincount(keys, minlength=len(token_lists) * vocab).view(len(token_lists), vocab)
+    return np.repeat(np.asarray(rows, dtype=np.int64) * vocab, lengths) + flat
 
 
 def _penalise(
-    sub: torch.Tensor,
+    out: torch.Tensor,
     rows: list[int],
     params: Sequence[SamplingParams],
     histories: Sequence[TokenHistory],
 ) -> None:
-    """Repetition, frequency and presence penalties on ``sub``'s ``rows`` (in place)."""
-    dev = sub.device
-    vocab = sub.shape[1]
-    idx = torch.tensor(rows, device=dev)
-    x = sub.index_select(0, idx)  # [P, V]
-    out_counts = _counts([h[1] for h in histories], vocab, dev).to(torch.float32)  # [P, V]
-    seen_out = out_counts > 0
-    rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=dev)
-    if bool((rep != 1.0).any()):
-        seen = seen_out | (_counts([h[0] for h in histories], vocab, dev) > 0)
-        r = torch.where(seen, rep.unsqueeze(1), 1.0)  # [P, V]; 1 where unseen or unpenalised
-        x = torch.where(x > 0, x / r, x * r)
-    freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=dev)
-    pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=dev)
-    x = x - freq.unsqueeze(1) * out_counts - pres.unsqueeze(1) * seen_out.to(torch.float32)
-    sub.index_copy_(0, idx, x)
+    """Repetition, then frequency and presence penalties on ``rows`` of ``out`` (in place).
+
+    Sparse: only the logits of tokens a row has seen change, so the work is gathered and
+    scattered at those flat positions (``unique`` over the keys) rather than over [S, V]."""
+    dev = out.device
+    n_rows, vocab = out.shape
+    flat = out.view(-1)
+    per_row = torch.zeros(3, n_rows, dtype=torch.float32)  # repetition, frequency, presence
+    for i in rows:
+        p = params[i]
+        per_row[:, i] = torch.tensor(
+            [p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
+        )
+    rep, freq, pres = per_row.to(dev)
+    out_keys = torch.from_numpy(_flat_keys(rows, [histories[i][1] for i in rows], vocab)).to(dev)
+    rep_rows = [i for i in rows if params[i].repetition_penalty != 1.0]
+    if rep_rows:
+        prompt_keys = _flat_keys(rep_rows, [histories[i][0] for i in rep_rows], vocab)
+        seen = torch.unique(torch.cat([torch.from_numpy(prompt_keys).to(dev), out_keys]))
+        r = rep[seen // vocab]  # 1 for rows without a repetition penalty
+        x = flat[seen]
+        flat[seen] = torch.where(x > 0, x / r, x * r)
+    keys, counts = torch.unique(out_keys, return_counts=True)
+    row = keys // vocab
+    flat[keys] -= freq[row] * counts.to(torch.float32) + pres[row]

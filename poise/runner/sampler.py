@@ -78,7 +78,12 @@ def sample(
 
     rows = [i for i, g in enumerate(is_greedy) if not g]
     sub_params = [params[i] for i in rows]
-    sub = logits[torch.tensor(rows, device=dev)].to(torch.float32)  # [R, V], a copy we may modify
+    # [R, V], a copy we may modify; no gather when every row samples (an index op costs as
+    # much as the copy itself at vocabulary width).
+    if greedy_rows:
+        sub = logits[torch.tensor(rows, device=dev)].to(torch.float32)
+    else:
+        sub = logits.to(torch.float32, copy=True)
     probs = _filtered_probs(sub, sub_params)
     uniforms = _uniforms(sub_params, [output_indices[i] for i in rows], generator)
     for row, tok in zip(rows, _inverse_cdf(probs, uniforms), strict=True):
@@ -129,7 +134,8 @@ def _topk_topp_threshold(probs: torch.Tensor, ks: list[int], top_ps: list[float]
     while todo:
         count = min(count, vocab)
         idx = torch.tensor(todo, device=probs.device)
-        values = probs[idx].topk(count, dim=-1, sorted=True).values  # [T, count], descending
+        candidates = probs if len(todo) == n_rows else probs[idx]  # no gather when all rows
+        values = candidates.topk(count, dim=-1, sorted=True).values  # [T, count], descending
         thr, covered = _thresholds_from_candidates(
             values, [ks[i] for i in todo], [top_ps[i] for i in todo], complete=count == vocab
         )

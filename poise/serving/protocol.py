@@ -133,6 +133,12 @@ class _SamplingRequest(_Lenient):
             raise InvalidRequestError(
                 "stream_options: only allowed when stream is true", "stream_options"
             )
+        opts = self.stream_options
+        if opts is not None and opts.continuous_usage_stats and not opts.include_usage:
+            # vLLM reads it only with include_usage; alone it would be silently ignored.
+            raise InvalidRequestError(
+                "stream_options: continuous_usage_stats needs include_usage", "stream_options"
+            )
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

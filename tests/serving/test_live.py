@@ -189,6 +189,7 @@ def test_ignore_eos_gives_exactly_max_tokens(client: openai.OpenAI) -> None:
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),
         ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": "hi " * 600}]}, "messages"),
     ],
