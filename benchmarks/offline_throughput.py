@@ -45,11 +45,13 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -208,6 +210,30 @@ PENALTIES = {"temperature": 0.8, "top_p": 0.95, "repetition_penalty": 1.1,
              "frequency_penalty": 0.2, "presence_penalty": 0.2}  # fmt: skip
 
 
+@contextlib.contextmanager
+def _timed_sampler() -> Iterator[list[float]]:
+    """Seconds of each ``sample()`` call the runner makes inside the block: the sampler's own
+    share of the run, measured in the run itself (the end-to-end ratio is noisy on a shared
+    machine). Wraps the name the runner calls; restored on exit."""
+    import poise.runner.model_runner as model_runner
+
+    seconds: list[float] = []
+    original = model_runner.sample
+
+    def timed(*args: Any, **kwargs: Any) -> list[int]:
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+
+    model_runner.sample = timed  # type: ignore[assignment]
+    try:
+        yield seconds
+    finally:
+        model_runner.sample = original  # type: ignore[assignment]
+
+
 def run_poise(
     prompts: list[list[int]],
     max_tokens: int,
@@ -231,9 +257,13 @@ def run_poise(
     warmup: list[str | list[int]] = [prompts[0][:8]]
     llm.generate(warmup, SamplingParams(max_tokens=2, **kw), use_tqdm=False)
     start = time.perf_counter()
-    outputs = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    with _timed_sampler() as sampler_s:
+        outputs = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     seconds = time.perf_counter() - start
     name = "poise" if sampling is None else "poise+penalties"
+    steps = len(sampler_s)
+    print(f"{name}: sampler {sum(sampler_s):.2f} s of {seconds:.1f} s over {steps} sampling "
+          f"steps ({1000 * sum(sampler_s) / max(1, steps):.1f} ms per step)", flush=True)  # fmt: skip
     return RunResult(name, dtype, len(prompts), sum(map(len, outputs)), seconds, outputs)
 
 
