@@ -20,6 +20,8 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 # As poise.runner does for the CLI: OpenMP reads this once, when torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -31,7 +33,8 @@ from poise.config import EngineConfig  # noqa: E402
 from poise.core.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
 from poise.core.sampling_params import SamplingParams  # noqa: E402
 from poise.model.llama import Linear  # noqa: E402
-from poise.model.quant import QuantLinear  # noqa: E402
+from poise.model.quant import Int8Linear, QuantLinear  # noqa: E402
+from poise.model.quant_kernel import TILE, int8_linear  # noqa: E402
 from poise.runner.factory import create_model_runner  # noqa: E402
 from poise.runner.model_runner import ModelRunner  # noqa: E402
 
@@ -125,6 +128,9 @@ def main() -> None:
         "--floor-repeats", type=int, default=5, help="interleaved rounds comparing the floors"
     )
     parser.add_argument(
+        "--fusion", action="store_true", help="also time fused q/k/v and gate/up vs split"
+    )
+    parser.add_argument(
         "--prompt-len", type=int, default=16, help="context each request decodes against"
     )
     args = parser.parse_args()
@@ -159,6 +165,49 @@ def main() -> None:
         runners[name] = runner
     if len(runners) > 1 and args.floor_repeats:
         compare_floors(runners, args.floor_repeats, args.steps)
+    if args.fusion:
+        for name, runner in runners.items():
+            compare_fusion(name, runner, args.floor_repeats or 5, args.steps)
+
+
+def _projections(module: torch.nn.Module, sizes: list[int]) -> list[Callable[[torch.Tensor], Any]]:
+    """The fused projection's matmuls as the checkpoint's separate layers (row slices of the
+    same weights: bf16 Linear, or our int8 kernel's packed weights)."""
+    if isinstance(module, Linear):
+        return [lambda x, w=w: F.linear(x, w) for w in module.weight.split(sizes)]
+    if isinstance(module, Int8Linear) and module.packed:
+        tiles = [s // TILE for s in sizes]
+        pairs = zip(module.weight.split(tiles), module.kernel_scales.split(sizes), strict=True)
+        return [lambda x, w=w, s=s: int8_linear(x, w, s) for w, s in pairs]
+    raise ValueError(f"no split form for {type(module).__name__}")
+
+
+def compare_fusion(name: str, runner: ModelRunner, repeats: int, steps: int) -> None:
+    """q/k/v in one matmul and gate/up in one (as the model runs them) against the same
+    weights as the checkpoint's five matmuls per layer, at batch BATCH, interleaved rounds."""
+    model, a = runner.model, runner.model.arch
+    dtype = model.model.embed_tokens.weight.dtype
+    x = torch.randn(BATCH, a.hidden_size, dtype=dtype)
+    fused, split = [], []
+    for layer in model.model.layers:
+        qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
+        fused += [qkv, gate_up]
+        split += _projections(qkv, [a.q_size, a.kv_size, a.kv_size])
+        split += _projections(gate_up, [a.intermediate_size] * 2)
+    cpu: dict[str, list[float]] = {"fused": [], "split": []}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for label, calls in (("fused", fused), ("split", split)):
+                timers = []
+                for _ in range(steps + 2):
+                    with Timer() as t:
+                        for call in calls:
+                            call(x)
+                    timers.append(t)
+                cpu[label].append(best_pair(timers[2:])[1])
+    f, s = (statistics.median(cpu[k]) for k in ("fused", "split"))
+    print(f"{name}: q/k/v + gate/up projections at batch {BATCH}, CPU ms (median of {repeats}): "
+          f"fused {f * 1e3:.2f}, split {s * 1e3:.2f}, split / fused {s / f:.2f}")  # fmt: skip
 
 
 def compare_floors(runners: dict[str, ModelRunner], repeats: int, steps: int) -> None:
