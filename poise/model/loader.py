@@ -76,6 +76,11 @@ def load_model(
     source: ModelSource = resolve_model(model)
     if quantization is not None and device.type != "cpu":
         raise ValueError(f"quantization: {quantization} runs on CPU only (device {device})")
+    if quantization is not None and dtype != torch.bfloat16:
+        # Correct but slow: torch's int8/int4 CPU kernels are fast in bfloat16 only (~5x
+        # slower than a float32 matmul at batch 1), and our int8 kernel is bfloat16 only.
+        logger.warning("quantization %s with dtype %s is slow: use --dtype bfloat16",
+                       quantization, str(dtype).removeprefix("torch."))  # fmt: skip
     if source.kind == "dummy":
         from poise.model.loader_dummy import load_dummy
 
