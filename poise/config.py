@@ -25,8 +25,10 @@ from poise.config_model import QUANTIZATIONS as QUANTIZATIONS
 from poise.config_model import ModelConfig as ModelConfig
 from poise.config_model import _help, _require
 
-SchedulingPolicy = Literal["fifo", "prefill_first", "priority", "slo"]
-SCHEDULING_POLICIES: tuple[str, ...] = ("fifo", "prefill_first", "priority", "slo")
+SchedulingPolicy = Literal["fifo", "prefill_first", "priority", "slo", "lpm", "static", "dynamic"]
+SCHEDULING_POLICIES: tuple[str, ...] = (
+    "fifo", "prefill_first", "priority", "slo", "lpm", "static", "dynamic",
+)  # fmt: skip
 ADMISSION_CONTROLS: tuple[str, ...] = ("none", "predictive")
 # vLLM's default share of device memory.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -172,8 +174,16 @@ class SchedulerConfig:
         "prompts, decodes stutter), priority (vLLM's: lower request priority first, then "
         "arrival; may preempt a lower priority at the request cap) or slo (prefills ordered by "
         "slack to their TTFT deadline, ties to the longest cached prefix; cost-aware "
-        "preemption). See docs/scheduling.md.",
+        "preemption), lpm (cache-aware: waiting requests by longest cached prefix). Teaching "
+        "modes: static (a batch runs to completion before the next is admitted) and dynamic "
+        "(static, but an idle engine waits up to max_batch_delay_ms for a full batch). See "
+        "docs/scheduling.md.",
         default="fifo",
+    )
+    max_batch_delay_ms: float = _help(
+        "dynamic policy: how long an idle engine lets its oldest request wait for the batch "
+        "to fill (max_num_seqs requests or the token budget) before starting it.",
+        default=100.0,
     )
     priority_aging_s: float = _help(
         "Seconds of waiting worth one priority level (priority and slo policies), so a low "
@@ -247,11 +257,8 @@ class SchedulerConfig:
             "scheduling_policy",
             f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",
         )
-        _require(
-            self.priority_aging_s >= 0,
-            "priority_aging_s",
-            f"must be >= 0, got {self.priority_aging_s}",
-        )
+        for name in ("priority_aging_s", "max_batch_delay_ms", "admission_margin"):
+            _require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
         _require(
             self.target_tpot_ms is None or self.target_tpot_ms > 0,
             "target_tpot_ms",
@@ -266,11 +273,6 @@ class SchedulerConfig:
             self.admission_control in ADMISSION_CONTROLS,
             "admission_control",
             f"must be one of {ADMISSION_CONTROLS}, got {self.admission_control!r}",
-        )
-        _require(
-            self.admission_margin >= 0,
-            "admission_margin",
-            f"must be >= 0, got {self.admission_margin}",
         )
         _require(
             self.preemption_thrash_limit >= 1,

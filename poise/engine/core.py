@@ -228,6 +228,13 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def wake_time(self) -> float | None:
+        """Engine-clock time at which a policy that holds waiting requests back on purpose (the
+        ``dynamic`` batching mode) starts them without new input; None when nothing is held.
+        A loop whose step scheduled nothing sleeps until then (or new input) instead of
+        spinning."""
+        return self.scheduler.wake_time(self.clock.now())
+
     def step(self) -> tuple[list[RequestDelta], StepStats | None]:
         """Run one engine step. Returns (deltas, None) when there was nothing to compute.
 

@@ -55,7 +55,10 @@ def run_requests(
     pending = set(slots)
     try:
         while pending:
-            deltas, _ = engine.step()
+            deltas, stats = engine.step()
+            wake = engine.wake_time() if stats is None else None
+            if wake is not None:  # a dynamic batch still filling: sleep, do not spin
+                time.sleep(max(0.0, wake - engine.clock.now()))
             for delta in deltas:
                 slot = slots.get(delta.request_id)
                 if slot is None:

@@ -15,6 +15,17 @@ a ``Policy`` value made of those functions, not a branch in the loop:
   so the key is ``arrival + priority x aging`` (a virtual arrival time: the order between two
   requests never changes while they wait, and a request of priority p is passed only by
   requests that arrived less than ``(p - p') x aging`` after it, which bounds its wait).
+- ``lpm`` (cache-aware, SGLang's longest-prefix match): running requests first, then the
+  waiting queue by the longest cached prefix (then arrival), so a request whose prefix is in
+  the cache runs before the blocks are evicted by others; a request waiting longer than
+  ``priority_aging_s`` goes first, in arrival order, so no prefix starves.
+- ``static`` and ``dynamic`` (teaching and comparison modes, not for serving): batching without
+  the continuous part. ``static`` admits only when nothing runs; the batch is what one step can
+  admit (``max_num_seqs``, the token budget, KV blocks) and it runs to completion, so every
+  request waits for the longest output in front of it. ``dynamic`` is the same, but an idle
+  engine waits for the batch to fill (``max_num_seqs`` requests, or the token budget in prompt
+  tokens) or for its oldest request to have waited ``max_batch_delay_ms``, whichever comes
+  first (``wake`` says when, so a caller can sleep instead of spinning).
 - ``slo``: decodes first, then unfinished prefills and waiting requests together by slack:
   ``deadline - now - predicted prefill time``, with ``deadline = arrival + TTFT target +
   priority x aging`` (slack falls a second per second for every request alike, so the order is
@@ -38,7 +49,12 @@ from dataclasses import dataclass
 
 from poise.core.request import Request
 
-POLICIES: tuple[str, ...] = ("fifo", "prefill_first", "priority", "slo")
+POLICIES: tuple[str, ...] = (
+    "fifo", "prefill_first", "priority", "slo", "lpm", "static", "dynamic",
+)  # fmt: skip
+
+# Waiting requests the lpm policy orders by cached prefix each step (SGLang: 128).
+LPM_LOOKAHEAD = 128
 
 
 @dataclass
@@ -59,6 +75,10 @@ class PolicyContext:
     preemption_thrash_limit: int = 3
     # How many of the first candidates a policy orders with its full (costlier) key.
     lookahead: int = 64
+    # What makes a dynamic batch full, and how long its oldest request may wait for that.
+    max_num_seqs: int = 0
+    token_budget: int = 0
+    batch_delay_s: float = 0.0
 
 
 def is_partial_prefill(request: Request) -> bool:
@@ -147,6 +167,59 @@ def walk_slo(
     return [*decodes, *head, *prefills[ctx.lookahead :]]
 
 
+def walk_lpm(
+    running: Sequence[Request], waiting: Sequence[Request], ctx: PolicyContext
+) -> list[Request]:
+    # Prefix lookups (a hash per prompt block) only for the queue's head, arrival order beyond
+    # it; at least SGLang's 128, since a hit far back is what this policy is for.
+    queue, n = list(waiting), max(ctx.lookahead, LPM_LOOKAHEAD)
+    head, rest = queue[:n], queue[n:]
+
+    def key(r: Request) -> tuple[bool, float, float]:
+        overdue = ctx.aging_s > 0 and ctx.now - r.arrival_time > ctx.aging_s
+        return (not overdue, 0.0 if overdue else -ctx.cached_tokens(r), r.arrival_time)
+
+    return [*running, *sorted(head, key=key), *rest]
+
+
+def walk_static(
+    running: Sequence[Request], waiting: Sequence[Request], _: PolicyContext
+) -> list[Request]:
+    """A running batch finishes before anyone is admitted: the waiting queue only when idle."""
+    return list(running) if running else list(waiting)
+
+
+def dynamic_batch_ready(waiting: Sequence[Request], ctx: PolicyContext) -> bool:
+    """An idle engine's dynamic batch goes now: it is full, or its oldest waited long enough."""
+    if not waiting:
+        return False
+    full = len(waiting) >= ctx.max_num_seqs or (
+        sum(r.num_tokens for r in waiting) >= ctx.token_budget
+    )
+    return full or ctx.now >= dynamic_deadline(waiting, ctx)
+
+
+def dynamic_deadline(waiting: Sequence[Request], ctx: PolicyContext) -> float:
+    return min(r.arrival_time for r in waiting) + ctx.batch_delay_s
+
+
+def walk_dynamic(
+    running: Sequence[Request], waiting: Sequence[Request], ctx: PolicyContext
+) -> list[Request]:
+    if running:
+        return list(running)
+    return list(waiting) if dynamic_batch_ready(waiting, ctx) else []
+
+
+def wake_dynamic(
+    running: Sequence[Request], waiting: Sequence[Request], ctx: PolicyContext
+) -> float | None:
+    """When an idle engine holding a dynamic batch back will start it without new input."""
+    if running or not waiting:
+        return None
+    return ctx.now if dynamic_batch_ready(waiting, ctx) else dynamic_deadline(waiting, ctx)
+
+
 # -- victims: who loses its blocks when a request cannot grow ---------------------------------
 
 Victim = Callable[[Sequence[Request], Request, PolicyContext], Request]
@@ -218,6 +291,11 @@ class Policy:
     displace: Callable[[Request, Sequence[Request], PolicyContext], Request | None]
     # Sort key of the waiting queue (None: the queue's own order), for predictions.
     waiting_key: Callable[[Request, PolicyContext], object] | None
+    # When a step that schedules nothing although requests wait will schedule them without new
+    # input (None: only new input changes it): a caller sleeps until then instead of spinning.
+    wake: Callable[[Sequence[Request], Sequence[Request], PolicyContext], float | None] | None = (
+        None
+    )
 
 
 _REGISTRY: dict[str, Policy] = {
@@ -233,6 +311,14 @@ _REGISTRY: dict[str, Policy] = {
     "slo": Policy(
         "slo", walk_slo, victim_cost_aware, is_overdue, displace_lower_priority,
         slo_coarse_key,
+    ),
+    "lpm": Policy("lpm", walk_lpm, victim_last_admitted, always_block, never_displace, None),
+    "static": Policy(
+        "static", walk_static, victim_last_admitted, always_block, never_displace, None
+    ),
+    "dynamic": Policy(
+        "dynamic", walk_dynamic, victim_last_admitted, always_block, never_displace, None,
+        wake_dynamic,
     ),
 }  # fmt: skip
 

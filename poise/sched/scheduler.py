@@ -144,6 +144,13 @@ class Scheduler:
         del self.requests[request.request_id]
         return finishing_delta(request, new_token_ids)
 
+    def wake_time(self, now: float) -> float | None:
+        """When the policy, holding waiting requests back on purpose (``dynamic``), will start
+        them without new input; None when it holds nothing back."""
+        if self.policy.wake is None:
+            return None
+        return self.policy.wake(self.running, self.waiting, self.context(now))
+
     # -- admission forecasts -------------------------------------------------------------------
 
     def check_admission(self, request: Request, now: float) -> None:

@@ -79,6 +79,9 @@ class Steering:
             default_ttft_s=self.default_ttft_s,
             preemption_thrash_limit=self.config.preemption_thrash_limit,
             lookahead=2 * self.config.max_num_seqs,
+            max_num_seqs=self.config.max_num_seqs,
+            token_budget=self.budget,
+            batch_delay_s=self.config.max_batch_delay_ms / 1000.0,
         )
 
     def step_budget(self, running: Sequence[Request]) -> int:

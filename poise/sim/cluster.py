@@ -103,12 +103,15 @@ class _ClusterDriver(_Driver):
         self.router.observe_step(self.names[i], tokens, stats.end_time - stats.start_time)
 
     def _replica_events(self) -> list[tuple[float, int]]:
-        return [
-            (self.clocks[i].now(), i)
-            for i, e in enumerate(self.engines)
-            if self.pending[i] is not None
-            or (e.has_unfinished_requests() and self.stalls[i] < _STALL)
-        ]
+        events = []
+        for i, e in enumerate(self.engines):
+            if self.pending[i] is not None or (
+                e.has_unfinished_requests() and self.stalls[i] < _STALL
+            ):
+                events.append((self.clocks[i].now(), i))
+            elif e.has_unfinished_requests() and (wake := e.wake_time()) is not None:
+                events.append((wake, i))  # a dynamic batch that starts at its delay
+        return events
 
     def run(self) -> None:
         while True:
@@ -132,6 +135,9 @@ class _ClusterDriver(_Driver):
                 deltas, self.pending[i] = self.pending[i], None
                 self.apply(deltas or [])
                 continue
+            if self.clocks[i].now() < t_rep:  # woken by its own policy (wake_time)
+                self.clocks[i].advance_to(t_rep)
+                self.stalls[i] = 0
             deltas, stats = self.engines[i].step()
             if stats is None:
                 self.apply(deltas)  # requests rejected on admission

@@ -176,7 +176,7 @@ class _Driver:
                 idle += 1
                 if idle < 3:
                     continue  # flush deltas of requests rejected on admission
-            wake = [t for t in (self.next_send_time(),) if t is not None]
+            wake = [t for t in (self.next_send_time(), self.engine.wake_time()) if t is not None]
             if self.inbox:
                 wake.append(self.inbox[0][0])
             if not wake:

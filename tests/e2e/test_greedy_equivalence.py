@@ -103,6 +103,9 @@ def test_batched_greedy_equals_transformers(kind: str, tiny_checkpoints: dict[st
             "max_num_seqs": 4,
         },
         {"traffic_classes": "a:ttft_p95_ms=600000", "admission_control": "predictive"},
+        {"scheduling_policy": "static", "max_num_seqs": 4, "max_num_batched_tokens": 64},
+        {"scheduling_policy": "dynamic", "max_num_seqs": 4, "max_batch_delay_ms": 5.0},
+        {"scheduling_policy": "lpm", "enable_prefix_caching": True, "max_num_seqs": 2},
     ],
     ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()),
 )

@@ -97,7 +97,7 @@ def test_help_groups_and_trade_offs(capsys: pytest.CaptureFixture[str]) -> None:
     for title in ("model:", "KV cache:", "scheduler:"):
         assert title in text
     assert "TTFT" in text and "(default: 2048)" in text
-    assert "{fifo,prefill-first,priority,slo}" in text
+    assert "{fifo,prefill-first,priority,slo,lpm,static,dynamic}" in text
 
 
 @pytest.mark.parametrize(

@@ -87,6 +87,8 @@ def test_outputs_identical_across_schedules() -> None:
         dict(max_num_batched_tokens=64, max_num_seqs=3, scheduling_policy="prefill_first"),
         dict(max_num_batched_tokens=64, long_prefill_token_threshold=8),
         dict(max_num_batched_tokens=64, enable_prefix_caching=True),
+        dict(max_num_batched_tokens=64, max_num_seqs=4, scheduling_policy="static"),
+        dict(max_num_batched_tokens=64, scheduling_policy="lpm", enable_prefix_caching=True),
     ]:
         engine, _ = make_engine(**kwargs)
         for i, p in enumerate(prompts(12)):

@@ -73,10 +73,12 @@ def drive(engine: EngineCore, arrivals: list[Arrival]) -> dict[str, Result]:
         if not engine.has_unfinished_requests():
             clock.advance_to(todo[-1].t)
             continue
-        deltas, _ = engine.step()
+        deltas, stats = engine.step()
         engine.kv.check_invariants()
-        if _ is None and todo:
-            clock.advance_to(max(clock.now(), todo[-1].t))
+        if stats is None:  # nothing to compute: on to the next arrival or the policy's wake
+            due = [t for t in (todo[-1].t if todo else None, engine.wake_time()) if t is not None]
+            if due:
+                clock.advance_to(max(clock.now(), min(due)))
         for d in deltas:
             res = results.setdefault(d.request_id, Result())
             res.tokens.extend(d.new_token_ids)
