@@ -30,6 +30,9 @@ class Adapter:
     prefill_time: tuple[str, ...] = ()  # first scheduled -> first token (histogram)
     # TGI: KV usage as a ratio of two gauges (current max tokens / max total tokens).
     kv_ratio: tuple[str, str] | None = None
+    # Prompt tokens served from the prefix cache / looked up in it (counters; vLLM's meaning).
+    prefix_hits: tuple[str, ...] = ()
+    prefix_queries: tuple[str, ...] = ()
 
 
 def _vllm_like(prefix: str, engine: str) -> Adapter:
@@ -42,6 +45,8 @@ def _vllm_like(prefix: str, engine: str) -> Adapter:
         ttft=(f"{prefix}time_to_first_token_seconds",),
         queue_time=(f"{prefix}request_queue_time_seconds",),
         prefill_time=(f"{prefix}request_prefill_time_seconds",),
+        prefix_hits=(f"{prefix}prefix_cache_hits_total", f"{prefix}prefix_cache_hits"),
+        prefix_queries=(f"{prefix}prefix_cache_queries_total", f"{prefix}prefix_cache_queries"),
     )
 
 
@@ -117,6 +122,8 @@ class Scrape:
     hists: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     # Replicas in rotation behind a poise router (``poise serve --replicas``); None: one server.
     replicas: float | None = None
+    prefix_hits: float | None = None
+    prefix_queries: float | None = None
 
 
 def _first(values: dict[str, float], names: Sequence[str]) -> float | None:
@@ -157,6 +164,8 @@ def map_scrape(t: float, text: str, adapter: Adapter) -> Scrape:
         ttft,
         extra,
         replicas,
+        _first(values, adapter.prefix_hits),
+        _first(values, adapter.prefix_queries),
     )
 
 
@@ -228,11 +237,21 @@ def summarize_window(scrapes: Sequence[Scrape], w0: float, w1: float) -> dict[st
     else:
         out["preemptions"] = None
     out["server_ttft_ms"] = _hist_summary(first.ttft_buckets, last.ttft_buckets)
+    out["prefix_cache_hit_rate"] = _hit_rate(first, last)
     for name in ("queue_time", "prefill_time"):
         out[f"server_{name}_ms"] = _hist_summary(
             first.hists.get(name, []), last.hists.get(name, [])
         )
     return out
+
+
+def _hit_rate(first: Scrape, last: Scrape) -> float | None:
+    """Prompt tokens served from the prefix cache over those looked up, between two scrapes."""
+    if None in (first.prefix_hits, last.prefix_hits, first.prefix_queries, last.prefix_queries):
+        return None
+    queries = last.prefix_queries - first.prefix_queries  # type: ignore[operator]
+    hits = last.prefix_hits - first.prefix_hits  # type: ignore[operator]
+    return hits / queries if queries > 0 else None
 
 
 def timeseries(scrapes: Sequence[Scrape], t0: float) -> dict[str, list[Any]]:

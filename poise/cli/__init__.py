@@ -12,7 +12,7 @@ import logging
 import sys
 
 # Subcommand modules, in the order `poise --help` lists them.
-SUBCOMMANDS = ("serve", "generate", "bench", "sweep", "tune", "simulate", "profile")
+SUBCOMMANDS = ("serve", "generate", "bench", "sweep", "tune", "simulate", "lab", "profile")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -153,6 +153,12 @@ def simulate_bench_cell(
         started_at=None,
     )
     out.server["sim"] = _sim_summary(result)
+    # What the prefix-cache counters would give over the measured requests (live cells scrape it).
+    measured = [r for r in result.requests if not r.warmup]
+    prompt = sum(r.num_prompt_tokens for r in measured)
+    out.server["prefix_cache_hit_rate"] = (
+        round(sum(r.num_cached_tokens for r in measured) / prompt, 4) if prompt else None
+    )
     if cluster:
         out.server["router"] = result.router
     return out, result

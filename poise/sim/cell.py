@@ -58,6 +58,7 @@ class SimRequestResult:
     finished: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
 
     @property

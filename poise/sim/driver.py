@@ -138,6 +138,7 @@ class _Driver:
             res.finished = d.times.finished
             res.finish_reason = d.finish_reason
             res.num_preemptions = d.num_preemptions
+            res.num_cached_tokens = d.num_cached_tokens
             res.num_prompt_tokens = d.num_prompt_tokens or res.num_prompt_tokens
             if d.error_message:
                 res.error = d.error_message
