@@ -117,3 +117,17 @@ def test_window_summary_uses_counter_deltas_and_gauges_inside() -> None:
     assert out["server_ttft_ms"]["n"] == 4
     no_counter = [Scrape(0.0, 0.1), Scrape(1.0, 0.2)]
     assert summarize_window(no_counter, 0, 1)["preemptions"] is None
+
+
+def test_prefix_cache_hit_rate_is_the_window_delta_of_the_counters() -> None:
+    def text(hits: int, queries: int) -> str:
+        return (f"poise:prefix_cache_hits_total{{model_name=\"m\"}} {hits}\n"
+                f"poise:prefix_cache_queries_total{{model_name=\"m\"}} {queries}\n")  # fmt: skip
+
+    a = map_scrape(0.0, text(100, 1000), ADAPTERS["poise"])
+    b = map_scrape(2.0, text(400, 1600), ADAPTERS["poise"])
+    assert (a.prefix_hits, a.prefix_queries) == (100, 1000)
+    # 300 of the 600 prompt tokens looked up during the window came from the cache.
+    assert summarize_window([a, b], 0.0, 2.0)["prefix_cache_hit_rate"] == 0.5
+    none = map_scrape(0.0, "", ADAPTERS["poise"])
+    assert summarize_window([none, none], 0.0, 1.0)["prefix_cache_hit_rate"] is None
