@@ -153,11 +153,10 @@ def q3_policies(d: LabData) -> Section:
                    "sacrifices the queue instead: waiting prompts get the budget only after "
                    "every running decode.")  # fmt: skip
     elif (ttft_b or 0) > 1.05 * (ttft_a or 0):
-        verdict = (f"Prefill-first lost on TTFT here ({trade}): it finishes the unfinished long "
-                   "prefills first, so short prompts queue behind long prompts' chunks as well "
-                   "as decodes skipping steps; it pays only when first tokens of long prompts "
-                   "matter more than everyone else's. Decode-first sacrifices the queue's TTFT "
-                   "to keep TPOT steady.")  # fmt: skip
+        verdict = (f"Prefill-first did not buy first tokens here ({trade}): it sacrificed "
+                   "TTFT and TPOT alike at this load (the policy benchmark in "
+                   "docs/scheduling.md saw the same whenever long prompts queue). Decode-first "
+                   "keeps running streams steady and makes new prompts wait for the decodes.")  # fmt: skip
     else:
         verdict = (f"The two policies measured alike here ({trade}): the queue was not "
                    "prefill-bound at this load. In principle prefill-first sacrifices TPOT, "
