@@ -73,9 +73,36 @@ def q1_batching(d: LabData) -> Section:
     return Section(
         1,
         True,
-        [verdict, dyn, "", *lines, "", *_few(list(cells.values()))],  # type: ignore[arg-type]
+        [verdict, dyn, "", *lines, "", *_open_loop(d), *_few(list(cells.values()))],  # type: ignore[arg-type]
         plot="batching",
     )
+
+
+def _open_loop(d: LabData) -> list[str]:
+    """The open-loop cells of ``batching-open``, when the run has them."""
+    modes = ["continuous", "static", "dynamic"]
+    cells = {m: d.get("batching-open", m) for m in modes}
+    if any(c is None for c in cells.values()):
+        return ["(No open-loop cells in this run: `--only batching-open` adds them.)", ""]
+    c, s, y = (cells[m].metrics for m in modes)  # type: ignore[union-attr]
+    note = d.group("batching-open").get("note", "open loop")
+    if (y.ttft_p50_ms or 0) > (s.ttft_p50_ms or 0) and (c.ttft_p50_ms or 0) < (y.ttft_p50_ms or 0):
+        text = (f"With arrivals spaced out ({note}) dynamic batching's TTFT p50 was "
+                f"{fmt_ms(y.ttft_p50_ms)} against static's {fmt_ms(s.ttft_p50_ms)} and "
+                f"continuous batching's {fmt_ms(c.ttft_p50_ms)}: the delay is paid by the first "
+                "request of every batch, which a GPU's throughput repays only under enough "
+                "load; continuous batching needs no such bet.")  # fmt: skip
+    else:
+        text = (f"With arrivals spaced out ({note}) TTFT p50 was {fmt_ms(c.ttft_p50_ms)} "
+                f"(continuous), {fmt_ms(s.ttft_p50_ms)} (static), {fmt_ms(y.ttft_p50_ms)} "
+                "(dynamic): the delay did not show as expected here.")  # fmt: skip
+    rows = ["| mode (open loop) | output tok/s | TTFT p50 | TTFT p95 | E2E p95 |",
+            "|---|---|---|---|---|"]  # fmt: skip
+    for m in modes:
+        k = cells[m].metrics  # type: ignore[union-attr]
+        rows.append(f"| {m} | {_tps(k.output_tokens_per_s)} | {fmt_ms(k.ttft_p50_ms)} | "
+                    f"{fmt_ms(k.ttft_p95_ms)} | {fmt_ms(k.e2e_p95_ms)} |")  # fmt: skip
+    return [text, "", *rows, ""]
 
 
 def _dynamic_text(y: CellMetrics, s: CellMetrics, delay: float | None) -> str:

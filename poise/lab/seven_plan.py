@@ -4,7 +4,10 @@ Five groups of configs x cells, each one workload held fixed while one knob move
 
 - ``batching`` (Q1): continuous (fifo) vs ``static`` vs ``dynamic`` batching, closed loop,
   the seed's SHORT prompt with output lengths spread over 10 %..100 % of max_tokens (with equal
-  outputs static batching loses little; spread outputs are what it waits for).
+  outputs static batching loses little; spread outputs are what it waits for);
+  ``batching-open``: the same in open loop (Poisson) at a quarter of the requests per second
+  continuous batching served closed loop, so the engine idles between arrivals (where
+  ``dynamic``'s delay shows; in a saturated closed loop it measures like ``static``).
 - ``mix`` (Q2, Q3, Q4): decode-first (fifo) vs prefill-first on the seed mix, long ratio 0
   and 0.5: the TTFT distribution (Q2), the policy trade (Q3), short TTFT with and without long
   prompts (Q4).
@@ -106,17 +109,15 @@ def plan(target: str, *, scale: int | None = None, out_dir: str | Path = ".",
     batching = replace(seed_mix, classes=(chat,), long_ratio=(0.0,),
                        num_requests=None if gpu_sizes else 16)  # fmt: skip
     delay = delay_ms if delay_ms is not None else (50.0 if gpu_sizes else 250.0)
+    modes = {
+        "continuous": {**base, "scheduling_policy": "fifo"},
+        "static": {**base, "scheduling_policy": "static"},
+        "dynamic": {**base, "scheduling_policy": "dynamic", "max_batch_delay_ms": delay},
+    }
     groups = [
-        Group(
-            "batching",
-            (1,),
-            batching,
-            {
-                "continuous": {**base, "scheduling_policy": "fifo"},
-                "static": {**base, "scheduling_policy": "static"},
-                "dynamic": {**base, "scheduling_policy": "dynamic", "max_batch_delay_ms": delay},
-            },
-        ),  # fmt: skip
+        Group("batching", (1,), batching, modes),
+        # The same traffic in open loop, at a rate ``seven_run`` sets from the closed-loop run.
+        Group("batching-open", (1,), replace(batching, concurrency=()), dict(modes)),
         Group(
             "mix",
             (2, 3, 4),

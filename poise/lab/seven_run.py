@@ -17,9 +17,10 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,29 @@ class SimTarget:
 
 def record_path(out: Path, group: str, config: str) -> Path:
     return out / group / "records" / f"{safe_name(config)}.yaml"
+
+
+# The open-loop batching cells run at this fraction of the requests per second continuous
+# batching served in the closed loop: the engine idles between arrivals.
+OPEN_LOOP_FRACTION = 0.25
+
+
+def open_loop_group(group: Group, out: Path) -> Group | None:
+    """``batching-open`` with its rate set from the closed-loop continuous record (None when
+    that record is not there yet)."""
+    from poise.bench.record import ExperimentRecord
+
+    path = record_path(out, "batching", "continuous")
+    if not path.exists():
+        return None
+    cells = ExperimentRecord.load(path).cells
+    rps = cells[0].metrics.get("overall", {}).get("requests_per_s") if cells else None
+    if not rps:
+        return None
+    rate = float(f"{rps * OPEN_LOOP_FRACTION:.3g}")
+    note = (f"Poisson arrivals at {rate:g} req/s, {OPEN_LOOP_FRACTION:g} x the {rps:.3g} req/s "
+            "continuous batching served in the closed loop")  # fmt: skip
+    return replace(group, workload=replace(group.workload, request_rate=(rate,)), note=note)
 
 
 def _run_group_live(group: Group, out: Path, model: str | None, env: dict[str, str]) -> None:
@@ -105,8 +129,15 @@ def run_lab(plan: LabPlan, out_dir: str | Path, *, model: str | None = None,
     t0 = time.perf_counter()
     wanted = set(groups) if groups else {g.name for g in plan.groups} | {"tune"}
     timings: dict[str, float] = {}
+    resolved: dict[str, Group] = {}
     for group in plan.groups:
+        if group.name == "batching-open":
+            group = open_loop_group(group, out) or group
+        resolved[group.name] = group
         if group.name not in wanted:
+            continue
+        if group.name == "batching-open" and group.workload.request_rate[0] == math.inf:
+            say("lab: batching-open skipped: no closed-loop continuous record to set its rate")
             continue
         say(f"lab: {group.name} (Q{', Q'.join(map(str, group.questions))}): "
             f"{', '.join(group.configs)}")  # fmt: skip
@@ -143,7 +174,7 @@ def run_lab(plan: LabPlan, out_dir: str | Path, *, model: str | None = None,
                     n: str(record_path(out, g.name, n).relative_to(out)) for n in g.configs
                 },
             }  # fmt: skip
-            for g in plan.groups
+            for g in resolved.values()
         },
         "tune": {
             "slo_ttft_p95_ms": plan.tune.slo_ttft_p95_ms,
@@ -153,8 +184,11 @@ def run_lab(plan: LabPlan, out_dir: str | Path, *, model: str | None = None,
     }
     path = out / MANIFEST
     old = yaml.safe_load(path.read_text(encoding="utf-8")) if path.exists() else None
-    if old and groups:  # a partial re-run keeps the timings of the groups it did not run
+    if old and groups:  # a partial re-run adds to the run it completes
         manifest["group_wall_s"] = {**old.get("group_wall_s", {}), **timings}
+        manifest["wall_s"] = round(sum(manifest["group_wall_s"].values()), 1)
+        manifest["started_at"] = old.get("started_at", started)
+        manifest["command"] = f"{old.get('command')}; {command}"
     path.write_text(yaml.safe_dump(manifest, sort_keys=False, allow_unicode=True, width=100),
                     encoding="utf-8")  # fmt: skip
     return path

@@ -43,6 +43,8 @@ def test_every_question_has_a_section_answer_and_plot(lab_run: Path) -> None:
     for s in sections:
         assert "Not answered" not in s, s
         assert any(ch.isdigit() for ch in s.split("\n", 1)[1])  # numbers from the run
+    q1 = text.split("## Q1.")[1].split("## Q2.")[0]
+    assert "| mode (open loop) |" in q1 and "req/s" in q1  # the open-loop cells ran at a rate
     manifest = yaml.safe_load((lab_run / "lab.yaml").read_text(encoding="utf-8"))
     assert manifest["answers"] == {f"Q{k}": {"answered": True} for k in QUESTIONS}
     assert manifest["simulated"] and manifest["groups"]["prefix"]["records"]
@@ -96,7 +98,7 @@ def test_plan_sizes_and_documents() -> None:
         plan("cpu", out_dir="/tmp/unused-lab-plan"),
         plan("cuda", out_dir="/tmp/unused-lab-plan"),
     )
-    assert [g.name for g in cpu.groups] == ["batching", "mix", "waiting", "prefix"]
+    assert [g.name for g in cpu.groups] == ["batching", "batching-open", "mix", "waiting", "prefix"]
     assert cpu.scale == 8 and gpu.scale == 1
     mix = {g.name: g for g in gpu.groups}["mix"]
     assert mix.workload.concurrency == (32,) and mix.workload.max_tokens == 160
