@@ -61,10 +61,9 @@ def plot_averages(d: LabData, path: Path) -> bool:
              else percentile(c.ttft_ms, 50 if q == "p50" else 95))  # fmt: skip
         if v is not None:
             ax.axvline(v, color="k", linestyle=style, label=f"{q} {v:.0f} ms")
-    ax.set_xlabel("TTFT (ms)")
-    ax.set_ylabel("requests")
-    ax.set_title(f"Q2: one cell's TTFT ({c.label}): the mean is nobody's wait")
-    ax.legend()
+    _axes(
+        ax, "TTFT (ms)", "requests", f"Q2: one cell's TTFT ({c.label}): the mean is nobody's wait"
+    )
     return _save(fig, path)
 
 
@@ -99,10 +98,8 @@ def plot_long_prompts(d: LabData, path: Path) -> bool:
     if not drawn:
         plt.close(fig)
         return False
-    ax.set_xlabel("TTFT of SHORT requests (ms)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("Q4: short prompts' TTFT with and without long prompts")
-    ax.legend()
+    _axes(ax, "TTFT of SHORT requests (ms)", "fraction of requests",
+          "Q4: short prompts' TTFT with and without long prompts")  # fmt: skip
     return _save(fig, path)
 
 
@@ -163,11 +160,15 @@ def plot_tune(d: LabData, path: Path) -> bool:
     slo = (t.get("slo") or {}).get("ttft_p95_ms")
     if slo:
         ax.axhline(slo, color="r", linestyle="--", label=f"SLO TTFT p95 {slo:g} ms")
-    ax.set_xlabel("output tokens/s")
-    ax.set_ylabel("TTFT p95 (ms)")
-    ax.set_title("Q7: every tuning probe, and the two answers")
-    ax.legend()
+    _axes(ax, "output tokens/s", "TTFT p95 (ms)", "Q7: every tuning probe, and the two answers")
     return _save(fig, path)
+
+
+def _axes(ax: Any, x: str, y: str, title: str) -> None:
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.set_title(title)
+    ax.legend()
 
 
 def _save(fig: Any, path: Path) -> bool:
