@@ -32,7 +32,7 @@ def plot_batching(d: LabData, path: Path) -> bool:
         return False
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    cells = [d.get("batching", m) for m in modes]
+    cells = [c for c in (d.get("batching", m) for m in modes) if c is not None]
     a1.bar(modes, [c.metrics.output_tokens_per_s or 0 for c in cells], color="tab:blue")
     a1.set_ylabel("output tokens/s")
     a1.set_title("throughput")
@@ -127,7 +127,7 @@ def plot_prefix(d: LabData, path: Path) -> bool:
     names = [n for n in ("cache-off", "cache-on", "cache-on-lpm") if d.get("prefix", n)]
     if not names:
         return False
-    cells = [d.get("prefix", n) for n in names]
+    cells = [c for c in (d.get("prefix", n) for n in names) if c is not None]
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     a1.bar(names, [100 * (c.hit_rate or 0) for c in cells], color="tab:green")

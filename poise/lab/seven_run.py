@@ -152,7 +152,7 @@ def run_lab(plan: LabPlan, out_dir: str | Path, *, model: str | None = None,
         t1 = time.perf_counter()
         _run_tune(plan, out, model, env or {}, sim)
         timings["tune"] = round(time.perf_counter() - t1, 1)
-    manifest = {
+    manifest: dict[str, Any] = {
         "lab": "the seed lab's seven questions (doc 004)",
         "target": plan.target,
         "simulated": sim is not None,
