@@ -13,9 +13,10 @@ Five groups of configs x cells, each one workload held fixed while one knob move
   prompts (Q4).
 - ``waiting`` (Q5): the lab's config C and three variants each short of one thing (request
   cap, KV cache, token budget) at the highest concurrency: which limit holds ``waiting`` up.
-- ``prefix`` (Q6): 16 documents asked the same question in turn (identical prompts per
+- ``prefix`` (Q6): documents asked the same question in turn (identical prompts per
   document, round robin), a queue (more clients than ``max_num_seqs``) and a KV pool that holds
-  only two documents beside the running ones: prefix cache off, on (fifo), on (lpm).
+  only two documents beside the running ones (half of them): prefix cache off, on (fifo), on
+  (lpm).
 - ``tune`` (Q7): ``poise tune``'s procedure for a chat SLO, both answers.
 
 Sizes: the seed's on a GPU and in the simulator; on CPU every size / ``scale`` (8), as
@@ -47,8 +48,6 @@ QUESTIONS: dict[int, str] = {
 # template): sizes the KV pools below.
 _TOKENS_PER_LONG_REPEAT = 15.3
 _BLOCK = 16  # poise's default block size
-# Documents of the prefix group: twice what its KV pool holds, so arrival order thrashes LRU.
-_DOCS = 16
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ def plan(target: str, *, scale: int | None = None, out_dir: str | Path = ".",
     conc, hi_conc = _div(32, s), _div(64, s)
     max_tokens = _div(wl.DEFAULT_MAX_TOKENS, s, 8)
     repeat = _div(wl.SEED_LONG_REPEAT, s)
-    n_req = None if gpu_sizes else 12
+    n_req = None if gpu_sizes else 16
     # A salt per request: the seed's prompts are identical texts, and with the prefix cache on
     # every long prompt after the first would cost nothing (Q6 measures the cache on purpose).
     seed_mix = WorkloadSpec(concurrency=(conc,), long_ratio=(0.0, 0.5), max_tokens=max_tokens,
@@ -171,20 +170,26 @@ def _prefix_group(base: dict[str, Any], conc: int, max_tokens: int, s: int, gpu_
                   out_dir: Path) -> Group:  # fmt: skip
     doc_words = _div(1600, s, 64)
     seqs = max(2, conc // 4)
+    # The pool holds the running requests' documents plus two more, half the documents, so in
+    # arrival order LRU evicts each one before it comes back; enough clients that the queue
+    # holds every document (more than once) for a cache-aware order to choose from.
+    docs = 2 * (seqs + 2)
+    clients = max(2 * conc, 2 * docs)
     path = out_dir / "prefix" / "documents.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps({"prompt": p, "class": "doc"}) for p in doc_prompts(_DOCS, doc_words)]
+    lines = [json.dumps({"prompt": p, "class": "doc"}) for p in doc_prompts(docs, doc_words)]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     per_request = doc_words + 60 + max_tokens  # words ~ tokens, plus the template and question
-    # The running requests' documents plus two more: the others are evicted (LRU) in turn.
     kv_blocks = (seqs + 2) * (-(-per_request // _BLOCK) + 1)
-    workload = WorkloadSpec(concurrency=(2 * conc,), jsonl=str(path), max_tokens=max_tokens,
-                            num_requests=None if gpu_sizes else 24,
-                            warmup=None if gpu_sizes else 2)  # fmt: skip
+    workload = WorkloadSpec(concurrency=(clients,), jsonl=str(path), max_tokens=max_tokens,
+                            num_requests=None if gpu_sizes else 32,
+                            warmup=None if gpu_sizes else 4)  # fmt: skip
     args = {**base, "max_num_seqs": seqs, "num_kv_blocks": kv_blocks}
+    note = (f"{docs} documents of {doc_words} words asked in turn, {clients} clients, "
+            f"max_num_seqs {seqs}, {kv_blocks} KV blocks (the running documents and about two "
+            "more)")  # fmt: skip
     return Group("prefix", (6,), workload, {
         "cache-off": {**args, "enable_prefix_caching": False},
         "cache-on": {**args, "enable_prefix_caching": True},
         "cache-on-lpm": {**args, "enable_prefix_caching": True, "scheduling_policy": "lpm"},
-    }, note=f"{_DOCS} documents of {doc_words} words, {2 * conc} clients, max_num_seqs {seqs}, "
-            f"{kv_blocks} KV blocks (the running documents and about two more)")  # fmt: skip
+    }, note=note)  # fmt: skip
