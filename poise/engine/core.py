@@ -235,6 +235,14 @@ class EngineCore:
         spinning."""
         return self.scheduler.wake_time(self.clock.now())
 
+    def ready_in_s(self) -> float | None:
+        """Seconds until a step computes something without new input: 0 (now), what is left
+        of a batch's wait (``dynamic``), or None when there is nothing to do."""
+        if not self.has_unfinished_requests():
+            return None
+        wake = self.wake_time()
+        return 0.0 if wake is None else max(0.0, wake - self.clock.now())
+
     def step(self) -> tuple[list[RequestDelta], StepStats | None]:
         """Run one engine step. Returns (deltas, None) when there was nothing to compute.
 

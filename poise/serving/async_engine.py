@@ -59,7 +59,7 @@ class CoreLike(Protocol):
     def finish(self, request_id: str) -> RequestDelta | None: ...
     def step(self) -> tuple[list[RequestDelta], StepStats | None]: ...
     def has_unfinished_requests(self) -> bool: ...
-    def wake_time(self) -> float | None: ...
+    def ready_in_s(self) -> float | None: ...
     def fail(self, request_ids: Iterable[str], message: str) -> list[RequestDelta]: ...
     def snapshot(self) -> EngineState: ...
 
@@ -235,9 +235,10 @@ class AsyncEngine:
         while True:
             with self._cv:
                 while not (self._adds or self._aborts or self._finishes or self._stop):
-                    if self.core.has_unfinished_requests():
+                    ready = self.core.ready_in_s()  # > 0: a dynamic batch still filling
+                    if ready == 0.0:
                         break
-                    self._cv.wait(timeout=1.0)
+                    self._cv.wait(timeout=1.0 if ready is None else ready)
                     self._log.reset()
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
@@ -311,11 +312,6 @@ class AsyncEngine:
         if stats is not None:
             self.metrics.observe_step(stats)
             self._log.add_step(stats)
-        elif (wake := self.core.wake_time()) is not None:
-            # A dynamic batch still filling: sleep until it is due or new input arrives.
-            with self._cv:
-                if not (self._adds or self._aborts or self._finishes or self._stop):
-                    self._cv.wait(timeout=max(0.0, wake - self.core.clock.now()))
         self._publish(deltas)
         self._refresh_state()
         self.metrics.engine_thread_cpu.set(time.thread_time())

@@ -87,3 +87,22 @@ def test_class_preemptions_and_token_budget_metrics() -> None:
     assert metric_value(text, "poise:class_preemptions_total", **{"class": "long"}) == 1
     assert metric_value(text, "poise:num_preemptions_total") == 4
     assert metric_value(text, "poise:token_budget") == 512
+
+
+def test_dynamic_batching_serves_after_its_delay_without_spinning(smol_tokenizer: Any) -> None:
+    """The engine thread sleeps while a dynamic batch fills (EngineCore.ready_in_s), then
+    serves it; a lone request waits the delay, not forever and not in a busy loop."""
+    import time
+
+    server, _ = _server(smol_tokenizer, scheduling_policy="dynamic", max_batch_delay_ms=1000.0)
+    with server:
+        t0 = time.perf_counter()
+        r = httpx.post(server.base_url + "/v1/completions",
+                       json={"prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True})  # fmt: skip
+        waited = time.perf_counter() - t0
+        assert r.status_code == 200, r.text
+        assert waited >= 1.0  # held for company first
+        # Spinning through the delay would be thousands of empty steps.
+        text = httpx.get(server.base_url + "/metrics").text
+        cpu = metric_value(text, "poise:engine_thread_cpu_seconds")
+        assert cpu is not None and cpu < 0.2, cpu
