@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from poise.core.logprobs import PromptLogprobSpan, TokenLogprob
 from poise.core.request import Request, RequestTimes, SloTargets, is_decode
 from poise.core.sampling_params import SamplingParams
 
@@ -46,6 +47,9 @@ class ScheduledRequest:
     # (prompt token ids, output token ids so far): the request's own lists, not copies, set
     # only when it samples this step and its params read past tokens (penalties).
     token_history: tuple[list[int], list[int]] | None = None
+    # The prompt positions this chunk's logits score (a request that asked for prompt
+    # logprobs, positions not recorded yet); None otherwise, and then no extra logits.
+    prompt_logprobs: PromptLogprobSpan | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +96,10 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     # request_id -> the token sampled for it this step (only requests with sample=True).
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # Only for requests that asked (SamplingParams.logprobs / prompt_logprobs): the sampled
+    # token's logprob, and one entry per target of the chunk's PromptLogprobSpan.
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass
@@ -116,6 +124,10 @@ class RequestDelta:
     # Set on the delta with the first token and on the finishing one: the request's class and
     # targets, for per-class SLO metrics.
     slo: SloTargets | None = None
+    # The logprobs of new_token_ids (requests with SamplingParams.logprobs), and on the delta
+    # with the first token the prompt's (prompt_logprobs; entry 0 is None, as in vLLM).
+    new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def finishing_delta(request: Request, new_token_ids: Sequence[int] = ()) -> RequestDelta:
@@ -133,6 +145,17 @@ def finishing_delta(request: Request, new_token_ids: Sequence[int] = ()) -> Requ
         times=request.times,
         slo=request.slo,
     )
+
+
+def with_logprobs(
+    delta: RequestDelta, request: Request, token: TokenLogprob | None, first: bool
+) -> RequestDelta:
+    """``delta`` (one new token) with that token's logprob, and the prompt's on the first."""
+    if token is not None:
+        delta.new_logprobs = [token]
+    if first and request.prompt_logprobs is not None:
+        delta.prompt_logprobs = list(request.prompt_logprobs)
+    return delta
 
 
 @dataclass

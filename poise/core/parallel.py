@@ -9,7 +9,9 @@ The prompt is computed once: child 0 leads, and every other child names it as it
 prompt's full blocks, then gives it those very blocks (their reference counts go up; nothing
 is copied), whether or not prefix caching is on. A follower computes only the prompt's last
 partial block (fewer than ``block_size`` tokens; a whole block when the prompt fills its last
-block exactly, since a position must be left to sample) before its first token.
+block exactly, since a position must be left to sample) before its first token. So only the
+leader scores the prompt (``prompt_logprobs``): followers never feed the shared positions, and
+the prompt's logprobs are the same for every sample (vLLM returns them once per request).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def fan_out(request_id: str, params: SamplingParams) -> list[Child]:
     children = []
     for i in range(params.n):
         seed = None if params.seed is None else params.seed + i
-        child = dataclasses.replace(params, n=1, seed=seed)
+        prompt_lp = params.prompt_logprobs if i == 0 else None
+        child = dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=prompt_lp)
         children.append(Child(child_id(request_id, i), i, child, None if i == 0 else leader))
     return children

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from poise.core.logprobs import PromptLogprobSpan, TokenLogprob, prompt_logprob_span
 from poise.core.sampling_params import SamplingParams
 
 
@@ -100,9 +101,29 @@ class Request:
     # this one is admitted once that one holds the prompt's full blocks, and shares them.
     prompt_leader: str | None = None
     times: RequestTimes = field(init=False)
+    # Per prompt position, once computed (SamplingParams.prompt_logprobs; position 0: None).
+    prompt_logprobs: list[TokenLogprob | None] | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.times = RequestTimes(arrival=self.arrival_time)
+        wants = self.sampling_params.prompt_logprobs is not None
+        self.prompt_logprobs = [None] if wants else None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed: the prefix cache is not read (a
+        cached block has the K/V but not the logits its positions predicted)."""
+        lp = self.prompt_logprobs
+        return lp is not None and len(lp) < self.num_prompt_tokens
+
+    def prompt_logprob_span(self, start: int, num_tokens: int) -> PromptLogprobSpan | None:
+        """The prompt positions the chunk ``[start, start + num_tokens)`` must score."""
+        if not self.needs_prompt_logprobs:
+            return None
+        assert self.prompt_logprobs is not None
+        return prompt_logprob_span(
+            self.prompt_token_ids, start, num_tokens, len(self.prompt_logprobs)
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from poise.core.logprobs import MAX_LOGPROBS
 from poise.errors import InvalidRequestError
 
 
@@ -34,6 +35,10 @@ class SamplingParams:
     traffic_class: str | None = None
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
+    # vLLM's: the logprob of each sampled token / of each prompt token (from the second), each
+    # with this many most likely alternatives (0: none), from the raw logits (core/logprobs.py).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     # vLLM's sampling fields (runner/penalties.py applies the logit ones). ``n`` samples share
     # the prompt (core/parallel.py); child ``i`` of a seeded request uses ``seed + i``.
@@ -43,11 +48,6 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
-
-    # vLLM's fields that poise does not implement yet, at their "off" value. Any other value is
-    # refused by ``validate`` with a message naming the field, never silently ignored.
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: object | None = None
@@ -89,6 +89,14 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"priority must be an integer, got {self.priority!r}", "priority"
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (
+                not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS
+            ):
+                raise InvalidRequestError(
+                    f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {k!r}", name
+                )
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -150,8 +158,6 @@ def _is_int(value: object) -> bool:
 # Field -> the values that mean "off" (the first is the default), for vLLM's fields not yet
 # implemented. An empty dict or list counts as off.
 NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
-    "logprobs": (None,),
-    "prompt_logprobs": (None,),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "structured_outputs": (None,),

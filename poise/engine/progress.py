@@ -12,6 +12,7 @@ input and output token rates since the call started.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from poise.core.outputs import RequestDelta
@@ -19,7 +20,7 @@ from poise.core.parallel import fan_out
 from poise.core.sampling_params import SamplingParams
 from poise.core.timing import derive
 from poise.engine.core import EngineCore
-from poise.engine.outputs import CompletionOutput, RequestOutput
+from poise.engine.outputs import CompletionOutput, RequestOutput, position_logprobs
 
 
 def run_requests(
@@ -47,12 +48,15 @@ def run_requests(
             engine.add_request(child.request_id, tokens, child.params,
                                prompt_leader=child.prompt_leader)  # fmt: skip
             completion = CompletionOutput(child.index, "", [])
+            if sp.logprobs is not None:
+                completion.logprobs, completion.cumulative_logprob = [], 0.0
             out.outputs.append(completion)
             slots[child.request_id] = (out, completion, child.params)
             if tokenizer is not None:  # a bare checkpoint without tokenizer: ids only
                 detoks[child.request_id] = IncrementalDetokenizer(tokenizer, tokens, child.params)
     bar = _Progress(len(ids), sum(len(t) for t in token_lists)) if use_tqdm else None
     pending = set(slots)
+    decode = tokenizer_decode(tokenizer)
     try:
         while pending:
             deltas, stats = engine.step()
@@ -63,7 +67,7 @@ def run_requests(
                 slot = slots.get(delta.request_id)
                 if slot is None:
                     continue
-                delta = _apply(engine, *slot, detoks.get(delta.request_id), delta)
+                delta = _apply(engine, *slot, detoks.get(delta.request_id), delta, decode)
                 if bar is not None:
                     bar.tokens(len(delta.new_token_ids))
                 if delta.finished:
@@ -85,8 +89,10 @@ def _apply(
     sp: SamplingParams,
     detok: Any,
     delta: RequestDelta,
+    decode: Callable[[int], str | None],
 ) -> RequestDelta:
     completion.token_ids.extend(delta.new_token_ids)
+    _apply_logprobs(out, completion, delta, decode)
     if detok is not None:
         text = detok.update(delta.new_token_ids, delta.finished)
         completion.text += text.text
@@ -109,6 +115,30 @@ def _apply(
         out.num_cached_tokens = max(out.num_cached_tokens, delta.num_cached_tokens)
         out.metrics = derive(delta.times) if delta.times else None
     return delta
+
+
+def tokenizer_decode(tokenizer: Any) -> Callable[[int], str | None]:
+    """A token id's text (vLLM's ``decoded_token``), or None without a tokenizer."""
+    if tokenizer is None:
+        return lambda tid: None
+    return lambda tid: str(tokenizer.decode([tid]))
+
+
+def _apply_logprobs(
+    out: RequestOutput,
+    completion: CompletionOutput,
+    delta: RequestDelta,
+    decode: Callable[[int], str | None],
+) -> None:
+    if delta.prompt_logprobs is not None and out.prompt_logprobs is None:  # n > 1: once
+        out.prompt_logprobs = [
+            None if lp is None else position_logprobs(lp, decode) for lp in delta.prompt_logprobs
+        ]
+    if delta.new_logprobs and completion.logprobs is not None:
+        completion.logprobs.extend(position_logprobs(lp, decode) for lp in delta.new_logprobs)
+        completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + sum(
+            lp.logprob for lp in delta.new_logprobs
+        )
 
 
 class _Progress:

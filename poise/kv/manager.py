@@ -78,9 +78,11 @@ class KVCacheManager:
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks holding the longest cached prefix of the request's tokens (not yet taken).
 
-        Stops one token short of the end, so at least one token is left to compute.
+        Stops one token short of the end, so at least one token is left to compute. None for
+        a request that still needs prompt logprobs: every prompt position must be fed to get
+        the logits it predicts (vLLM does the same).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
             return []
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs

@@ -18,6 +18,7 @@ from poise.core.outputs import ModelRunnerOutput, SchedulerOutput
 from poise.model.attention import AttentionBackend
 from poise.model.llama import KVCache, LlamaForCausalLM
 from poise.runner.inputs import build_step_inputs
+from poise.runner.logprobs import prompt_logprobs, raw_logprobs, sampled_logprobs
 from poise.runner.sampler import sample
 
 
@@ -55,9 +56,15 @@ class ModelRunner:
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.attention
         )
         sampled = inputs.sampled_requests
+        # Empty unless a chunk asked for prompt logprobs (then logits at its prompt positions).
+        prompt_lp = prompt_logprobs(
+            hidden, self.model.compute_logits, scheduler_output.scheduled, inputs.flat_starts
+        )
         if not sampled:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(prompt_logprobs=prompt_lp)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V] float32
+        # Raw logprobs: from the logits before the sampler touches them.
+        raw = raw_logprobs(logits, sampled)
         tokens = sample(
             logits,
             [r.sampling_params for r in sampled],
@@ -66,4 +73,8 @@ class ModelRunner:
             histories=[r.token_history for r in sampled],
             eos_token_ids=self.eos_token_ids,
         )
-        return ModelRunnerOutput({r.request_id: t for r, t in zip(sampled, tokens, strict=True)})
+        return ModelRunnerOutput(
+            {r.request_id: t for r, t in zip(sampled, tokens, strict=True)},
+            logprobs=sampled_logprobs(raw, sampled, tokens),
+            prompt_logprobs=prompt_lp,
+        )

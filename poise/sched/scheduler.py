@@ -39,6 +39,7 @@ from poise.core.outputs import (
     SchedulerOutput,
     StepStats,
     finishing_delta,
+    with_logprobs,
 )
 from poise.core.request import Request, RequestStatus
 from poise.kv.manager import KVCacheManager
@@ -340,6 +341,7 @@ class Scheduler:
                     token_history=(request.prompt_token_ids, request.output_token_ids)
                     if sample and request.sampling_params.needs_token_history
                     else None,
+                    prompt_logprobs=request.prompt_logprob_span(start, n),
                 )
             )
         out.preempted_request_ids = plan.preempted_ids
@@ -367,6 +369,8 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += sched.num_tokens
             self.kv.cache_full_blocks(request, request.num_computed_tokens)
+            if sched.prompt_logprobs is not None and request.prompt_logprobs is not None:
+                request.prompt_logprobs.extend(result.prompt_logprobs[sched.request_id])
             if request.times.first_token is None:
                 request.times.prefill_compute += now - output.schedule_time
             if not sched.sample:
@@ -378,14 +382,16 @@ class Scheduler:
                 request.times.first_token = now
             request.times.token_times.append(now)
             status = check_stop(request, token, self.max_len)
+            logprob = result.logprobs.get(sched.request_id)
             if status is None:
                 slo = request.slo if first else None
                 delta = RequestDelta(sched.request_id, [token], times=request.times, slo=slo)
                 delta.num_cached_tokens = request.num_cached_tokens  # for per-request metrics
-                deltas.append(delta)
+                deltas.append(with_logprobs(delta, request, logprob, first))
                 continue
             self.running.remove(request)
-            deltas.append(self._finish(request, status, now, [token]))
+            deltas.append(with_logprobs(self._finish(request, status, now, [token]), request,
+                                        logprob, first))  # fmt: skip
         budget = self.steer.budget  # the one this step was scheduled under
         if output.scheduled:
             self.steer.observe_step(

@@ -84,7 +84,7 @@ def test_stop_reasons(llm: LLM) -> None:
 
 @pytest.mark.parametrize(
     "field, value",
-    [("logprobs", 1), ("prompt_logprobs", 0), ("allowed_token_ids", [1]),
+    [("logprobs", 21), ("prompt_logprobs", -1), ("allowed_token_ids", [1]),
      ("presence_penalty", 2.5), ("repetition_penalty", 0.0), ("min_tokens", 3),
      ("logit_bias", {10**6: 1.0}), ("n", 0)],
 )  # fmt: skip
