@@ -147,7 +147,7 @@ def finishing_delta(request: Request, new_token_ids: Sequence[int] = ()) -> Requ
     )
 
 
-def with_logprobs(
+def annotate_token_delta(
     delta: RequestDelta, request: Request, token: TokenLogprob | None, first: bool
 ) -> RequestDelta:
     """``delta`` (one new token) with that token's logprob, and the prompt's on the first."""

@@ -38,8 +38,8 @@ from poise.core.outputs import (
     ScheduledRequest,
     SchedulerOutput,
     StepStats,
+    annotate_token_delta,
     finishing_delta,
-    with_logprobs,
 )
 from poise.core.request import Request, RequestStatus
 from poise.kv.manager import KVCacheManager
@@ -387,11 +387,11 @@ class Scheduler:
                 slo = request.slo if first else None
                 delta = RequestDelta(sched.request_id, [token], times=request.times, slo=slo)
                 delta.num_cached_tokens = request.num_cached_tokens  # for per-request metrics
-                deltas.append(with_logprobs(delta, request, logprob, first))
+                deltas.append(annotate_token_delta(delta, request, logprob, first))
                 continue
             self.running.remove(request)
-            deltas.append(with_logprobs(self._finish(request, status, now, [token]), request,
-                                        logprob, first))  # fmt: skip
+            delta = self._finish(request, status, now, [token])
+            deltas.append(annotate_token_delta(delta, request, logprob, first))
         budget = self.steer.budget  # the one this step was scheduled under
         if output.scheduled:
             self.steer.observe_step(

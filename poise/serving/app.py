@@ -29,13 +29,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from poise.serving import streams
 from poise.serving.async_engine import AsyncEngine
 from poise.serving.body import BodySizeLimit, OpenAIRoute
+from poise.serving.completions import CompletionRequest
 from poise.serving.dashboard import add_dashboard_routes
 from poise.serving.errors import error_response, install_error_handlers, map_exception
 from poise.serving.generation import Generator
 from poise.serving.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
     ErrorResponse,
     ModelCard,
@@ -214,17 +214,21 @@ async def _generate(
     model = req.model or state.served_model_names[0]
     try:
         if isinstance(req, ChatCompletionRequest):
-            prep = await gen.prepare_chat(req, arrival)
+            preps = [await gen.prepare_chat(req, arrival)]
         else:
-            prep = await gen.prepare_completion(req, arrival)
-        pieces = await gen.generate(prep)
+            # A list of prompts: each its own engine request, answered as indexed choices.
+            preps = [await gen.prepare_completion(req, arrival, p) for p in req.prompts()]
+        pieces = await gen.generate(preps)
     except Exception as exc:  # noqa: BLE001 - map_exception re-raises what it does not know
         return map_exception(exc, state.metrics)
-    n_prompt = len(prep.prompt_token_ids)
+    n_prompt = sum(len(p.prompt_token_ids) for p in preps)
+    rid = preps[0].request_id
+    formatters = streams.Formatters(gen.tokenizer)
     if req.stream:
-        body = streams.sse(pieces, prep.request_id, model, n_prompt, chat=chat,
+        body = streams.sse(pieces, rid, model, n_prompt, chat=chat,
                            include_usage=req.include_usage,
-                           continuous_usage=req.continuous_usage, n=req.n)  # fmt: skip
+                           continuous_usage=req.continuous_usage, n=req.n * len(preps),
+                           formatters=formatters)  # fmt: skip
         return StreamingResponse(body, media_type="text/event-stream")
     try:
         results = await streams.collect_until_disconnect(pieces, raw)
@@ -232,5 +236,5 @@ async def _generate(
         return map_exception(exc, state.metrics)
     if results is None:  # client left; nobody reads this
         return Response(status_code=499)
-    resp = streams.full_response(results, prep.request_id, model, n_prompt, chat=chat)
+    resp = streams.full_response(results, rid, model, n_prompt, chat=chat, formatters=formatters)
     return Response(json.dumps(resp), media_type="application/json")

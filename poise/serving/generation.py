@@ -30,6 +30,7 @@ from poise.core.parallel import Child, fan_out
 from poise.core.sampling_params import SamplingParams
 from poise.errors import InvalidRequestError, ShuttingDownError
 from poise.serving.async_engine import AsyncEngine
+from poise.serving.completions import CompletionRequest
 from poise.serving.errors import GenerationFailed
 from poise.serving.limits import (
     PromptCharBound,
@@ -38,7 +39,8 @@ from poise.serving.limits import (
     check_stop_limits,
     longest_token_chars,
 )
-from poise.serving.protocol import ChatCompletionRequest, CompletionRequest
+from poise.serving.logprobs import LogprobEntry
+from poise.serving.protocol import ChatCompletionRequest
 from poise.serving.request_metrics import response_metrics
 from poise.serving.settings import RequestLimitsConfig
 from poise.text import IncrementalDetokenizer, apply_chat_template, encode_prompt
@@ -54,7 +56,12 @@ class Piece:
     finish_reason: str | None = None
     # On the last piece of a request that asked for it: request_metrics.response_metrics.
     metrics: dict[str, Any] | None = None
-    index: int = 0  # the sample (choice) it belongs to, for n > 1
+    index: int = 0  # the choice it belongs to: prompt * n + sample
+    # The tokens this piece covers, with their logprobs (None: the prompt's first token, which
+    # nothing predicts), when the request asked for them; with echo the prompt's come first.
+    logprobs: list[LogprobEntry] | None = None
+    # Prompt tokens the prefix cache served (usage.prompt_tokens_details), on the last piece.
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -64,6 +71,10 @@ class Prepared:
     params: SamplingParams
     arrival_time: float
     include_metrics: bool = False  # the response carries per-request timing
+    # Completions' echo: the prompt text goes before the output (and its logprobs, if asked,
+    # before the output's); echo_only (max_tokens 0): the one sampled token is dropped.
+    echo_text: str | None = None
+    echo_only: bool = False
 
 
 class Generator:
@@ -130,14 +141,20 @@ class Generator:
         ids = await self._tokenize(chars, "messages", apply_chat_template, self.tokenizer, messages)
         return self._prepared("chatcmpl", ids, req, arrival)
 
-    async def prepare_completion(self, req: CompletionRequest, arrival: float) -> Prepared:
+    async def prepare_completion(
+        self, req: CompletionRequest, arrival: float, prompt: str | list[int]
+    ) -> Prepared:
+        """One prompt of the request (``CompletionRequest.prompts``): each is its own request."""
         self._check_cheap(req)
-        prompt = req.single_prompt()
         if isinstance(prompt, str):
             ids = await self._tokenize(len(prompt), "prompt", encode_prompt, self.tokenizer, prompt)
         else:
             ids = prompt
-        return self._prepared("cmpl", ids, req, arrival)
+        prep = self._prepared("cmpl", ids, req, arrival)
+        if req.echo:
+            prep.echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+            prep.echo_only = req.echo_only
+        return prep
 
     def _check_cheap(self, req: ChatCompletionRequest | CompletionRequest) -> None:
         """Limits that need no tokenizer, so a bad request costs no tokenizer time."""
@@ -171,32 +188,42 @@ class Generator:
 
     # ---- generating ---------------------------------------------------------------------
 
-    async def generate(self, prep: Prepared) -> AsyncIterator[Piece]:
-        """Admit and stream. Raises at admission before the first yield. With n > 1 every
-        sample is its own engine request sharing the prompt (core/parallel.py), and the
-        pieces of all samples come interleaved, tagged with their ``index``."""
-        admitted: list[tuple[Child, Any]] = []
+    async def generate(self, preps: list[Prepared]) -> AsyncIterator[Piece]:
+        """Admit and stream. Raises at admission before the first yield, with nothing of the
+        request left in the engine. Each prompt (a list of prompts on completions) and, with
+        n > 1, each sample is its own engine request (samples share the prompt:
+        core/parallel.py); the pieces of all come interleaved, tagged with their choice
+        ``index``: prompt * n + sample, as OpenAI and vLLM number them."""
+        admitted: list[tuple[Prepared, Child, int, Any]] = []
         try:
-            for child in fan_out(prep.request_id, prep.params):
-                stream = await self.engine.add_request(
-                    child.request_id, prep.prompt_token_ids, child.params, prep.arrival_time,
-                    prompt_leader=child.prompt_leader,
-                )  # fmt: skip
-                admitted.append((child, stream))
+            for p, prep in enumerate(preps):
+                for child in fan_out(prep.request_id, prep.params):
+                    stream = await self.engine.add_request(
+                        child.request_id, prep.prompt_token_ids, child.params,
+                        prep.arrival_time, prompt_leader=child.prompt_leader,
+                    )  # fmt: skip
+                    admitted.append((prep, child, p * prep.params.n + child.index, stream))
         except BaseException:
-            for child, _ in admitted:  # all samples or none
+            for _, child, _, _ in admitted:  # all or none
                 self.engine.abort(child.request_id)
             raise
-        pieces = [self._pieces(prep, c, stream) for c, stream in admitted]
+        pieces = [self._pieces(prep, c, index, stream) for prep, c, index, stream in admitted]
         return pieces[0] if len(pieces) == 1 else _merged(pieces)
 
-    async def _pieces(self, prep: Prepared, child: Child, stream: Any) -> AsyncIterator[Piece]:
+    async def _pieces(
+        self, prep: Prepared, child: Child, index: int, stream: Any
+    ) -> AsyncIterator[Piece]:
         detok = IncrementalDetokenizer(self.tokenizer, prep.prompt_token_ids, child.params)
-        rid, index = child.request_id, child.index
-        n_tokens = 0
+        rid = child.request_id
+        want_logprobs = child.params.logprobs is not None
+        echo = prep.echo_text or ""  # goes out with the first piece
+        lps: list[LogprobEntry] = []  # logprobs not yet sent
+        n_tokens = cached = 0
         done = False
         try:
             async for delta in stream:
+                if child.index == 0:  # samples share one prompt: its cache hit counts once
+                    cached = delta.num_cached_tokens or cached
                 if delta.finish_reason == "error":
                     done = True
                     raise GenerationFailed(delta.error_message or "the engine failed")
@@ -209,24 +236,35 @@ class Generator:
                     raise InvalidRequestError(
                         delta.error_message or "request rejected", "prompt", reason="too_long"
                     )
+                if delta.prompt_logprobs is not None and prep.echo_text is not None:
+                    lps.extend(zip(prep.prompt_token_ids, delta.prompt_logprobs, strict=True))
+                if prep.echo_only:  # max_tokens 0: the prompt alone, the sampled token dropped
+                    done = True
+                    yield Piece(echo, 0, "length", self._metrics(prep, delta, 0), index,
+                                lps if want_logprobs else None, cached)  # fmt: skip
+                    return
                 n_tokens += len(delta.new_token_ids)
+                if delta.new_logprobs:
+                    lps.extend(zip(delta.new_token_ids, delta.new_logprobs, strict=True))
                 out = detok.update(delta.new_token_ids, delta.finished)
+                text, echo = echo + out.text, ""
+                sent, lps = (lps if want_logprobs else None), []
                 if out.stopped and not delta.finished:
                     # A stop string matched: the engine may already be computing more tokens
                     # for this request; end it there and report "stop" to the client now.
                     self.engine.finish(rid)
                     done = True
-                    yield Piece(out.text, n_tokens, "stop", self._metrics(prep, delta, n_tokens),
-                                index)  # fmt: skip
+                    yield Piece(text, n_tokens, "stop", self._metrics(prep, delta, n_tokens),
+                                index, sent, cached)  # fmt: skip
                     return
                 if delta.finished:
                     done = True
                     reason = "stop" if out.stopped else delta.finish_reason
-                    yield Piece(out.text, n_tokens, reason, self._metrics(prep, delta, n_tokens),
-                                index)  # fmt: skip
+                    yield Piece(text, n_tokens, reason, self._metrics(prep, delta, n_tokens),
+                                index, sent, cached)  # fmt: skip
                     return
-                if out.text:
-                    yield Piece(out.text, n_tokens, index=index)
+                if text or sent:
+                    yield Piece(text, n_tokens, index=index, logprobs=sent)
         finally:
             if not done:
                 self.engine.abort(rid)

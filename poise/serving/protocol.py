@@ -1,7 +1,7 @@
 """The OpenAI HTTP schema (the subset poise serves) as pydantic models.
 
 Requests accept unknown fields (clients send many optional ones) but reject values poise cannot
-honour (logprobs, ...) with a 400 that names the field, rather than ignoring them
+honour (``suffix``, ...) with a 400 that names the field, rather than ignoring them
 silently. Extensions follow vLLM's spelling: ``top_k``, ``min_p``, ``ignore_eos``,
 ``stop_token_ids``, ``include_stop_str_in_output``.
 
@@ -21,8 +21,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from poise.core.logprobs import MAX_LOGPROBS
 from poise.core.sampling_params import SamplingParams
 from poise.errors import InvalidRequestError
+from poise.serving.logprobs import ChatLogprobs, CompletionLogprobs
 
 
 class _Lenient(BaseModel):
@@ -188,6 +190,8 @@ class _SamplingRequest(_Lenient):
             traffic_class=self.traffic_class,
             ttft_slo_ms=self.ttft_slo_ms,
             tpot_slo_ms=self.tpot_slo_ms,
+            logprobs=self.sampled_logprobs(),
+            prompt_logprobs=self.prompt_logprobs(),
         )
         params.validate()
         return params
@@ -203,6 +207,13 @@ class _SamplingRequest(_Lenient):
             self.stream_options and self.stream_options.continuous_usage_stats
         )
 
+    def sampled_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: alternatives per generated token, None for no logprobs."""
+        return None
+
+    def prompt_logprobs(self) -> int | None:
+        return None
+
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -210,13 +221,16 @@ class ChatCompletionRequest(_SamplingRequest):
         None, ge=1, description="OpenAI's newer name for max_tokens; both, if given, must agree."
     )
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def sampled_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def check_fields(self) -> None:
         super().check_fields()
@@ -239,41 +253,6 @@ class ChatCompletionRequest(_SamplingRequest):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
-class CompletionRequest(_SamplingRequest):
-    # A string, a list with one string, a list of token ids, or a list with one such list.
-    prompt: (
-        NonEmptyStr
-        | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=1)]
-        | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-        | Annotated[list[list[Annotated[int, Field(ge=0)]]], Field(min_length=1, max_length=1)]
-    )
-    echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
-
-    @model_validator(mode="after")
-    def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
-        return self
-
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt: text or token ids (the field's constraints allow only one)."""
-        p = self.prompt
-        if isinstance(p, str):
-            return p
-        first = p[0]
-        if isinstance(first, str):
-            return first
-        if isinstance(first, list):
-            return list(first)
-        return list(p)  # type: ignore[arg-type]
-
-
 # ---- responses -------------------------------------------------------------------------------
 
 
@@ -285,16 +264,22 @@ def now_s() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt: int, completion: int) -> UsageInfo:
+    def of(cls, prompt: int, completion: int, cached: int = 0) -> UsageInfo:
         return cls(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-        )
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )  # fmt: skip
 
 
 class ChatResponseMessage(BaseModel):
@@ -306,7 +291,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -328,7 +313,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -345,7 +330,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -4,8 +4,10 @@ Stream shape (chat): a first chunk with ``delta.role``, one chunk per text piece
 with ``finish_reason``, then (``stream_options.include_usage``) a chunk with empty ``choices``
 and the usage, then ``data: [DONE]``. With ``continuous_usage_stats`` too (vLLM's extension),
 every chunk also carries the usage so far. Per-request timing (``include_metrics``) rides on the
-last chunk before ``[DONE]``, and on the body of a response that is not streamed (with ``n`` > 1:
-the timing of the sample that finished last). An error after the stream started becomes one
+last chunk before ``[DONE]``, and on the body of a response that is not streamed (with several
+choices: the timing of the one that finished last). Choices: ``n`` samples of each prompt of a
+list (completions), choice ``index`` = prompt * n + sample; each chunk carries one choice, with
+its logprobs (serving/logprobs.py) when asked. An error after the stream started becomes one
 ``data: {"error": ...}`` event (the openai client raises it as APIError), then ``[DONE]``.
 
 Invariant: leaving a stream early (client disconnect cancels the response task) closes the
@@ -25,6 +27,7 @@ from fastapi import Request
 from poise.errors import InvalidRequestError, ShuttingDownError
 from poise.serving.errors import GenerationFailed
 from poise.serving.generation import Piece
+from poise.serving.logprobs import ChatLogprobs, CompletionLogprobs, LogprobEntry, LogprobFormatter
 from poise.serving.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -57,18 +60,43 @@ def _json(body: _Body) -> str:
     return body.model_dump_json(exclude=_no_metrics(body))
 
 
+class Formatters:
+    """One LogprobFormatter per choice (a completions choice keeps its text offset across
+    chunks), made on first use."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._by_index: dict[int, LogprobFormatter] = {}
+
+    def shape(
+        self, index: int, entries: list[LogprobEntry] | None, chat: bool
+    ) -> ChatLogprobs | CompletionLogprobs | None:
+        if entries is None:
+            return None
+        fmt = self._by_index.get(index)
+        if fmt is None:
+            fmt = self._by_index[index] = LogprobFormatter(self._tokenizer)
+        return fmt.chat(entries) if chat else fmt.completion(entries)
+
+
 def _chunk(rid: str, model: str, created: int, chat: bool, text: str | None,
            finish: str | None, role: str | None = None,
            usage: UsageInfo | None = None, index: int = 0,
-           metrics: dict[str, Any] | None = None) -> str:  # fmt: skip
+           metrics: dict[str, Any] | None = None,
+           logprobs: ChatLogprobs | CompletionLogprobs | None = None) -> str:  # fmt: skip
     if chat:
+        assert logprobs is None or isinstance(logprobs, ChatLogprobs)
         choice = ChatChunkChoice(
-            index=index, delta=DeltaMessage(role=role, content=text), finish_reason=finish
+            index=index,
+            delta=DeltaMessage(role=role, content=text),
+            finish_reason=finish,
+            logprobs=logprobs,
         )
         return _json(ChatCompletionChunk(
             id=rid, created=created, model=model, choices=[choice], usage=usage, metrics=metrics
         ))  # fmt: skip
-    c = CompletionChoice(index=index, text=text or "", finish_reason=finish)
+    assert logprobs is None or isinstance(logprobs, CompletionLogprobs)
+    c = CompletionChoice(index=index, text=text or "", finish_reason=finish, logprobs=logprobs)
     return _json(CompletionResponse(
         id=rid, created=created, model=model, choices=[c], usage=usage, metrics=metrics
     ))  # fmt: skip
@@ -105,16 +133,21 @@ async def sse(
     include_usage: bool,
     continuous_usage: bool = False,
     n: int = 1,
+    formatters: Formatters,
 ) -> AsyncIterator[str]:
-    """``n`` samples: each has its own choice ``index`` (chat: its own role chunk first);
-    completion tokens in the usage are those of all samples."""
+    """``n`` choices: each has its own ``index`` (chat: its own role chunk first); completion
+    tokens in the usage are those of all choices, cached tokens those of each prompt once."""
     created = now_s()
-    counts = [0] * n  # output tokens so far, per sample
+    counts = [0] * n  # output tokens so far, per choice
+    cached = [0] * n
     finished = 0
     metrics = None  # per-request timing (include_metrics): on the last chunk before [DONE]
 
+    def usage() -> UsageInfo:
+        return UsageInfo.of(num_prompt_tokens, sum(counts), sum(cached))
+
     def so_far() -> UsageInfo | None:  # vLLM's continuous_usage_stats: usage on every chunk
-        return UsageInfo.of(num_prompt_tokens, sum(counts)) if continuous_usage else None
+        return usage() if continuous_usage else None
 
     try:
         if chat:
@@ -122,19 +155,21 @@ async def sse(
                 yield _event(_chunk(rid, model, created, chat, "", None, role="assistant",
                                     usage=so_far(), index=i))  # fmt: skip
         async for piece in pieces:
-            counts[piece.index] = piece.num_tokens
+            i = piece.index
+            counts[i] = piece.num_tokens
+            cached[i] = piece.num_cached_tokens or cached[i]
+            lp = formatters.shape(i, piece.logprobs, chat)
             if piece.finish_reason is None:
                 yield _event(_chunk(rid, model, created, chat, piece.text, None,
-                                    usage=so_far(), index=piece.index))  # fmt: skip
+                                    usage=so_far(), index=i, logprobs=lp))  # fmt: skip
                 continue
             finished += 1
-            metrics = piece.metrics  # the sample finishing last gives the request's timing
+            metrics = piece.metrics  # the choice finishing last gives the request's timing
             last = None if include_usage or finished < n else metrics
             yield _event(_chunk(rid, model, created, chat, piece.text, piece.finish_reason,
-                                usage=so_far(), index=piece.index, metrics=last))  # fmt: skip
+                                usage=so_far(), index=i, metrics=last, logprobs=lp))  # fmt: skip
         if include_usage:
-            usage = UsageInfo.of(num_prompt_tokens, sum(counts))
-            yield _event(_usage_chunk(rid, model, created, chat, usage, metrics))
+            yield _event(_usage_chunk(rid, model, created, chat, usage(), metrics))
     except (GenerationFailed, InvalidRequestError, ShuttingDownError) as exc:
         yield _error_event(exc)
     finally:
@@ -151,22 +186,29 @@ class Result:
     num_tokens: int
     finish_reason: str | None
     metrics: dict[str, Any] | None = None
-    finish_order: int = 0  # among the request's samples (n > 1)
+    finish_order: int = 0  # among the request's choices
+    logprobs: list[LogprobEntry] | None = None
+    num_cached_tokens: int = 0
 
 
 async def _collect(pieces: AsyncIterator[Piece]) -> list[Result]:
-    """One Result per sample, by index."""
+    """One Result per choice, by index."""
     parts: dict[int, list[str]] = {}
     last: dict[int, Piece] = {}
-    order: list[int] = []  # sample indices as they finished
+    lps: dict[int, list[LogprobEntry]] = {}
+    cached: dict[int, int] = {}
+    order: list[int] = []  # choice indices as they finished
     async for piece in pieces:
         parts.setdefault(piece.index, []).append(piece.text)
         last[piece.index] = piece
+        cached[piece.index] = piece.num_cached_tokens or cached.get(piece.index, 0)
+        if piece.logprobs is not None:
+            lps.setdefault(piece.index, []).extend(piece.logprobs)
         if piece.finish_reason is not None:
             order.append(piece.index)
     return [
         Result("".join(parts[i]), last[i].num_tokens, last[i].finish_reason, last[i].metrics,
-               order.index(i) if i in order else -1)
+               order.index(i) if i in order else -1, lps.get(i), cached[i])
         for i in sorted(last)
     ]  # fmt: skip
 
@@ -200,22 +242,26 @@ async def collect_until_disconnect(
     return work.result()
 
 
-def full_response(results: list[Result], rid: str, model: str, n_prompt: int, *, chat: bool) -> Any:
-    usage = UsageInfo.of(n_prompt, sum(r.num_tokens for r in results))
+def full_response(results: list[Result], rid: str, model: str, n_prompt: int, *, chat: bool,
+                  formatters: Formatters) -> Any:  # fmt: skip
+    usage = UsageInfo.of(n_prompt, sum(r.num_tokens for r in results),
+                         sum(r.num_cached_tokens for r in results))  # fmt: skip
     # The request's timing is that of the sample that finished last (n > 1).
     metrics = max(results, key=lambda r: r.finish_order).metrics
     body: _Body
     if chat:
         choices = [
             ChatChoice(index=i, message=ChatResponseMessage(content=r.text),
-                       finish_reason=r.finish_reason)
+                       finish_reason=r.finish_reason,
+                       logprobs=formatters.shape(i, r.logprobs, chat))  # type: ignore[arg-type]
             for i, r in enumerate(results)
         ]  # fmt: skip
         body = ChatCompletionResponse(
             id=rid, model=model, choices=choices, usage=usage, metrics=metrics
         )
     else:
-        cs = [CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
+        cs = [CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
+                               logprobs=formatters.shape(i, r.logprobs, chat))  # type: ignore[arg-type]
               for i, r in enumerate(results)]  # fmt: skip
         body = CompletionResponse(id=rid, model=model, choices=cs, usage=usage, metrics=metrics)
     return body.model_dump(exclude=_no_metrics(body))
