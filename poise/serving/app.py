@@ -159,6 +159,17 @@ def _add_info_routes(app: FastAPI, state: ServingState) -> None:
         ]
         return ModelList(data=cards)
 
+    # ``:path``: a served name may hold slashes (a Hub id such as Qwen/Qwen2.5-7B-Instruct).
+    @app.get("/v1/models/{model_id:path}", responses={404: _ERRORS[400] | {
+        "description": "Not a served model name (model_not_found)."}})  # fmt: skip
+    async def model(model_id: str) -> Response:
+        if model_id not in state.served_model_names:
+            return error_response(404, f"The model `{model_id}` does not exist; this server "
+                                  f"serves {state.served_model_names}", param="model",
+                                  code="model_not_found")  # fmt: skip
+        card = ModelCard(id=model_id, max_model_len=state.max_model_len)
+        return JSONResponse(card.model_dump())
+
     @app.get("/health")
     async def health() -> Response:
         engine = state.engine

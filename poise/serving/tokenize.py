@@ -8,6 +8,11 @@ rendered as for /v1/chat/completions) and answers ``{"count", "max_model_len", "
 ``{"tokens": [...]}`` and answers ``{"prompt": str}``. A ``model`` other than a served name is
 404 ``model_not_found``, as on the generation routes. The tokenizer runs on the generator's
 tokenizer thread.
+
+``GET /tokenizer_info`` (vLLM's route) describes the served tokenizer: its special tokens, chat
+template, class and ``model_max_length``. With it and /tokenize, lm-eval's API models use the
+server's own tokenizer (``tokenizer_backend=remote``, picked automatically), so evaluating the
+embedded GGUF model needs no tokenizer directory on the client.
 """
 
 from __future__ import annotations
@@ -94,6 +99,10 @@ def add_tokenize_routes(app: FastAPI, state: Any) -> None:
             body["token_strs"] = gen.tokenizer.convert_ids_to_tokens(ids)
         return JSONResponse(body)
 
+    @app.get("/tokenizer_info")
+    async def info() -> Response:
+        return JSONResponse(tokenizer_info(state.generator.tokenizer, state.max_model_len))
+
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> Response:
         refused = unknown_model(req.model)
@@ -107,6 +116,18 @@ def add_tokenize_routes(app: FastAPI, state: Any) -> None:
         gen = state.generator
         text = await gen.call_tokenizer(lambda: gen.tokenizer.decode(req.tokens))
         return JSONResponse({"prompt": text})
+
+
+def tokenizer_info(tokenizer: Any, max_model_len: int) -> dict[str, Any]:
+    """The /tokenizer_info body: special tokens as text (None when the tokenizer has none)."""
+    info: dict[str, Any] = {
+        name: getattr(tokenizer, name, None)
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+    }
+    template = getattr(tokenizer, "chat_template", None)
+    info |= {"chat_template": template if isinstance(template, str) else None,
+             "tokenizer_class": type(tokenizer).__name__, "model_max_length": max_model_len}  # fmt: skip
+    return info
 
 
 def _with_special(tokenizer: Any, ids: list[int]) -> list[int]:

@@ -1,8 +1,9 @@
-"""Logprobs, echo and batched prompts over HTTP with the official openai client, on a live
-`poise serve` (tiny random float32 Llama, real SmolLM2 tokenizer): values equal log_softmax of
-transformers' logits, in OpenAI's completions and chat shapes, streaming and not; lm-eval's
-loglikelihood request (echo + logprobs + max_tokens 0); lists of prompts answered as indexed
-choices; the routes and shapes of issue 19 item 3."""
+"""What eval harnesses and SDKs send, through the official openai client on a live `poise serve`
+(tiny random float32 Llama, real SmolLM2 tokenizer): logprobs equal log_softmax of transformers'
+logits, in OpenAI's completions and chat shapes, streaming and not; lm-eval's loglikelihood
+request (echo + logprobs, max_tokens 0 or 1); lists of prompts answered as indexed choices; the
+routes and shapes SDKs rely on (models.retrieve, OpenAI's error shape on 404 / 405, the
+developer role, cached_tokens, max_tokens beyond the context, /tokenizer_info)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,27 @@ def reference(tiny_model_dir: Path) -> Any:
 
 def _text(tok: Any, tid: int) -> str:
     return str(tok.decode([tid]))
+
+
+def test_echo_max_tokens_1_as_lm_eval_sends_it(
+    client: openai.OpenAI, reference: Any, smol_tokenizer: Any
+) -> None:
+    """lm-eval's local-completions: echo, logprobs 1, max_tokens 1; it reads [ctxlen:-1]."""
+    ids = smol_tokenizer.encode("Question: is the sky blue? Answer: yes")
+    r = client.completions.create(model="tiny", prompt=[ids], max_tokens=1, echo=True,
+                                  logprobs=1, temperature=0)  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert len(lp.token_logprobs) == len(ids) + 1 and r.usage.completion_tokens == 1  # type: ignore[union-attr]
+    ref = reference(ids)
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(
+        [float(ref[i - 1, ids[i]]) for i in range(1, len(ids))], abs=TOL
+    )
+    generated = lp.token_logprobs[-1]
+    assert generated is not None and math.isclose(generated, float(ref[-1].max()), abs_tol=TOL)
+    assert r.choices[0].text.startswith(smol_tokenizer.decode(ids))
+    for value, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert top is not None and 1 <= len(top) <= 2 and value in top.values()
 
 
 def test_echo_max_tokens_0_scores_the_prompt(
@@ -245,3 +267,59 @@ def test_chat_refusals(client: openai.OpenAI) -> None:
                   {"stream_options": {"include_usage": True}}):  # fmt: skip
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, **extra)
+
+
+def test_models_retrieve(client: openai.OpenAI) -> None:
+    card = client.models.retrieve("tiny")
+    assert card.id == "tiny" and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("not-served")
+    body = info.value.body
+    assert isinstance(body, dict) and body["code"] == "model_not_found"
+
+
+def test_unknown_route_and_wrong_method_have_openai_error_shape(
+    client: openai.OpenAI, server: ServerProcess
+) -> None:
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.get("/nope", cast_to=object)
+    assert isinstance(nf.value.body, dict) and nf.value.body["type"] == "invalid_request_error"
+    r = httpx.get(server.base_url + "/v1/completions")
+    assert r.status_code == 405 and set(r.json()["error"]) >= {"message", "type", "code"}
+    with pytest.raises(openai.APIStatusError) as na:
+        client.get("/completions", cast_to=object)
+    assert na.value.status_code == 405 and isinstance(na.value.body, dict)
+    assert "message" in na.value.body
+
+
+def test_developer_role_is_system(client: openai.OpenAI) -> None:
+    def run(role: str) -> Any:
+        return client.chat.completions.create(
+            model="tiny", max_tokens=4, temperature=0,
+            messages=[{"role": role, "content": "Be terse."}, {"role": "user", "content": "Hi"}],
+        )  # fmt: skip
+
+    dev, system = run("developer"), run("system")
+    assert dev.usage is not None and system.usage is not None
+    assert dev.usage.prompt_tokens == system.usage.prompt_tokens
+    assert dev.choices[0].message.content == system.choices[0].message.content
+
+
+def test_max_tokens_beyond_the_context_names_both_numbers(
+    client: openai.OpenAI, smol_tokenizer: Any
+) -> None:
+    prompt = "count the tokens of this prompt"
+    n = len(smol_tokenizer.encode(prompt))
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_MODEL_LEN)
+    msg = str(info.value)
+    assert str(n) in msg and str(MAX_MODEL_LEN - n) in msg and str(MAX_MODEL_LEN) in msg
+
+
+def test_tokenizer_info_lets_lm_eval_use_the_servers_tokenizer(
+    server: ServerProcess, smol_tokenizer: Any
+) -> None:
+    info = httpx.get(server.base_url + "/tokenizer_info").json()
+    assert info["eos_token"] == smol_tokenizer.eos_token
+    assert info["model_max_length"] == MAX_MODEL_LEN
+    assert info["chat_template"] == smol_tokenizer.chat_template
