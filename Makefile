@@ -33,9 +33,9 @@ test: $(STAMP)
 
 SCALE_STAMP := $(VENV)/.installed-scale
 
-# The optional Ray Serve extra (replicas), only for the full suite.
+# The optional extras, only for the full suite: Ray Serve (replicas), lm-eval (eval harness).
 $(SCALE_STAMP): $(STAMP)
-	$(PIP) install -q -c constraints.txt -e '.[dev,scale]'
+	$(PIP) install -q -c constraints.txt -e '.[dev,scale,eval]'
 	touch $(SCALE_STAMP)
 
 test-all: $(SCALE_STAMP)
