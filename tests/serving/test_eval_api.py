@@ -323,3 +323,24 @@ def test_tokenizer_info_lets_lm_eval_use_the_servers_tokenizer(
     assert info["eos_token"] == smol_tokenizer.eos_token
     assert info["model_max_length"] == MAX_MODEL_LEN
     assert info["chat_template"] == smol_tokenizer.chat_template
+
+
+def test_batched_prompts_with_n_number_choices_prompt_times_n_plus_sample(
+    client: openai.OpenAI,
+) -> None:
+    prompts = ["The first prompt", "Second"]
+    kw: dict[str, Any] = dict(model="tiny", max_tokens=3, temperature=0, logprobs=1,
+                              extra_body={"ignore_eos": True})  # fmt: skip
+    singles = [client.completions.create(prompt=p, **kw).choices[0] for p in prompts]
+    r = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c in r.choices:  # greedy: both samples of a prompt are that prompt's completion
+        single = singles[c.index // 2]
+        assert c.text == single.text
+        assert c.logprobs is not None and single.logprobs is not None
+        assert c.logprobs.token_logprobs == pytest.approx(single.logprobs.token_logprobs)
+    assert r.usage is not None and r.usage.completion_tokens == 12
+    with pytest.raises(openai.BadRequestError) as info:  # only one sample feeds the prompt
+        client.completions.create(prompt=prompts, n=2, echo=True, model="tiny", max_tokens=1,
+                                  logprobs=0)  # fmt: skip
+    assert "n = 1" in str(info.value)
