@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +185,36 @@ class ServerProcess:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def tiny_server(model_dir: Path, log_dir: Path, *args: str) -> Iterator[ServerProcess]:
+    """``poise serve MODEL_DIR`` as ``tiny`` in float32 (plus ``args``), ready; on exit it is
+    stopped and must have exited cleanly (the log's tail otherwise)."""
+    log = log_dir / "server.log"
+    base = [str(model_dir), "--served-model-name", "tiny", "--dtype", "float32"]
+    proc = ServerProcess([*base, *args], log).wait_ready()
+    try:
+        yield proc
+    finally:
+        assert proc.stop() == 0, log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Any:
+    """The official openai client on the module's ``server`` fixture (no retries)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir: Path) -> Any:
+    """transformers' float32 model on ``tiny_model_dir``: the reference for the server's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
 def post_all_at_once(url: str, bodies: list[dict[str, Any]]) -> list[httpx.Response]:

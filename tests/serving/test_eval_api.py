@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 
-from tests.serving.conftest import ServerProcess, metric_value
+from tests.serving.conftest import ServerProcess, metric_value, tiny_server
 
 TOL = 1e-4
 MAX_MODEL_LEN = 256
@@ -27,31 +27,26 @@ MAX_MODEL_LEN = 256
 def server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("logprobs") / "server.log"
-    args = [
-        str(tiny_model_dir), "--served-model-name", "tiny", "--dtype", "float32",
-        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "16",
-        "--kv-cache-memory-bytes", "16MiB", "--block-size", "16",
-    ]  # fmt: skip
-    proc = ServerProcess(args, log).wait_ready()
-    yield proc
-    assert proc.stop() == 0, log.read_text()[-3000:]
+    with tiny_server(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("eval-api"),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-batched-tokens",
+        "16",
+        "--kv-cache-memory-bytes",
+        "16MiB",
+        "--block-size",
+        "16",
+    ) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
+def reference(hf: Any) -> Any:
     def logprobs(ids: list[int]) -> torch.Tensor:  # row i predicts token i + 1
         with torch.no_grad():
-            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+            return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
 
     return logprobs
 

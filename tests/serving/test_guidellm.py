@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving.conftest import ServerProcess
+from tests.serving.conftest import ServerProcess, tiny_server
 
 pytestmark = pytest.mark.slow
 
@@ -24,12 +24,10 @@ pytestmark = pytest.mark.slow
 def server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("guidellm") / "server.log"
-    args = [str(tiny_model_dir), "--served-model-name", "tiny", "--dtype", "float32",
-            "--max-model-len", "512"]  # fmt: skip
-    proc = ServerProcess(args, log).wait_ready()
-    yield proc
-    assert proc.stop() == 0, log.read_text()[-3000:]
+    with tiny_server(
+        tiny_model_dir, tmp_path_factory.mktemp("guidellm"), "--max-model-len", "512"
+    ) as proc:
+        yield proc
 
 
 @pytest.mark.parametrize("profile", ["kind=synchronous", "kind=concurrent,streams=4"])

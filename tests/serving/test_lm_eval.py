@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.serving.conftest import REPO, ServerProcess
+from tests.serving.conftest import REPO, ServerProcess, tiny_server
 
 pytestmark = pytest.mark.slow
 TASKS = REPO / "tests" / "serving" / "lm_eval_tasks"
@@ -23,12 +23,15 @@ TASKS = REPO / "tests" / "serving" / "lm_eval_tasks"
 def server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("lm-eval") / "server.log"
-    args = [str(tiny_model_dir), "--served-model-name", "tiny", "--dtype", "float32",
-            "--max-model-len", "512", "--max-num-batched-tokens", "64"]  # fmt: skip
-    proc = ServerProcess(args, log).wait_ready()
-    yield proc
-    assert proc.stop() == 0, log.read_text()[-3000:]
+    with tiny_server(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("lm-eval"),
+        "--max-model-len",
+        "512",
+        "--max-num-batched-tokens",
+        "64",
+    ) as proc:
+        yield proc
 
 
 def _evaluate(model: str, model_args: str, task: str, monkeypatch: pytest.MonkeyPatch,
@@ -52,14 +55,22 @@ def _by_doc(out: dict[str, Any], task: str) -> dict[int, Any]:
     return {s["doc_id"]: s for s in out["samples"][task]}
 
 
+def _served_and_hf(server: ServerProcess, model_dir: Path, task: str,
+                   monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """The task through local-completions against the server, then through lm-eval's hf model
+    on the same weights, both at batch size 4."""
+    url = f"{server.base_url}/v1/completions"
+    served = _evaluate("local-completions", f"model=tiny,base_url={url},num_concurrent=1,"
+                       "max_retries=1", task, monkeypatch, batch_size=4)  # fmt: skip
+    hf = _evaluate("hf", f"pretrained={model_dir},dtype=float32", task, monkeypatch,
+                   batch_size=4, device="cpu")  # fmt: skip
+    return served, hf
+
+
 def test_multiple_choice_loglikelihoods_match_hf(
     server: ServerProcess, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    url = f"{server.base_url}/v1/completions"
-    served = _evaluate("local-completions", f"model=tiny,base_url={url},num_concurrent=1,"
-                       "max_retries=1", "poise_mc", monkeypatch, batch_size=4)  # fmt: skip
-    hf = _evaluate("hf", f"pretrained={tiny_model_dir},dtype=float32", "poise_mc", monkeypatch,
-                   batch_size=4, device="cpu")  # fmt: skip
+    served, hf = _served_and_hf(server, tiny_model_dir, "poise_mc", monkeypatch)
     got, want = _by_doc(served, "poise_mc"), _by_doc(hf, "poise_mc")
     assert sorted(got) == sorted(want) and len(got) == 12
     for doc_id, sample in got.items():
@@ -74,11 +85,7 @@ def test_multiple_choice_loglikelihoods_match_hf(
 def test_generate_until_batch_4_matches_hf(
     server: ServerProcess, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    url = f"{server.base_url}/v1/completions"
-    served = _evaluate("local-completions", f"model=tiny,base_url={url},num_concurrent=1,"
-                       "max_retries=1", "poise_gen", monkeypatch, batch_size=4)  # fmt: skip
-    hf = _evaluate("hf", f"pretrained={tiny_model_dir},dtype=float32", "poise_gen", monkeypatch,
-                   batch_size=4, device="cpu")  # fmt: skip
+    served, hf = _served_and_hf(server, tiny_model_dir, "poise_gen", monkeypatch)
     got, want = _by_doc(served, "poise_gen"), _by_doc(hf, "poise_gen")
     assert len(got) == 8
     generations = {d: s["resps"][0][0] for d, s in got.items()}

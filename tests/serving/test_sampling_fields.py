@@ -12,12 +12,11 @@ from typing import Any
 
 import openai
 import pytest
-import torch
 
 from poise.core.sampling_params import SamplingParams
 from poise.serving.protocol import ChatCompletionRequest
 from tests.sampling_reference import greedy_reference
-from tests.serving.conftest import ServerProcess
+from tests.serving.conftest import ServerProcess, tiny_server
 
 N = 10
 PROMPT = [1, 520, 33, 980, 33, 4051, 77, 33, 12, 9000, 77, 33]
@@ -28,24 +27,15 @@ MSG = [{"role": "user", "content": "Say something about paged attention."}]
 def server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("sampling") / "server.log"
-    args = [str(tiny_model_dir), "--served-model-name", "tiny", "--dtype", "float32",
-            "--max-model-len", "512", "--kv-cache-memory-bytes", "16MiB"]  # fmt: skip
-    proc = ServerProcess(args, log).wait_ready()
-    yield proc
-    assert proc.stop() == 0, log.read_text()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with tiny_server(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("sampling"),
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory-bytes",
+        "16MiB",
+    ) as proc:
+        yield proc
 
 
 def _reference(hf: Any, prompt: list[int], n: int, **kw: Any) -> list[int]:
