@@ -148,14 +148,28 @@ def finishing_delta(request: Request, new_token_ids: Sequence[int] = ()) -> Requ
 
 
 def annotate_token_delta(
-    delta: RequestDelta, request: Request, token: TokenLogprob | None, first: bool
+    delta: RequestDelta, request: Request, result: ModelRunnerOutput, first: bool
 ) -> RequestDelta:
-    """``delta`` (one new token) with that token's logprob, and the prompt's on the first."""
+    """``delta`` (one new token) with the cached prefix (for per-request metrics), that token's
+    logprob if the request asked, and on the first token the request's class and targets (slo)
+    and the prompt's logprobs."""
+    delta.num_cached_tokens = request.num_cached_tokens
+    if first:
+        delta.slo = request.slo
+    token = result.logprobs.get(request.request_id)
     if token is not None:
         delta.new_logprobs = [token]
     if first and request.prompt_logprobs is not None:
         delta.prompt_logprobs = list(request.prompt_logprobs)
     return delta
+
+
+def record_prompt_logprobs(
+    request: Request, sched: ScheduledRequest, result: ModelRunnerOutput
+) -> None:
+    """Append the prompt logprobs a chunk scored (its span's targets, in order) to the request's."""
+    if sched.prompt_logprobs is not None and request.prompt_logprobs is not None:
+        request.prompt_logprobs.extend(result.prompt_logprobs[sched.request_id])
 
 
 @dataclass

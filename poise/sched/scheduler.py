@@ -40,6 +40,7 @@ from poise.core.outputs import (
     StepStats,
     annotate_token_delta,
     finishing_delta,
+    record_prompt_logprobs,
 )
 from poise.core.request import Request, RequestStatus
 from poise.kv.manager import KVCacheManager
@@ -369,8 +370,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += sched.num_tokens
             self.kv.cache_full_blocks(request, request.num_computed_tokens)
-            if sched.prompt_logprobs is not None and request.prompt_logprobs is not None:
-                request.prompt_logprobs.extend(result.prompt_logprobs[sched.request_id])
+            record_prompt_logprobs(request, sched, result)
             if request.times.first_token is None:
                 request.times.prefill_compute += now - output.schedule_time
             if not sched.sample:
@@ -382,16 +382,13 @@ class Scheduler:
                 request.times.first_token = now
             request.times.token_times.append(now)
             status = check_stop(request, token, self.max_len)
-            logprob = result.logprobs.get(sched.request_id)
             if status is None:
-                slo = request.slo if first else None
-                delta = RequestDelta(sched.request_id, [token], times=request.times, slo=slo)
-                delta.num_cached_tokens = request.num_cached_tokens  # for per-request metrics
-                deltas.append(annotate_token_delta(delta, request, logprob, first))
+                delta = RequestDelta(sched.request_id, [token], times=request.times)
+                deltas.append(annotate_token_delta(delta, request, result, first))
                 continue
             self.running.remove(request)
             delta = self._finish(request, status, now, [token])
-            deltas.append(annotate_token_delta(delta, request, logprob, first))
+            deltas.append(annotate_token_delta(delta, request, result, first))
         budget = self.steer.budget  # the one this step was scheduled under
         if output.scheduled:
             self.steer.observe_step(
