@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from poise.core.request import Request, RequestTimes, SloTargets, is_decode
 from poise.core.sampling_params import SamplingParams
+from poise.core.structured import GrammarState
 
 
 @dataclass
@@ -46,6 +47,9 @@ class ScheduledRequest:
     # (prompt token ids, output token ids so far): the request's own lists, not copies, set
     # only when it samples this step and its params read past tokens (penalties).
     token_history: tuple[list[int], list[int]] | None = None
+    # The request's structured-output matcher (read-only here: the runner masks the sampled
+    # row's logits with what it allows; the stop rules advance it).
+    grammar: GrammarState | None = None
 
     @property
     def num_tokens(self) -> int:

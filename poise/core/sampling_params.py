@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from poise.core.structured import StructuredOutputsParams
 from poise.errors import InvalidRequestError
 
 
@@ -34,6 +35,9 @@ class SamplingParams:
     traffic_class: str | None = None
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
+    # Constrained decoding (vLLM's name): a JSON schema, regex, choice or grammar; a dict in
+    # vLLM's form is accepted too (core/structured.py).
+    structured_outputs: StructuredOutputsParams | None = None
 
     # vLLM's sampling fields (runner/penalties.py applies the logit ones). ``n`` samples share
     # the prompt (core/parallel.py); child ``i`` of a seeded request uses ``seed + i``.
@@ -50,7 +54,6 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    structured_outputs: object | None = None
     logits_processors: list[object] | None = None
     truncate_prompt_tokens: int | None = None
 
@@ -101,6 +104,9 @@ class SamplingParams:
                     f"{off[0]!r}); it is refused rather than ignored",
                     name,
                 )
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+            self.structured_outputs.spec()  # the field types; the grammar compiles on admission
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
         if vocab_size is not None:
@@ -154,7 +160,6 @@ NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
     "prompt_logprobs": (None,),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
-    "structured_outputs": (None,),
     "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,),
 }

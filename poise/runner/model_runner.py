@@ -3,7 +3,8 @@
 Per step: build flat inputs (runner/inputs.py), one model forward over all scheduled tokens
 with the attention backend the runner was built with (runner/attention.py chooses it),
 logits only at the sampled positions (the last token of each request with ``sample=True``),
-then ``sampler.sample``. The runner keeps no per-request state: everything it needs is in the
+then the structured-output mask of constrained rows (runner/structured.py), then
+``sampler.sample``. The runner keeps no per-request state: everything it needs is in the
 ``ScheduledRequest`` (tokens, start position, block table), so finished or preempted requests
 need no cleanup here.
 """
@@ -19,6 +20,7 @@ from poise.model.attention import AttentionBackend
 from poise.model.llama import KVCache, LlamaForCausalLM
 from poise.runner.inputs import build_step_inputs
 from poise.runner.sampler import sample
+from poise.runner.structured import mask_logits
 
 
 class ModelRunner:
@@ -58,6 +60,7 @@ class ModelRunner:
         if not sampled:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V] float32
+        mask_logits(logits, [r.grammar for r in sampled])  # structured output: allowed tokens
         tokens = sample(
             logits,
             [r.sampling_params for r in sampled],

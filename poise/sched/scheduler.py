@@ -340,6 +340,7 @@ class Scheduler:
                     token_history=(request.prompt_token_ids, request.output_token_ids)
                     if sample and request.sampling_params.needs_token_history
                     else None,
+                    grammar=request.grammar,
                 )
             )
         out.preempted_request_ids = plan.preempted_ids
