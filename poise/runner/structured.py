@@ -37,13 +37,13 @@ def mask_logits(logits: torch.Tensor, grammars: Sequence[GrammarState | None]) -
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return
-    import llguidance.torch as llg_torch
-
     vocab = logits.shape[1]
     words = (vocab + 31) // 32
     bitmask = torch.zeros((len(rows), words), dtype=torch.int32)  # 0 = forbidden
     matchers = [(getattr(grammars[i], "matcher"), j) for j, i in enumerate(rows)]
-    llg_torch.fill_next_token_bitmask_par(_executor(), matchers, bitmask)
+    # What llguidance.torch.fill_next_token_bitmask_par does, without importing that module
+    # (it applies torch.compile at import, which loads the whole compiler stack).
+    _executor().unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, len(rows))
     allowed = unpack_bitmask(bitmask.to(logits.device), vocab)  # [R, V] bool
     index = torch.tensor(rows, device=logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

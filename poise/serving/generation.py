@@ -128,7 +128,7 @@ class Generator:
         messages = normalize_messages([m.model_dump(exclude_none=True) for m in req.messages])
         chars = sum(len(m["content"]) for m in messages)
         ids = await self._tokenize(chars, "messages", apply_chat_template, self.tokenizer, messages)
-        return self._prepared("chatcmpl", ids, req, arrival)
+        return await self._compiled(self._prepared("chatcmpl", ids, req, arrival))
 
     async def prepare_completion(self, req: CompletionRequest, arrival: float) -> Prepared:
         self._check_cheap(req)
@@ -137,7 +137,15 @@ class Generator:
             ids = await self._tokenize(len(prompt), "prompt", encode_prompt, self.tokenizer, prompt)
         else:
             ids = prompt
-        return self._prepared("cmpl", ids, req, arrival)
+        return await self._compiled(self._prepared("cmpl", ids, req, arrival))
+
+    async def _compiled(self, prep: Prepared) -> Prepared:
+        """Compile the request's structured-output grammar on the tokenizer thread (a 400 naming
+        the field if it is invalid), so the engine thread only copies the cached result."""
+        spec, grammars = prep.params.structured_outputs, self.engine.core.grammars
+        if spec is not None and grammars is not None:
+            await self.call_tokenizer(lambda: grammars.new_state(spec))
+        return prep
 
     def _check_cheap(self, req: ChatCompletionRequest | CompletionRequest) -> None:
         """Limits that need no tokenizer, so a bad request costs no tokenizer time."""

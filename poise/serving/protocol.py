@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from poise.core.sampling_params import SamplingParams
 from poise.errors import InvalidRequestError
+from poise.serving.structured import StructuredOutputFields
 
 
 class _Lenient(BaseModel):
@@ -60,7 +61,7 @@ _STOP_DOC = (
 )
 
 
-class _SamplingRequest(_Lenient):
+class _SamplingRequest(StructuredOutputFields, _Lenient):
     """Fields chat and completions share."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True, allow_inf_nan=False)
@@ -188,6 +189,7 @@ class _SamplingRequest(_Lenient):
             traffic_class=self.traffic_class,
             ttft_slo_ms=self.ttft_slo_ms,
             tpot_slo_ms=self.tpot_slo_ms,
+            structured_outputs=self.structured_outputs_params(),
         )
         params.validate()
         return params
