@@ -14,11 +14,12 @@ only reads them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from poise.core.structured import GrammarState
+from poise.text.grammar import LLGuidanceGrammar
 
 _EXECUTOR: Any = None
 
@@ -40,7 +41,8 @@ def mask_logits(logits: torch.Tensor, grammars: Sequence[GrammarState | None]) -
     vocab = logits.shape[1]
     words = (vocab + 31) // 32
     bitmask = torch.zeros((len(rows), words), dtype=torch.int32)  # 0 = forbidden
-    matchers = [(getattr(grammars[i], "matcher"), j) for j, i in enumerate(rows)]
+    # The engine's compiler is text.grammar's (engine/builder.py), so each state is its kind.
+    matchers = [(cast(LLGuidanceGrammar, grammars[i]).matcher, j) for j, i in enumerate(rows)]
     # What llguidance.torch.fill_next_token_bitmask_par does, without importing that module
     # (it applies torch.compile at import, which loads the whole compiler stack).
     _executor().unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, len(rows))

@@ -116,7 +116,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         schema = json.loads(text) if kind == "json" else {"type": "object"}
         if no_extra and isinstance(schema, dict):
             schema = {**schema, "additionalProperties": False}
-        defaults: dict[str, Any] = {"whitespace_flexible": flexible}
+        defaults: Any = {"whitespace_flexible": flexible}  # llguidance's JsonCompileOptions
         if pattern is not None:
             defaults["whitespace_pattern"] = pattern
         return str(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults))
