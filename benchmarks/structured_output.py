@@ -80,7 +80,8 @@ def main() -> None:
     args = ap.parse_args()
     llm = LLM(dtype=args.dtype, max_num_seqs=args.batch)
     prompt = llm.get_tokenizer().apply_chat_template(
-        [{"role": "user", "content": SHORT_PROMPT}], add_generation_prompt=True, tokenize=False)
+        [{"role": "user", "content": SHORT_PROMPT}], add_generation_prompt=True, tokenize=False
+    )
     ids = llm.get_tokenizer().encode(prompt, add_special_tokens=False)
     run(llm, ids, 4, 4, True)  # warm-up: model, kernel, llguidance's token trie, the schema
     rows: dict[str, list[dict]] = {"plain": [], "one_json": []}
