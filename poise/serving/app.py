@@ -218,6 +218,8 @@ async def _generate(
         else:
             prep = await gen.prepare_completion(req, arrival)
         pieces = await gen.generate(prep)
+        if prep.tools is not None:  # the reply's tool calls, out of its text
+            pieces = prep.tools.pieces(pieces)
     except Exception as exc:  # noqa: BLE001 - map_exception re-raises what it does not know
         return map_exception(exc, state.metrics)
     n_prompt = len(prep.prompt_token_ids)

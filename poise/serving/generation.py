@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -41,6 +42,7 @@ from poise.serving.limits import (
 from poise.serving.protocol import ChatCompletionRequest, CompletionRequest
 from poise.serving.request_metrics import response_metrics
 from poise.serving.settings import RequestLimitsConfig
+from poise.serving.tool_calls import ToolPlan, plan_tools, template_kwargs
 from poise.text import IncrementalDetokenizer, apply_chat_template, encode_prompt
 from poise.text.tokenizer import normalize_messages
 
@@ -55,6 +57,8 @@ class Piece:
     # On the last piece of a request that asked for it: request_metrics.response_metrics.
     metrics: dict[str, Any] | None = None
     index: int = 0  # the sample (choice) it belongs to, for n > 1
+    # OpenAI tool-call deltas (each with its "index"), from serving/tool_calls.py.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -64,6 +68,7 @@ class Prepared:
     params: SamplingParams
     arrival_time: float
     include_metrics: bool = False  # the response carries per-request timing
+    tools: ToolPlan | None = None  # chat with tools: how the reply's calls are read
 
 
 class Generator:
@@ -76,8 +81,11 @@ class Generator:
         vocab_size: int | None,
         default_sampling: dict[str, Any] | None = None,
         limits: RequestLimitsConfig | None = None,
+        tool_parser: str | None = None,
     ) -> None:
         self.engine = engine
+        # --tool-call-parser when --enable-auto-tool-choice is on: tool_choice "auto" parses.
+        self.tool_parser = tool_parser
         # Defaults for fields a request leaves out (the model's generation config).
         self.default_sampling = dict(default_sampling or {})
         self.tokenizer = tokenizer
@@ -125,10 +133,22 @@ class Generator:
 
     async def prepare_chat(self, req: ChatCompletionRequest, arrival: float) -> Prepared:
         self._check_cheap(req)
+        tools = plan_tools(req, self.tool_parser)
         messages = normalize_messages([m.model_dump(exclude_none=True) for m in req.messages])
-        chars = sum(len(m["content"]) for m in messages)
-        ids = await self._tokenize(chars, "messages", apply_chat_template, self.tokenizer, messages)
-        return await self._compiled(self._prepared("chatcmpl", ids, req, arrival))
+        chars = sum(len(m["content"]) for m in messages) + len(req.chat_template or "")
+        render = functools.partial(apply_chat_template, **template_kwargs(req))
+        ids = await self._tokenize(chars, "messages", render, self.tokenizer, messages)
+        prep = self._prepared("chatcmpl", ids, req, arrival)
+        prep.tools = tools
+        if tools is not None and tools.structured is not None:
+            if prep.params.structured_outputs is not None:
+                raise InvalidRequestError(
+                    f"tool_choice {tools.mode!r} is enforced by structured output; it cannot be "
+                    f"combined with {prep.params.structured_outputs.source_field}",
+                    "tool_choice",
+                )
+            prep.params.structured_outputs = tools.structured
+        return await self._compiled(prep)
 
     async def prepare_completion(self, req: CompletionRequest, arrival: float) -> Prepared:
         self._check_cheap(req)

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from poise.core.sampling_params import SamplingParams
 from poise.errors import InvalidRequestError
 from poise.serving.structured import StructuredOutputFields
+from poise.serving.tool_calls import ChatTemplateFields
 
 
 class _Lenient(BaseModel):
@@ -48,6 +49,10 @@ class ChatMessage(_Lenient):
     # messages that only carry tool calls).
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # An assistant turn's calls (OpenAI's shape) and a tool turn's answer to one: rendered by
+    # the chat template (text/tokenizer.py), never dropped.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("role")
     @classmethod
@@ -206,7 +211,7 @@ class _SamplingRequest(StructuredOutputFields, _Lenient):
         )
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(ChatTemplateFields, _SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(
         None, ge=1, description="OpenAI's newer name for max_tokens; both, if given, must agree."
@@ -301,7 +306,8 @@ class UsageInfo(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -324,6 +330,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -39,6 +39,7 @@ from poise.serving.protocol import (
     UsageInfo,
     now_s,
 )
+from poise.serving.tool_calls import merge_deltas
 
 
 def _event(payload: str) -> str:
@@ -60,11 +61,13 @@ def _json(body: _Body) -> str:
 def _chunk(rid: str, model: str, created: int, chat: bool, text: str | None,
            finish: str | None, role: str | None = None,
            usage: UsageInfo | None = None, index: int = 0,
-           metrics: dict[str, Any] | None = None) -> str:  # fmt: skip
+           metrics: dict[str, Any] | None = None,
+           tool_calls: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
     if chat:
-        choice = ChatChunkChoice(
-            index=index, delta=DeltaMessage(role=role, content=text), finish_reason=finish
-        )
+        if tool_calls and not text:
+            text = None  # OpenAI: a tool-call delta has no content
+        delta = DeltaMessage(role=role, content=text, tool_calls=tool_calls)
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish)
         return _json(ChatCompletionChunk(
             id=rid, created=created, model=model, choices=[choice], usage=usage, metrics=metrics
         ))  # fmt: skip
@@ -125,13 +128,15 @@ async def sse(
             counts[piece.index] = piece.num_tokens
             if piece.finish_reason is None:
                 yield _event(_chunk(rid, model, created, chat, piece.text, None,
-                                    usage=so_far(), index=piece.index))  # fmt: skip
+                                    usage=so_far(), index=piece.index,
+                                    tool_calls=piece.tool_calls))  # fmt: skip
                 continue
             finished += 1
             metrics = piece.metrics  # the sample finishing last gives the request's timing
             last = None if include_usage or finished < n else metrics
             yield _event(_chunk(rid, model, created, chat, piece.text, piece.finish_reason,
-                                usage=so_far(), index=piece.index, metrics=last))  # fmt: skip
+                                usage=so_far(), index=piece.index, metrics=last,
+                                tool_calls=piece.tool_calls))  # fmt: skip
         if include_usage:
             usage = UsageInfo.of(num_prompt_tokens, sum(counts))
             yield _event(_usage_chunk(rid, model, created, chat, usage, metrics))
@@ -152,21 +157,24 @@ class Result:
     finish_reason: str | None
     metrics: dict[str, Any] | None = None
     finish_order: int = 0  # among the request's samples (n > 1)
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 async def _collect(pieces: AsyncIterator[Piece]) -> list[Result]:
     """One Result per sample, by index."""
     parts: dict[int, list[str]] = {}
+    deltas: dict[int, list[dict[str, Any]]] = {}
     last: dict[int, Piece] = {}
     order: list[int] = []  # sample indices as they finished
     async for piece in pieces:
         parts.setdefault(piece.index, []).append(piece.text)
+        deltas.setdefault(piece.index, []).extend(piece.tool_calls or [])
         last[piece.index] = piece
         if piece.finish_reason is not None:
             order.append(piece.index)
     return [
         Result("".join(parts[i]), last[i].num_tokens, last[i].finish_reason, last[i].metrics,
-               order.index(i) if i in order else -1)
+               order.index(i) if i in order else -1, merge_deltas(deltas[i]) or None)
         for i in sorted(last)
     ]  # fmt: skip
 
@@ -200,6 +208,11 @@ async def collect_until_disconnect(
     return work.result()
 
 
+def _message(result: Result) -> ChatResponseMessage:
+    content = None if result.tool_calls and not result.text.strip() else result.text
+    return ChatResponseMessage(content=content, tool_calls=result.tool_calls)
+
+
 def full_response(results: list[Result], rid: str, model: str, n_prompt: int, *, chat: bool) -> Any:
     usage = UsageInfo.of(n_prompt, sum(r.num_tokens for r in results))
     # The request's timing is that of the sample that finished last (n > 1).
@@ -207,8 +220,7 @@ def full_response(results: list[Result], rid: str, model: str, n_prompt: int, *,
     body: _Body
     if chat:
         choices = [
-            ChatChoice(index=i, message=ChatResponseMessage(content=r.text),
-                       finish_reason=r.finish_reason)
+            ChatChoice(index=i, message=_message(r), finish_reason=r.finish_reason)
             for i, r in enumerate(results)
         ]  # fmt: skip
         body = ChatCompletionResponse(

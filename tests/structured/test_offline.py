@@ -105,3 +105,13 @@ def test_compiled_grammars_are_cached_by_spec(llm: LLM) -> None:
     assert compiler.compile(a) is compiler.compile(b)  # type: ignore[union-attr]
     s1, s2 = compiler.new_state(a), compiler.new_state(a)  # type: ignore[union-attr]
     assert s1 is not s2 and s1.matcher is not s2.matcher  # type: ignore[attr-defined]
+
+
+def test_chat_with_tools_renders_them_for_a_template_without_tools(llm: LLM) -> None:
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1),
+                   use_tqdm=False, tools=tools)[0]  # fmt: skip
+    assert out.prompt is not None and "# Tools" in out.prompt and '"name": "lookup"' in out.prompt
+    plain = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1),
+                     use_tqdm=False)[0]  # fmt: skip
+    assert plain.prompt is not None and "# Tools" not in plain.prompt
