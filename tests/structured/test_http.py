@@ -16,16 +16,14 @@ import openai
 import pytest
 
 from tests.serving.conftest import ServerProcess
+from tests.structured.conftest import client, serve
 from tests.structured.schemas import SCHEMAS
 
 MSG = [{"role": "user", "content": "Describe a person as a JSON object with a name and an age."}]
 
 
 def _server(args: list[str], log: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess([*args, "--dtype", "float32", "--max-model-len", "512",
-                          "--kv-cache-memory-bytes", "32MiB", "--served-model-name", "m"], log).wait_ready()  # fmt: skip
-    yield proc
-    assert proc.stop() == 0, log.read_text()[-3000:]
+    yield from serve([*args, "--max-model-len", "512"], log)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +32,7 @@ def tiny(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 
 def _client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    return client(server)
 
 
 def _schema_format(name: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from tests.serving.conftest import ServerProcess
+from tests.structured.conftest import client, serve
 
 WEATHER = {"type": "object",
            "properties": {"city": {"type": "string", "maxLength": 10},
@@ -37,12 +38,17 @@ MSG = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
 
 
 def _server(args: list[str], log: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess([*args, "--dtype", "float32", "--max-model-len", "1024",
-                          "--kv-cache-memory-bytes", "32MiB", "--served-model-name", "m",
-                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-                         log).wait_ready()  # fmt: skip
-    yield proc
-    assert proc.stop() == 0, log.read_text()[-3000:]
+    yield from serve(
+        [
+            *args,
+            "--max-model-len",
+            "1024",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+        ],
+        log,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +57,7 @@ def tiny(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 
 def _client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    return client(server)
 
 
 def _calls(
