@@ -32,7 +32,6 @@ from typing import Any, Protocol
 
 from poise.core.outputs import RequestDelta, StepStats
 from poise.core.sampling_params import SamplingParams
-from poise.core.structured import GrammarCompiler
 from poise.engine.clock import Clock
 from poise.engine.state import EngineState
 from poise.errors import EngineDeadError, OverloadedError, StepFailedError
@@ -45,7 +44,6 @@ class CoreLike(Protocol):
     """What the AsyncEngine needs from poise.engine.core.EngineCore."""
 
     clock: Clock  # read, for arrival times on the engine's clock
-    grammars: GrammarCompiler | None  # structured output, compiled on the tokenizer thread
 
     def validate(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None: ...
     def add_request(

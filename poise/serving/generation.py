@@ -29,6 +29,7 @@ from typing import Any
 from poise.core.outputs import RequestDelta
 from poise.core.parallel import Child, fan_out
 from poise.core.sampling_params import SamplingParams
+from poise.core.structured import GrammarCompiler
 from poise.errors import InvalidRequestError, ShuttingDownError
 from poise.serving.async_engine import AsyncEngine
 from poise.serving.errors import GenerationFailed
@@ -162,7 +163,9 @@ class Generator:
     async def _compiled(self, prep: Prepared) -> Prepared:
         """Compile the request's structured-output grammar on the tokenizer thread (a 400 naming
         the field if it is invalid), so the engine thread only copies the cached result."""
-        spec, grammars = prep.params.structured_outputs, self.engine.core.grammars
+        spec = prep.params.structured_outputs
+        # EngineCore.grammars; not part of AsyncEngine's CoreLike, which fakes need not carry.
+        grammars: GrammarCompiler | None = getattr(self.engine.core, "grammars", None)
         if spec is not None and grammars is not None:
             await self.call_tokenizer(lambda: grammars.new_state(spec))
         return prep
