@@ -20,6 +20,7 @@ from poise.cli.options import (
 )
 from poise.cli.router_options import add_router_args, router_from_args
 from poise.serving.settings import UVICORN_LOG_LEVELS, RequestLimitsConfig
+from poise.text.tool_calls import TOOL_PARSERS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -124,6 +125,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "itself. (default: the model's)",
     )
     server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" (the default when a request has tools): parse the model\'s '
+        "tool calls with --tool-call-parser. Without it such requests are a 400. (default: off)",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="How the model writes tool calls: hermes = <tool_call>{json}</tool_call>. "
+        "(default: none)",
+    )
+    server.add_argument(
         "--uvicorn-log-level",
         default="warning",
         choices=UVICORN_LOG_LEVELS,
@@ -186,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
         prior = step_cost_prior(args.profile) if args.profile else {}
         config = engine_config_from_args(args, **prior)
         chat_template = read_chat_template(args.chat_template)
+        if args.enable_auto_tool_choice and args.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         limits = config_from_args(RequestLimitsConfig, args)
     except (ValueError, OSError) as exc:
         print(f"poise serve: error: {exc}", file=sys.stderr)
@@ -209,12 +225,15 @@ def run(args: argparse.Namespace) -> int:
         chat_template=chat_template,
         uvicorn_log_level=args.uvicorn_log_level,
         limits=limits,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     if args.replicas > 1:
         given = [flag for flag, value in (("--api-key", settings.api_key),
                  ("--chat-template", chat_template), ("--enable-log-requests",
                  args.enable_log_requests), ("--enable-per-request-metrics",
-                 args.enable_per_request_metrics), ("request limit flags (--max-request-body-bytes, "
+                 args.enable_per_request_metrics), ("--enable-auto-tool-choice",
+                 args.enable_auto_tool_choice), ("request limit flags (--max-request-body-bytes, "
                  "--max-stop-*, --max-tokenizer-queue-chars)", limits != RequestLimitsConfig()))
                  if value]  # fmt: skip
         if given:  # refused rather than ignored: the replicas do not take them yet

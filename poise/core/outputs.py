@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from poise.core.logprobs import PromptLogprobSpan, TokenLogprob
 from poise.core.request import Request, RequestTimes, SloTargets, is_decode
 from poise.core.sampling_params import SamplingParams
+from poise.core.structured import GrammarState
 
 
 @dataclass
@@ -50,6 +51,9 @@ class ScheduledRequest:
     # The prompt positions this chunk's logits score (a request that asked for prompt
     # logprobs, positions not recorded yet); None otherwise, and then no extra logits.
     prompt_logprobs: PromptLogprobSpan | None = None
+    # The request's structured-output matcher (read-only here: the runner masks the sampled
+    # row's logits with what it allows; the stop rules advance it).
+    grammar: GrammarState | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +104,12 @@ class ModelRunnerOutput:
     # token's logprob, and one entry per target of the chunk's PromptLogprobSpan.
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+
+    def record_prompt_logprobs(self, request: Request, sched: ScheduledRequest) -> None:
+        """Append the prompt logprobs ``sched``'s chunk scored (its span's targets, in order) to
+        the request's."""
+        if sched.prompt_logprobs is not None and request.prompt_logprobs is not None:
+            request.prompt_logprobs.extend(self.prompt_logprobs[sched.request_id])
 
 
 @dataclass
@@ -162,14 +172,6 @@ def annotate_token_delta(
     if first and request.prompt_logprobs is not None:
         delta.prompt_logprobs = list(request.prompt_logprobs)
     return delta
-
-
-def record_prompt_logprobs(
-    request: Request, sched: ScheduledRequest, result: ModelRunnerOutput
-) -> None:
-    """Append the prompt logprobs a chunk scored (its span's targets, in order) to the request's."""
-    if sched.prompt_logprobs is not None and request.prompt_logprobs is not None:
-        request.prompt_logprobs.extend(result.prompt_logprobs[sched.request_id])
 
 
 @dataclass

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from poise.core.logprobs import PromptLogprobSpan, TokenLogprob, prompt_logprob_span
 from poise.core.sampling_params import SamplingParams
+from poise.core.structured import GrammarState
 
 
 def is_decode(num_new_tokens: int) -> bool:
@@ -100,6 +101,9 @@ class Request:
     # A sibling of the same n > 1 request that computes the shared prompt (core/parallel.py):
     # this one is admitted once that one holds the prompt's full blocks, and shares them.
     prompt_leader: str | None = None
+    # The structured-output matcher (sampling_params.structured_outputs), advanced with each
+    # accepted token by the stop rules; None when unconstrained.
+    grammar: GrammarState | None = None
     times: RequestTimes = field(init=False)
     # Per prompt position, once computed (SamplingParams.prompt_logprobs; position 0: None).
     prompt_logprobs: list[TokenLogprob | None] | None = field(init=False)

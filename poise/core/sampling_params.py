@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from poise.core.logprobs import MAX_LOGPROBS
+from poise.core.structured import StructuredOutputsParams
 from poise.errors import InvalidRequestError
 
 
@@ -39,6 +40,9 @@ class SamplingParams:
     # with this many most likely alternatives (0: none), from the raw logits (core/logprobs.py).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Constrained decoding (vLLM's name): a JSON schema, regex, choice or grammar; a dict in
+    # vLLM's form is accepted too (core/structured.py).
+    structured_outputs: StructuredOutputsParams | None = None
 
     # vLLM's sampling fields (runner/penalties.py applies the logit ones). ``n`` samples share
     # the prompt (core/parallel.py); child ``i`` of a seeded request uses ``seed + i``.
@@ -50,7 +54,6 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    structured_outputs: object | None = None
     logits_processors: list[object] | None = None
     truncate_prompt_tokens: int | None = None
 
@@ -109,6 +112,9 @@ class SamplingParams:
                     f"{off[0]!r}); it is refused rather than ignored",
                     name,
                 )
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+            self.structured_outputs.spec()  # the field types; the grammar compiles on admission
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
         if vocab_size is not None:
@@ -160,7 +166,6 @@ def _is_int(value: object) -> bool:
 NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
-    "structured_outputs": (None,),
     "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,),
 }

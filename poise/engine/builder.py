@@ -30,6 +30,7 @@ def build_engine(
     names the model, dtype and device), before the engine exists.
     """
     from poise.runner.factory import create_model_runner
+    from poise.text.grammar import LLGuidanceCompiler
 
     runner, info = create_model_runner(config)
     engine = EngineCore.for_model(
@@ -38,6 +39,7 @@ def build_engine(
         info,
         clock=clock,
         observers=observers(info) if observers is not None else (),
+        grammars=LLGuidanceCompiler(info.tokenizer, info.vocab_size, info.eos_token_ids),
     )
     freeze_startup_heap()
     return engine, info

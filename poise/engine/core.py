@@ -25,6 +25,7 @@ from poise.config import EngineConfig
 from poise.core.outputs import ModelRunnerOutput, RequestDelta, StepStats
 from poise.core.request import Request, RequestStatus
 from poise.core.sampling_params import SamplingParams
+from poise.core.structured import GrammarCompiler, GrammarState
 from poise.engine.clock import Clock, MonotonicClock
 from poise.engine.executor import Executor
 from poise.engine.observer import EngineObserver
@@ -61,8 +62,11 @@ class EngineCore:
         eos_token_ids: frozenset[int] = frozenset(),
         clock: Clock | None = None,
         observers: Sequence[EngineObserver] = (),
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.config = config
+        # Compiles structured-output requests (text/grammar.py); None: they are refused.
+        self.grammars = grammars
         self._executor = executor
         self._observers = tuple(observers)
         self.clock: Clock = clock or MonotonicClock()
@@ -83,6 +87,7 @@ class EngineCore:
         *,
         clock: Clock | None = None,
         observers: Sequence[EngineObserver] = (),
+        grammars: GrammarCompiler | None = None,
     ) -> EngineCore:
         """The engine around an executor whose model load found ``limits`` (its KV blocks,
         context length, vocabulary and EOS ids)."""
@@ -95,6 +100,7 @@ class EngineCore:
             eos_token_ids=limits.eos_token_ids,
             clock=clock,
             observers=observers,
+            grammars=grammars,
         )
 
     # -- admission ----------------------------------------------------------------------------
@@ -164,10 +170,23 @@ class EngineCore:
         now = self.clock.now()
         request = self._new_request(request_id, prompt_token_ids, sampling_params, arrival_time)
         request.prompt_leader = prompt_leader
+        request.grammar = self.new_grammar(sampling_params)
         request.times.enqueued = now
         self.scheduler.check_admission(request, now)
         self.scheduler.add_request(request)
         return request
+
+    def new_grammar(self, sampling_params: SamplingParams) -> GrammarState | None:
+        """The request's structured-output matcher (compiled grammars are cached by spec, so a
+        server that compiled the spec on its tokenizer thread only copies it here)."""
+        spec = sampling_params.structured_outputs
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequestError(
+                "structured output is not available with this executor", spec.source_field
+            )
+        return self.grammars.new_state(spec)
 
     def predict_ttft(
         self,

@@ -86,7 +86,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the chat template (the model's, or ``chat_template``: Jinja text) to each
         conversation and generate. ``tools`` and ``chat_template_kwargs`` are passed to the
-        template; the reply is text (tool calls are not parsed yet)."""
+        template (a template that ignores tools gets them as a system block:
+        text/tool_calls.py); the reply is text, as vLLM's ``LLM.chat``."""
         from poise.text.tokenizer import render_chat
 
         if self.tokenizer is None:

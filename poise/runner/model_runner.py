@@ -3,7 +3,8 @@
 Per step: build flat inputs (runner/inputs.py), one model forward over all scheduled tokens
 with the attention backend the runner was built with (runner/attention.py chooses it),
 logits only at the sampled positions (the last token of each request with ``sample=True``),
-then ``sampler.sample``. The runner keeps no per-request state: everything it needs is in the
+then the structured-output mask of constrained rows (runner/structured.py), then
+``sampler.sample``. The runner keeps no per-request state: everything it needs is in the
 ``ScheduledRequest`` (tokens, start position, block table), so finished or preempted requests
 need no cleanup here.
 """
@@ -20,6 +21,7 @@ from poise.model.llama import KVCache, LlamaForCausalLM
 from poise.runner.inputs import build_step_inputs
 from poise.runner.logprobs import prompt_logprobs, raw_logprobs, sampled_logprobs
 from poise.runner.sampler import sample
+from poise.runner.structured import mask_logits
 
 
 class ModelRunner:
@@ -65,6 +67,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V] float32
         # Raw logprobs: from the logits before the sampler touches them.
         raw = raw_logprobs(logits, sampled)
+        mask_logits(logits, [r.grammar for r in sampled])  # structured output: allowed tokens
         tokens = sample(
             logits,
             [r.sampling_params for r in sampled],

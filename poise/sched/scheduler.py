@@ -40,7 +40,6 @@ from poise.core.outputs import (
     StepStats,
     annotate_token_delta,
     finishing_delta,
-    record_prompt_logprobs,
 )
 from poise.core.request import Request, RequestStatus
 from poise.kv.manager import KVCacheManager
@@ -343,6 +342,7 @@ class Scheduler:
                     if sample and request.sampling_params.needs_token_history
                     else None,
                     prompt_logprobs=request.prompt_logprob_span(start, n),
+                    grammar=request.grammar,
                 )
             )
         out.preempted_request_ids = plan.preempted_ids
@@ -370,7 +370,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += sched.num_tokens
             self.kv.cache_full_blocks(request, request.num_computed_tokens)
-            record_prompt_logprobs(request, sched, result)
+            result.record_prompt_logprobs(request, sched)
             if request.times.first_token is None:
                 request.times.prefill_compute += now - output.schedule_time
             if not sched.sample:

@@ -1,6 +1,7 @@
 """Token-level stop conditions, checked after each sampled token.
 
-Stop *strings* need text, so they are checked by the detokenizer, which then finishes the
+A structured-output request's matcher advances here with each token that is not an end token,
+and a complete grammar stops the request. Stop *strings* need text, so they are checked by the detokenizer, which then finishes the
 request through the engine; only token ids and lengths are decided here.
 """
 
@@ -18,6 +19,13 @@ def check_stop(request: Request, token: int, max_len: int) -> RequestStatus | No
     if token in params.stop_token_ids:
         request.stop_reason = token
         return RequestStatus.FINISHED_STOPPED
+    grammar = request.grammar
+    if grammar is not None:
+        if not grammar.accept_token(token):  # the mask allowed it, so this is a bug, not input
+            request.error_message = f"structured output: token {token} broke the grammar"
+            return RequestStatus.FINISHED_ERROR
+        if grammar.is_terminated():  # complete: end now rather than sample the forced EOS
+            return RequestStatus.FINISHED_STOPPED
     if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_len:
         return RequestStatus.FINISHED_LENGTH
     return None

@@ -230,6 +230,8 @@ async def _generate(
             # A list of prompts: each its own engine request, answered as indexed choices.
             preps = [await gen.prepare_completion(req, arrival, p) for p in req.prompts()]
         pieces = await gen.generate(preps)
+        if preps[0].tools is not None:  # the reply's tool calls, out of its text (chat only)
+            pieces = preps[0].tools.pieces(pieces)
     except Exception as exc:  # noqa: BLE001 - map_exception re-raises what it does not know
         return map_exception(exc, state.metrics)
     n_prompt = sum(len(p.prompt_token_ids) for p in preps)

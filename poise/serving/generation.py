@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,6 +29,7 @@ from typing import Any
 from poise.core.outputs import RequestDelta
 from poise.core.parallel import Child, fan_out
 from poise.core.sampling_params import SamplingParams
+from poise.core.structured import GrammarCompiler
 from poise.errors import InvalidRequestError, ShuttingDownError
 from poise.serving.async_engine import AsyncEngine
 from poise.serving.completions import CompletionRequest
@@ -43,6 +45,7 @@ from poise.serving.logprobs import LogprobEntry
 from poise.serving.protocol import ChatCompletionRequest
 from poise.serving.request_metrics import response_metrics
 from poise.serving.settings import RequestLimitsConfig
+from poise.serving.tool_calls import ToolPlan, plan_tools, template_kwargs
 from poise.text import IncrementalDetokenizer, apply_chat_template, encode_prompt
 from poise.text.tokenizer import normalize_messages
 
@@ -62,6 +65,8 @@ class Piece:
     logprobs: list[LogprobEntry] | None = None
     # Prompt tokens the prefix cache served (usage.prompt_tokens_details), on the last piece.
     num_cached_tokens: int = 0
+    # OpenAI tool-call deltas (each with its "index"), from serving/tool_calls.py.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -75,6 +80,7 @@ class Prepared:
     # before the output's); echo_only (max_tokens 0): the one sampled token is dropped.
     echo_text: str | None = None
     echo_only: bool = False
+    tools: ToolPlan | None = None  # chat with tools: how the reply's calls are read
 
 
 class Generator:
@@ -87,8 +93,11 @@ class Generator:
         vocab_size: int | None,
         default_sampling: dict[str, Any] | None = None,
         limits: RequestLimitsConfig | None = None,
+        tool_parser: str | None = None,
     ) -> None:
         self.engine = engine
+        # --tool-call-parser when --enable-auto-tool-choice is on: tool_choice "auto" parses.
+        self.tool_parser = tool_parser
         # Defaults for fields a request leaves out (the model's generation config).
         self.default_sampling = dict(default_sampling or {})
         self.tokenizer = tokenizer
@@ -136,10 +145,22 @@ class Generator:
 
     async def prepare_chat(self, req: ChatCompletionRequest, arrival: float) -> Prepared:
         self._check_cheap(req)
+        tools = plan_tools(req, self.tool_parser)
         messages = normalize_messages([m.model_dump(exclude_none=True) for m in req.messages])
-        chars = sum(len(m["content"]) for m in messages)
-        ids = await self._tokenize(chars, "messages", apply_chat_template, self.tokenizer, messages)
-        return self._prepared("chatcmpl", ids, req, arrival)
+        chars = sum(len(m["content"]) for m in messages) + len(req.chat_template or "")
+        render = functools.partial(apply_chat_template, **template_kwargs(req))
+        ids = await self._tokenize(chars, "messages", render, self.tokenizer, messages)
+        prep = self._prepared("chatcmpl", ids, req, arrival)
+        prep.tools = tools
+        if tools is not None and tools.structured is not None:
+            if prep.params.structured_outputs is not None:
+                raise InvalidRequestError(
+                    f"tool_choice {tools.mode!r} is enforced by structured output; it cannot be "
+                    f"combined with {prep.params.structured_outputs.source_field}",
+                    "tool_choice",
+                )
+            prep.params.structured_outputs = tools.structured
+        return await self._compiled(prep)
 
     async def prepare_completion(
         self, req: CompletionRequest, arrival: float, prompt: str | list[int]
@@ -154,6 +175,16 @@ class Generator:
         if req.echo:
             prep.echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
             prep.echo_only = req.echo_only
+        return await self._compiled(prep)
+
+    async def _compiled(self, prep: Prepared) -> Prepared:
+        """Compile the request's structured-output grammar on the tokenizer thread (a 400 naming
+        the field if it is invalid), so the engine thread only copies the cached result."""
+        spec = prep.params.structured_outputs
+        # EngineCore.grammars; not part of AsyncEngine's CoreLike, which fakes need not carry.
+        grammars: GrammarCompiler | None = getattr(self.engine.core, "grammars", None)
+        if spec is not None and grammars is not None:
+            await self.call_tokenizer(lambda: grammars.new_state(spec))
         return prep
 
     def _check_cheap(self, req: ChatCompletionRequest | CompletionRequest) -> None:

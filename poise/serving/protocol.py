@@ -25,6 +25,8 @@ from poise.core.logprobs import MAX_LOGPROBS
 from poise.core.sampling_params import SamplingParams
 from poise.errors import InvalidRequestError
 from poise.serving.logprobs import ChatLogprobs, CompletionLogprobs
+from poise.serving.structured import StructuredOutputFields
+from poise.serving.tool_calls import ChatTemplateFields
 
 
 class _Lenient(BaseModel):
@@ -49,6 +51,10 @@ class ChatMessage(_Lenient):
     # messages that only carry tool calls).
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # An assistant turn's calls (OpenAI's shape) and a tool turn's answer to one: rendered by
+    # the chat template (text/tokenizer.py), never dropped.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("role")
     @classmethod
@@ -62,7 +68,7 @@ _STOP_DOC = (
 )
 
 
-class _SamplingRequest(_Lenient):
+class _SamplingRequest(StructuredOutputFields, _Lenient):
     """Fields chat and completions share."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True, allow_inf_nan=False)
@@ -192,6 +198,7 @@ class _SamplingRequest(_Lenient):
             tpot_slo_ms=self.tpot_slo_ms,
             logprobs=self.sampled_logprobs(),
             prompt_logprobs=self.prompt_logprobs(),
+            structured_outputs=self.structured_outputs_params(),
         )
         params.validate()
         return params
@@ -215,7 +222,7 @@ class _SamplingRequest(_Lenient):
         return None
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(ChatTemplateFields, _SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(
         None, ge=1, description="OpenAI's newer name for max_tokens; both, if given, must agree."
@@ -284,7 +291,8 @@ class UsageInfo(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -307,6 +315,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(BaseModel):

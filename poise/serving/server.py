@@ -57,6 +57,7 @@ def build_state(
     default_sampling: dict[str, Any] | None = None,
     limits: RequestLimitsConfig | None = None,
     enable_per_request_metrics: bool = False,
+    tool_parser: str | None = None,
 ) -> ServingState:
     names = served_model_names or [model_name]
     metrics = ServingMetrics(names[0], log_requests=log_requests)
@@ -64,7 +65,8 @@ def build_state(
     max_len = int(core.max_model_len)
     limits = limits or RequestLimitsConfig()
     generator = Generator(engine, tokenizer, max_model_len=max_len, vocab_size=vocab_size,
-                          default_sampling=default_sampling, limits=limits)  # fmt: skip
+                          default_sampling=default_sampling, limits=limits,
+                          tool_parser=tool_parser)  # fmt: skip
     info = describe(getattr(core, "config", None), model=names[0], version=VERSION,
                     max_model_len=max_len, dtype=dtype, device=device,
                     num_kv_blocks=num_kv_blocks)  # fmt: skip
@@ -110,6 +112,7 @@ def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> S
         default_sampling=info.default_sampling,
         limits=settings.limits,
         enable_per_request_metrics=settings.enable_per_request_metrics,
+        tool_parser=settings.auto_tool_parser,
     )
 
 

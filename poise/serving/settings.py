@@ -97,6 +97,14 @@ class ServerSettings:
     enable_per_request_metrics: bool = False
     # What one request may ask (body size, stop strings, tokenizer queue): poise.config.
     limits: RequestLimitsConfig = field(default_factory=RequestLimitsConfig)
+    # vLLM's --enable-auto-tool-choice / --tool-call-parser: tool_choice "auto" (the default
+    # with tools) parses the model's calls with this parser (text/tool_calls.py).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     def __post_init__(self) -> None:
         for name in ("header_read_timeout_s", "body_read_timeout_s", "keep_alive_timeout_s"):
@@ -105,6 +113,8 @@ class ServerSettings:
                 raise ValueError(f"{name}: must be > 0 seconds, got {value}")
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"shutdown_grace_s: must be >= 0 seconds, got {self.shutdown_grace_s}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice: needs tool_call_parser (--tool-call-parser)")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key: must not be empty")
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:

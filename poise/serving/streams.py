@@ -42,6 +42,7 @@ from poise.serving.protocol import (
     UsageInfo,
     now_s,
 )
+from poise.serving.tool_calls import merge_deltas
 
 
 def _event(payload: str) -> str:
@@ -83,15 +84,15 @@ def _chunk(rid: str, model: str, created: int, chat: bool, text: str | None,
            finish: str | None, role: str | None = None,
            usage: UsageInfo | None = None, index: int = 0,
            metrics: dict[str, Any] | None = None,
-           logprobs: ChatLogprobs | CompletionLogprobs | None = None) -> str:  # fmt: skip
+           logprobs: ChatLogprobs | CompletionLogprobs | None = None,
+           tool_calls: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
     if chat:
         assert logprobs is None or isinstance(logprobs, ChatLogprobs)
-        choice = ChatChunkChoice(
-            index=index,
-            delta=DeltaMessage(role=role, content=text),
-            finish_reason=finish,
-            logprobs=logprobs,
-        )
+        if tool_calls and not text:
+            text = None  # OpenAI: a tool-call delta has no content
+        delta = DeltaMessage(role=role, content=text, tool_calls=tool_calls)
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish,
+                                 logprobs=logprobs)  # fmt: skip
         return _json(ChatCompletionChunk(
             id=rid, created=created, model=model, choices=[choice], usage=usage, metrics=metrics
         ))  # fmt: skip
@@ -161,13 +162,15 @@ async def sse(
             lp = formatters.shape(i, piece.logprobs, chat)
             if piece.finish_reason is None:
                 yield _event(_chunk(rid, model, created, chat, piece.text, None,
-                                    usage=so_far(), index=i, logprobs=lp))  # fmt: skip
+                                    usage=so_far(), index=i, logprobs=lp,
+                                    tool_calls=piece.tool_calls))  # fmt: skip
                 continue
             finished += 1
             metrics = piece.metrics  # the choice finishing last gives the request's timing
             last = None if include_usage or finished < n else metrics
             yield _event(_chunk(rid, model, created, chat, piece.text, piece.finish_reason,
-                                usage=so_far(), index=i, metrics=last, logprobs=lp))  # fmt: skip
+                                usage=so_far(), index=i, metrics=last, logprobs=lp,
+                                tool_calls=piece.tool_calls))  # fmt: skip
         if include_usage:
             yield _event(_usage_chunk(rid, model, created, chat, usage(), metrics))
     except (GenerationFailed, InvalidRequestError, ShuttingDownError) as exc:
@@ -189,17 +192,20 @@ class Result:
     finish_order: int = 0  # among the request's choices
     logprobs: list[LogprobEntry] | None = None
     num_cached_tokens: int = 0
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 async def _collect(pieces: AsyncIterator[Piece]) -> list[Result]:
     """One Result per choice, by index."""
     parts: dict[int, list[str]] = {}
+    deltas: dict[int, list[dict[str, Any]]] = {}
     last: dict[int, Piece] = {}
     lps: dict[int, list[LogprobEntry]] = {}
     cached: dict[int, int] = {}
     order: list[int] = []  # choice indices as they finished
     async for piece in pieces:
         parts.setdefault(piece.index, []).append(piece.text)
+        deltas.setdefault(piece.index, []).extend(piece.tool_calls or [])
         last[piece.index] = piece
         cached[piece.index] = piece.num_cached_tokens or cached.get(piece.index, 0)
         if piece.logprobs is not None:
@@ -208,7 +214,8 @@ async def _collect(pieces: AsyncIterator[Piece]) -> list[Result]:
             order.append(piece.index)
     return [
         Result("".join(parts[i]), last[i].num_tokens, last[i].finish_reason, last[i].metrics,
-               order.index(i) if i in order else -1, lps.get(i), cached[i])
+               order.index(i) if i in order else -1, lps.get(i), cached[i],
+               merge_deltas(deltas[i]) or None)
         for i in sorted(last)
     ]  # fmt: skip
 
@@ -242,6 +249,11 @@ async def collect_until_disconnect(
     return work.result()
 
 
+def _message(result: Result) -> ChatResponseMessage:
+    content = None if result.tool_calls and not result.text.strip() else result.text
+    return ChatResponseMessage(content=content, tool_calls=result.tool_calls)
+
+
 def full_response(results: list[Result], rid: str, model: str, n_prompt: int, *, chat: bool,
                   formatters: Formatters) -> Any:  # fmt: skip
     usage = UsageInfo.of(n_prompt, sum(r.num_tokens for r in results),
@@ -251,8 +263,7 @@ def full_response(results: list[Result], rid: str, model: str, n_prompt: int, *,
     body: _Body
     if chat:
         choices = [
-            ChatChoice(index=i, message=ChatResponseMessage(content=r.text),
-                       finish_reason=r.finish_reason,
+            ChatChoice(index=i, message=_message(r), finish_reason=r.finish_reason,
                        logprobs=formatters.shape(i, r.logprobs, chat))  # type: ignore[arg-type]
             for i, r in enumerate(results)
         ]  # fmt: skip

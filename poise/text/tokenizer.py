@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 from poise.errors import InvalidRequestError
+from poise.text.tool_calls import for_template, tool_fields
 
 
 class Tokenizer(Protocol):
@@ -103,18 +104,21 @@ def _message_content(message: Mapping[str, Any], index: int) -> str:
     )
 
 
-def normalize_messages(messages: Any) -> list[dict[str, str]]:
-    """Validate chat messages and reduce each to ``{"role": str, "content": str}``."""
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Validate chat messages and reduce each to ``{"role": str, "content": str}`` plus, where
+    given, ``tool_calls`` (arguments as objects, which templates expect: text/tool_calls.py),
+    ``tool_call_id`` and ``name``."""
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", "messages")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise InvalidRequestError(f"messages[{i}] must be an object", "messages")
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise InvalidRequestError(f"messages[{i}].role must be a non-empty string", "messages")
-        out.append({"role": role, "content": _message_content(message, i)})
+        out.append({"role": role, "content": _message_content(message, i),
+                    **tool_fields(message, i)})  # fmt: skip
     return out
 
 
@@ -145,7 +149,7 @@ def render_chat(
             "plain prompt, or give one (--chat-template)",
             "messages",
         )
-    conversation = normalize_messages(messages)
+    conversation = for_template(template, normalize_messages(messages), tools)
     try:
         text = tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt,

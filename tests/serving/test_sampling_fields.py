@@ -6,17 +6,19 @@ are distinct with a seed, reproducible, and streamed under their own choice inde
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
 from poise.core.sampling_params import SamplingParams
 from poise.serving.protocol import ChatCompletionRequest
 from tests.sampling_reference import greedy_reference
-from tests.serving.conftest import ServerProcess, tiny_server
+from tests.serving.conftest import ServerProcess, metric_value, tiny_server
 
 N = 10
 PROMPT = [1, 520, 33, 980, 33, 4051, 77, 33, 12, 9000, 77, 33]
@@ -136,3 +138,30 @@ def test_generation_config_repetition_penalty_is_a_default() -> None:
     given = ChatCompletionRequest(messages=MSG, repetition_penalty=1.0)  # type: ignore[arg-type]
     assert given.to_sampling_params(100, {"repetition_penalty": 1.2}).repetition_penalty == 1.0
     assert SamplingParams().repetition_penalty == 1.0
+
+
+def test_leaving_an_n_stream_aborts_every_sample_and_frees_the_kv(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    def metric(name: str, **labels: str) -> float:
+        return metric_value(httpx.get(server.base_url + "/metrics").text, name, **labels)
+
+    aborts = metric("poise:request_success_total", finished_reason="abort")
+    body = {"model": "tiny", "prompt": "a long tale " * 20, "max_tokens": 300, "n": 4,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 8:
+                break  # leaving closes the connection mid-generation
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if (metric("poise:num_requests_running") == 0 and metric("poise:kv_cache_usage_perc") == 0
+                and metric("poise:request_success_total", finished_reason="abort") >= aborts + 4):  # fmt: skip
+            break
+        time.sleep(0.1)
+    assert metric("poise:request_success_total", finished_reason="abort") == aborts + 4
+    assert metric("poise:num_requests_running") == 0 and metric("poise:kv_cache_usage_perc") == 0
+    out = client.completions.create(model="tiny", prompt="still there?", max_tokens=3, n=2)
+    assert [c.index for c in out.choices] == [0, 1]

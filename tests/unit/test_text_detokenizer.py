@@ -136,3 +136,19 @@ def test_stop_found_across_many_small_pieces() -> None:
     out = [checker.append(c) for c in "Reply.\n\nUser: next"]
     assert "".join(d.text for d in out) == "Reply."
     assert sum(d.stopped for d in out) >= 1 and checker.text == "Reply."
+
+
+def test_stop_strings_count_only_after_min_tokens(tok: Tokenizer) -> None:
+    # vLLM: a stop string may end the text only once more than min_tokens tokens exist.
+    ids = tok.encode(" ab ab ab cd", add_special_tokens=False)
+    plain, _ = _stream(tok, ids, SamplingParams(stop=["ab"]))
+    assert plain[-1].stopped and "".join(d.text for d in plain) == " "
+    late = SamplingParams(stop=["ab"], min_tokens=2)
+    deltas, detok = _stream(tok, ids, late)
+    # " ab" is one token: the matches ending in tokens 1 and 2 are skipped, the third stops.
+    assert [tok.decode([i]) for i in ids[:3]] == [" ab"] * 3
+    assert deltas[-1].stopped and detok.output_text == " ab ab "
+    # A stop string started before min_tokens and ending after it still counts.
+    checker = StopChecker(["xyz"])
+    assert not checker.append("abxy", check=False).stopped
+    assert checker.append("z!").stopped and checker.text == "ab"
