@@ -46,8 +46,10 @@ from poise.serving.settings import RequestLimitsConfig
 logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
+ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request; `param` names the field."},
+    401: {"model": ErrorResponse, "description": "With --api-key: the key is missing or wrong."},
+    404: {"model": ErrorResponse, "description": "`model` is not a served model name."},
     413: {"model": ErrorResponse, "description": "Body over --max-request-body-bytes."},
     429: {"model": ErrorResponse, "description": "Queue full; see the Retry-After header."},
     500: {"model": ErrorResponse, "description": "The engine failed this request."},
@@ -58,7 +60,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 def _generated(model: type) -> dict[int | str, dict[str, Any]]:
     ok = {"model": model, "content": {"text/event-stream": {}},
           "description": "The completion; with `stream`, SSE chunks then `data: [DONE]`."}  # fmt: skip
-    return {200: ok, **_ERRORS}
+    return {200: ok, **ERRORS}
 
 
 @dataclass
@@ -125,6 +127,8 @@ def _openapi(app: FastAPI, state: ServingState) -> dict[str, Any]:
             models.pop(name, None)
         for name in ("ChatCompletionRequest", "CompletionRequest"):
             _document_limits(models[name]["properties"], state)
+        _document_vocabulary(models, state.generator.vocab_size)
+        _document_models(models, state.served_model_names)
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -149,6 +153,42 @@ def _document_limits(props: dict[str, Any], state: ServingState) -> None:
     for name in ("max_tokens", "max_completion_tokens"):
         for v in _variants(props.get(name, {}), "integer"):
             v["maximum"] = state.max_model_len - 1  # and the prompt must fit next to it
+    for v in _variants(props.get("class", {}), "string"):
+        v["enum"] = _class_names(state)
+
+
+def _class_names(state: ServingState) -> list[str]:
+    scheduler = getattr(state.engine.core, "scheduler", None)
+    steer = getattr(scheduler, "steer", None)
+    return list(steer.classes.names) if steer is not None else ["default"]
+
+
+def _document_models(models: dict[str, Any], names: list[str]) -> None:
+    """``model``, where a request may name one, is a served name (else 404)."""
+    for model in models.values():
+        for v in _variants(model.get("properties", {}).get("model", {}), "string"):
+            v["enum"] = list(names)
+
+
+def _document_vocabulary(models: dict[str, Any], vocab_size: int | None) -> None:
+    """Token ids (a prompt, stop_token_ids, /detokenize's tokens) are below the vocabulary size."""
+    if vocab_size is None:
+        return
+
+    def bound(schema: dict[str, Any]) -> None:
+        if schema.get("type") == "integer" and schema.get("minimum") == 0:
+            schema["maximum"] = vocab_size - 1
+        for key in ("items", "anyOf"):
+            parts = schema.get(key)
+            for part in parts if isinstance(parts, list) else [parts] if parts else []:
+                bound(part)
+
+    fields = {"CompletionRequest": ("prompt", "stop_token_ids"),
+              "ChatCompletionRequest": ("stop_token_ids",), "DetokenizeRequest": ("tokens",)}  # fmt: skip
+    for model, names in fields.items():
+        for name in names:
+            if model in models and name in models[model]["properties"]:
+                bound(models[model]["properties"][name])
 
 
 def _add_info_routes(app: FastAPI, state: ServingState) -> None:
@@ -160,7 +200,7 @@ def _add_info_routes(app: FastAPI, state: ServingState) -> None:
         return ModelList(data=cards)
 
     # ``:path``: a served name may hold slashes (a Hub id such as Qwen/Qwen2.5-7B-Instruct).
-    @app.get("/v1/models/{model_id:path}", responses={404: _ERRORS[400] | {
+    @app.get("/v1/models/{model_id:path}", responses={404: ERRORS[400] | {
         "description": "Not a served model name (model_not_found)."}})  # fmt: skip
     async def model(model_id: str) -> Response:
         if model_id not in state.served_model_names:

@@ -119,7 +119,7 @@ def parse_json_body(body: bytes) -> Any:
             f"{exc.start})"
         ) from None
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_float=_json_number)
     except RecursionError:
         raise InvalidRequestError("the JSON body is nested too deeply") from None
     except json.JSONDecodeError:
@@ -135,6 +135,14 @@ def parse_json_body(body: bytes) -> Any:
                 where[0].split("[", 1)[0].split(".", 1)[0] or None,
             )
     return value
+
+
+def _json_number(text: str) -> float | int:
+    """A JSON number written with a fraction or exponent. JSON (and JSON Schema) has one number
+    type: ``5.0`` is the integer 5, and the strict request models take it where an integer is
+    due; a float field takes an int as the same value."""
+    value = float(text)
+    return int(value) if value.is_integer() else value
 
 
 def _lone_surrogate_path(value: Any) -> tuple[str, int] | None:

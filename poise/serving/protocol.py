@@ -20,6 +20,7 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.config import JsonDict
 
 from poise.core.logprobs import MAX_LOGPROBS
 from poise.core.sampling_params import SamplingParams
@@ -30,7 +31,9 @@ from poise.serving.tool_calls import ChatTemplateFields
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # Unknown fields are allowed (clients send many optional ones); known ones are strict, as
+    # the schema publishes them: "1" is not 1, true is not 1, 1.0 is not an integer.
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Lenient):
@@ -45,16 +48,36 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+# Only an assistant turn (one that made tool calls) may leave its content out; said in the
+# schema too, so that schema-driven clients and fuzzers know it.
+_CONTENT_REQUIRED: JsonDict = {
+    "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+    "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+}
+
+
 class ChatMessage(_Lenient):
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_CONTENT_REQUIRED)
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    # A string, a list of content parts ({"type": "text", "text": ...}) or None (assistant
-    # messages that only carry tool calls).
-    content: str | list[dict[str, Any]] | None = None
+    # A string, a list of text parts or None (assistant messages that only carry tool calls).
+    content: str | list[TextPart] | None = None
     name: str | None = None
     # An assistant turn's calls (OpenAI's shape) and a tool turn's answer to one: rendered by
     # the chat template (text/tokenizer.py), never dropped.
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (a string or text parts)")
+        return self
 
     @field_validator("role")
     @classmethod
@@ -71,7 +94,8 @@ _STOP_DOC = (
 class _SamplingRequest(StructuredOutputFields, _Lenient):
     """Fields chat and completions share."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True,
+                              allow_inf_nan=False)  # fmt: skip
 
     model: str | None = None
     max_tokens: int | None = Field(
@@ -114,8 +138,8 @@ class _SamplingRequest(StructuredOutputFields, _Lenient):
     # SLO overrides, in ms). The class may also come in the ``X-Poise-Class`` header.
     priority: int = 0
     traffic_class: str | None = Field(default=None, alias="class")
-    ttft_slo_ms: float | None = None
-    tpot_slo_ms: float | None = None
+    ttft_slo_ms: float | None = Field(None, gt=0)
+    tpot_slo_ms: float | None = Field(None, gt=0)
     # vLLM's per-request metrics: timing in the response (needs --enable-per-request-metrics).
     include_metrics: bool = False
 

@@ -17,26 +17,35 @@ embedded GGUF model needs no tokenizer directory on the client.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.config import JsonDict
 
 from poise.errors import InvalidRequestError
 from poise.serving.protocol import ChatMessage
 from poise.text.tokenizer import apply_chat_template, encode_prompt
 
+# Exactly one of the two inputs, in the published schema as in the validator below.
+_ONE_INPUT: JsonDict = {
+    "oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string", "minLength": 1}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+    ]
+}
+
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_ONE_INPUT)
 
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: Annotated[str, Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = None  # default: True for prompt, False for messages
     add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    continue_final_message: bool = Field(False, json_schema_extra={"enum": [False]})
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -52,14 +61,14 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
-    tokens: list[int] = Field(min_length=0)
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 def add_tokenize_routes(app: FastAPI, state: Any) -> None:
-    from poise.serving.app import error_response, map_exception
+    from poise.serving.app import ERRORS, error_response, map_exception
 
     def unknown_model(name: str | None) -> JSONResponse | None:
         if name is None or name in state.served_model_names:
@@ -68,7 +77,7 @@ def add_tokenize_routes(app: FastAPI, state: Any) -> None:
                               f"{state.served_model_names}", param="model",
                               code="model_not_found")  # fmt: skip
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=ERRORS)
     async def tokenize(req: TokenizeRequest) -> Response:
         refused = unknown_model(req.model)
         if refused is not None:
@@ -103,7 +112,7 @@ def add_tokenize_routes(app: FastAPI, state: Any) -> None:
     async def info() -> Response:
         return JSONResponse(tokenizer_info(state.generator.tokenizer, state.max_model_len))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=ERRORS)
     async def detokenize(req: DetokenizeRequest) -> Response:
         refused = unknown_model(req.model)
         if refused is not None:

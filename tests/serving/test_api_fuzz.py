@@ -1,0 +1,218 @@
+"""Schemathesis against poise's own OpenAPI schema, every route (issue 16, item 1).
+
+The server is the real app in this process (uvicorn, the Host check, the read deadlines, the
+API key) around a tiny random Llama with the SmolLM2 tokenizer. Schemathesis generates valid
+and invalid requests from ``/openapi.json`` and checks each answer against the schema (status
+codes, content types, bodies, headers) plus our own contract: never a 5xx, and every error in
+OpenAI's shape. After the fuzz, a plain request must still be served and the KV pool empty.
+
+The default suite runs a few examples per route; ``-m slow`` runs the large budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis.core.failures import FailureGroup
+from schemathesis.generation.modes import GenerationMode
+from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+from poise.config import EngineConfig
+from poise.serving.server import build_state_from_config
+from poise.serving.settings import ServerSettings
+from tests.serving.conftest import InProcessServer
+
+KEY = "fuzz-key"
+MAX_MODEL_LEN = 128
+# Examples per route: a few seconds in the default suite; POISE_FUZZ_EXAMPLES for a long run.
+SMALL = 4
+LARGE = int(os.environ.get("POISE_FUZZ_EXAMPLES", "400"))
+
+
+@schemathesis.check
+def openai_error_shape(ctx: Any, response: Any, case: Any) -> bool | None:
+    """No 5xx; every 4xx is ``{"error": {"message", "type", "param", "code"}}``."""
+    status = response.status_code
+    assert status < 500, f"{status}: {response.text[:300]}"
+    if status >= 400:
+        body = response.json()
+        assert set(body) == {"error"}, body
+        assert {"message", "type", "param", "code"} <= set(body["error"]), body
+        assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return None
+
+
+# What a schema cannot say: a request's prompt, counted in tokens, must fit the window (with
+# its max_tokens) and the KV pool. A schema-valid request may be refused only for that.
+_WINDOW = ("max_model_len", "KV cache")
+
+
+@schemathesis.check
+def valid_requests_are_served(ctx: Any, response: Any, case: Any) -> bool | None:
+    """Schemathesis' positive_data_acceptance, less the token-count limits above."""
+    if case.meta is None or not case.meta.generation.mode.is_positive:
+        return None
+    if response.status_code == 400:
+        message = response.json()["error"]["message"]
+        assert any(w in message for w in _WINDOW), f"schema-valid request refused: {message}"
+    else:
+        assert response.status_code < 300, f"{response.status_code}: {response.text[:300]}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tiny_model_dir: Path) -> Iterator[InProcessServer]:
+    cfg = EngineConfig.from_kwargs(model=str(tiny_model_dir), dtype="float32",
+                                   max_model_len=MAX_MODEL_LEN, num_kv_blocks=64,
+                                   num_threads=1)  # fmt: skip
+    settings_ = ServerSettings(enable_api_docs=True, api_key=KEY)
+    state = build_state_from_config(cfg, settings_)
+    with InProcessServer(state, settings_) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def api_schema(fuzz_server: InProcessServer) -> Any:
+    return schemathesis.openapi.from_url(
+        fuzz_server.base_url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}
+    )
+
+
+def _fuzz_every_route(schema: Any, server: InProcessServer, examples: int) -> Counter[str]:
+    """``examples`` valid and ``examples`` invalid requests per route; the statuses seen. Every
+    route and mode runs even after one fails; the failures are reported together."""
+    statuses: Counter[str] = Counter()
+    failures: list[str] = []
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+
+            @given(case=operation.as_strategy(generation_mode=mode))
+            @settings(max_examples=examples, deadline=None, derandomize=True,
+                      phases=[Phase.explicit, Phase.generate],
+                      suppress_health_check=list(HealthCheck))  # fmt: skip
+            def one(case: Any, label: str = operation.label) -> None:
+                response = case.call_and_validate(
+                    base_url=server.base_url, headers=auth, timeout=60,
+                    additional_checks=[openai_error_shape, valid_requests_are_served],
+                    excluded_checks=[positive_data_acceptance],
+                )  # fmt: skip
+                statuses[f"{label} {response.status_code}"] += 1
+
+            try:
+                one()
+            except (AssertionError, FailureGroup) as exc:
+                failures.append(f"{operation.label} ({mode}): {exc}")
+            except Unsatisfiable:
+                # A route without parameters or body has no invalid request to make.
+                assert mode is GenerationMode.NEGATIVE and not operation.body, operation.label
+    assert not failures, "\n\n".join(failures)
+    return statuses
+
+
+def test_every_route_small(api_schema: Any, fuzz_server: InProcessServer) -> None:
+    statuses = _fuzz_every_route(api_schema, fuzz_server, SMALL)
+    routes = {key.rsplit(" ", 1)[0] for key in statuses}
+    assert len(routes) == len(list(api_schema.get_all_operations())) >= 10, routes
+    assert not [key for key in statuses if key.rsplit(" ", 1)[1].startswith("5")], statuses
+
+
+@pytest.mark.slow
+def test_every_route_large(api_schema: Any, fuzz_server: InProcessServer) -> None:
+    statuses = _fuzz_every_route(api_schema, fuzz_server, LARGE)
+    print(f"fuzzed {sum(statuses.values())} requests: {dict(sorted(statuses.items()))}")
+
+
+def test_still_serving_after_the_fuzz(fuzz_server: InProcessServer) -> None:
+    r = httpx.post(fuzz_server.base_url + "/v1/chat/completions", timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}"},
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                         "ignore_eos": True})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+    core = fuzz_server.state.engine.core
+    assert core.scheduler.kv_cache_usage == 0 and not core.has_unfinished_requests()
+
+
+# ---- what the fuzz found: requests the schema called valid and the server refused ----------
+
+
+def _post(server: InProcessServer, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(server.base_url + path, json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+
+
+def test_the_schema_says_what_the_server_refuses(fuzz_server: InProcessServer) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    schema = httpx.get(fuzz_server.base_url + "/openapi.json", headers=auth).json()
+    models = schema["components"]["schemas"]
+    vocab = fuzz_server.state.generator.vocab_size
+    # Token ids are below the vocabulary size, wherever a request gives them.
+    for model, name in (("CompletionRequest", "prompt"), ("DetokenizeRequest", "tokens"),
+                        ("ChatCompletionRequest", "stop_token_ids")):  # fmt: skip
+        assert f'"maximum": {vocab - 1}' in json.dumps(models[model]["properties"][name])
+    r = _post(fuzz_server, "/v1/completions", {"prompt": [vocab], "max_tokens": 1})
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    # The model and the traffic class are the configured ones.
+    names = fuzz_server.state.served_model_names
+    assert names in [
+        v.get("enum") for v in models["DetokenizeRequest"]["properties"]["model"]["anyOf"]
+    ]
+    assert ["default"] in [
+        v.get("enum") for v in models["CompletionRequest"]["properties"]["class"]["anyOf"]
+    ]
+    # Only an assistant turn may leave out its content; a content part is text.
+    assert models["ChatMessage"]["then"]["required"] == ["content"]
+    r = _post(fuzz_server, "/v1/chat/completions", {"messages": [{"role": "tool"}]})
+    assert r.status_code == 400 and "needs content" in r.json()["error"]["message"]
+    r = _post(fuzz_server, "/v1/chat/completions",
+              {"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}], "max_tokens": 1})  # fmt: skip
+    assert r.status_code == 200, r.text
+    # Refused values are out of the schema: suffix, echo, logprobs, continue_final_message.
+    props = models["CompletionRequest"]["properties"]
+    assert props["suffix"]["maxLength"] == 0 and props["echo"]["enum"] == [False]
+    assert models["TokenizeRequest"]["properties"]["continue_final_message"]["enum"] == [False]
+    # /tokenize takes exactly one of prompt and messages (non-empty), and documents its errors.
+    assert len(models["TokenizeRequest"]["oneOf"]) == 2
+    for body in ({}, {"messages": []}):
+        assert _post(fuzz_server, "/tokenize", body).status_code == 400
+    for path in ("/tokenize", "/detokenize"):
+        assert {"400", "404", "413"} <= set(schema["paths"][path]["post"]["responses"])
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [({"ttft_slo_ms": True}, "ttft_slo_ms"), ({"max_tokens": "5"}, "max_tokens"),
+     ({"stream": "yes"}, "stream"), ({"max_tokens": True}, "max_tokens"),
+     ({"ttft_slo_ms": 0}, "ttft_slo_ms"), ({"prompt": [[]]}, "prompt")],
+)  # fmt: skip
+def test_values_of_the_wrong_json_type_are_400_not_coerced(
+    fuzz_server: InProcessServer, body: dict[str, Any], param: str
+) -> None:
+    """The fuzz found `"ttft_slo_ms": true` served as 1 ms: known fields are strict now."""
+    r = _post(fuzz_server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_an_integral_float_is_an_integer_as_json_says(fuzz_server: InProcessServer) -> None:
+    r = _post(fuzz_server, "/v1/completions", {"prompt": [5.0, 6], "max_tokens": 3.0,
+                                                "ignore_eos": True, "temperature": 0})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert (
+        _post(fuzz_server, "/v1/completions", {"prompt": "hi", "max_tokens": 2.5}).status_code
+        == 400
+    )
+    assert _post(fuzz_server, "/tokenize", {"prompt": ""}).status_code == 400
