@@ -277,13 +277,16 @@ class Scheduler:
         a preemption); False when admission must stop behind it."""
         cls = request.slo.class_name
         free = self.config.max_num_seqs - len(self.running)
+        victim = None
         if free <= 0:
             victim = self.policy.displace(request, self.running, ctx)
             if victim is None:
                 ledger.left_waiting(cls)
                 return not self.policy.blocks_queue(request, ctx)
-            self._preempt(victim, plan)
             free = 1
+        # The victim is preempted only once the request is sure to go in: preempting it for a
+        # request that then did not fit made two requests displace each other for ever
+        # (found by the stateful test).
         if not ledger.slot_allowed(cls, free):
             ledger.left_waiting(cls)
             return True  # the slot is held for another class that has work waiting
@@ -298,12 +301,21 @@ class Scheduler:
         # Without chunked prefill a prompt goes in whole; recomputes after preemption may
         # still be chunked, or a preempted request longer than the budget could never return.
         whole_only = not self.config.enable_chunked_prefill and not request.num_preemptions
-        reserve = self._reserve_blocks if self.running else 0
         if n <= 0:  # the budget left is reserved for other classes: not a reason to block
             ledger.left_waiting(cls)
             return True
+        if whole_only and n < remaining:
+            ledger.left_waiting(cls)
+            ledger.passed(cls, remaining)
+            # When it fits the step but not what other classes' reservations leave it, their
+            # requests behind it must get their turn: blocking here left the reservation
+            # unused and nothing ever ran (found by the stateful test).
+            return remaining <= plan.budget or not self.policy.blocks_queue(request, ctx)
+        if victim is not None:
+            self._preempt(victim, plan)
+        reserve = self._reserve_blocks if self.running else 0
         rid = request.request_id
-        if (n < remaining and whole_only) or self.kv.allocate_slots(
+        if self.kv.allocate_slots(
             rid, num_computed_tokens=start, num_new_tokens=n, cached_blocks=cached,
             reserve_blocks=reserve,
         ) is None:  # fmt: skip

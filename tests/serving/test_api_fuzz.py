@@ -129,6 +129,7 @@ def test_every_route_small(api_schema: Any, fuzz_server: InProcessServer) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_every_route_large(api_schema: Any, fuzz_server: InProcessServer) -> None:
     statuses = _fuzz_every_route(api_schema, fuzz_server, LARGE)
     print(f"fuzzed {sum(statuses.values())} requests: {dict(sorted(statuses.items()))}")
