@@ -155,6 +155,8 @@ def _document_limits(props: dict[str, Any], state: ServingState) -> None:
             v["maximum"] = state.max_model_len - 1  # and the prompt must fit next to it
     for v in _variants(props.get("class", {}), "string"):
         v["enum"] = _class_names(state)
+    if not state.enable_per_request_metrics and "include_metrics" in props:
+        props["include_metrics"]["enum"] = [False]  # true is a 400 naming the flag
 
 
 def _class_names(state: ServingState) -> list[str]:

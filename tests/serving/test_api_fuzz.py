@@ -88,30 +88,38 @@ def api_schema(fuzz_server: InProcessServer) -> Any:
     )
 
 
+def _fuzz_operation(
+    operation: Any, mode: GenerationMode, server: InProcessServer, examples: int
+) -> Counter[str]:
+    """``examples`` requests of ``mode`` to one route; the statuses seen."""
+    statuses: Counter[str] = Counter()
+
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(max_examples=examples, deadline=None, derandomize=True,
+              phases=[Phase.explicit, Phase.generate],
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    def one(case: Any) -> None:
+        response = case.call_and_validate(
+            base_url=server.base_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+            additional_checks=[openai_error_shape, valid_requests_are_served],
+            excluded_checks=[positive_data_acceptance],
+        )  # fmt: skip
+        statuses[f"{operation.label} {response.status_code}"] += 1
+
+    one()
+    return statuses
+
+
 def _fuzz_every_route(schema: Any, server: InProcessServer, examples: int) -> Counter[str]:
     """``examples`` valid and ``examples`` invalid requests per route; the statuses seen. Every
     route and mode runs even after one fails; the failures are reported together."""
     statuses: Counter[str] = Counter()
     failures: list[str] = []
-    auth = {"Authorization": f"Bearer {KEY}"}
     for result in schema.get_all_operations():
         operation = result.ok()
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-
-            @given(case=operation.as_strategy(generation_mode=mode))
-            @settings(max_examples=examples, deadline=None, derandomize=True,
-                      phases=[Phase.explicit, Phase.generate],
-                      suppress_health_check=list(HealthCheck))  # fmt: skip
-            def one(case: Any, label: str = operation.label) -> None:
-                response = case.call_and_validate(
-                    base_url=server.base_url, headers=auth, timeout=60,
-                    additional_checks=[openai_error_shape, valid_requests_are_served],
-                    excluded_checks=[positive_data_acceptance],
-                )  # fmt: skip
-                statuses[f"{label} {response.status_code}"] += 1
-
             try:
-                one()
+                statuses += _fuzz_operation(operation, mode, server, examples)
             except (AssertionError, FailureGroup) as exc:
                 failures.append(f"{operation.label} ({mode}): {exc}")
             except Unsatisfiable:
