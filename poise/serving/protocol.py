@@ -15,6 +15,7 @@ silently changing the request).
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -43,6 +44,7 @@ class StreamOptions(_Lenient):
 
 
 MIN_TEMPERATURE = 1e-5
+TOKEN_ID_KEY = re.compile(r"^\s*[0-9]+\s*$")  # a logit_bias key
 # OpenAI's roles; "developer" is its newer name for "system" (and is rendered as system).
 ROLES = ("system", "user", "assistant", "tool", "developer")
 NonEmptyStr = Annotated[str, Field(min_length=1)]
@@ -131,7 +133,9 @@ class _SamplingRequest(StructuredOutputFields, _Lenient):
     )
     min_tokens: int = Field(0, ge=0, description="EOS and stop tokens are held back until then.")
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
-        None, description="Token id (as a string) -> bias in [-100, 100]; up to --max-logit-bias."
+        None,
+        description="Token id (as a string) -> bias in [-100, 100]; up to --max-logit-bias.",
+        json_schema_extra={"propertyNames": {"pattern": TOKEN_ID_KEY.pattern}},
     )
     user: str | None = None
     # Scheduling inputs (vLLM's ``priority``: lower first; poise's traffic class and per-request
@@ -154,7 +158,9 @@ class _SamplingRequest(StructuredOutputFields, _Lenient):
     @classmethod
     def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
-            if not key.strip().isdigit():
+            # ASCII digits only: str.isdigit() also takes "²", which int() then refuses (a 500
+            # the fuzz found), and "١", which int() reads as 1.
+            if not TOKEN_ID_KEY.fullmatch(key):
                 raise ValueError(f"keys must be token ids (integers as strings), got {key!r}")
         return v
 

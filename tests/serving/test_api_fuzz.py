@@ -53,8 +53,9 @@ def openai_error_shape(ctx: Any, response: Any, case: Any) -> bool | None:
 
 
 # What a schema cannot say: a request's prompt, counted in tokens, must fit the window (with
-# its max_tokens) and the KV pool. A schema-valid request may be refused only for that.
-_WINDOW = ("max_model_len", "KV cache")
+# its max_tokens) and the KV pool; a logit_bias key is a token id written as a string, which a
+# schema cannot bound by the vocabulary. A schema-valid request may be refused only for these.
+_WINDOW = ("max_model_len", "KV cache", "logit_bias: token id")
 
 
 @schemathesis.check
@@ -225,3 +226,11 @@ def test_an_integral_float_is_an_integer_as_json_says(fuzz_server: InProcessServ
         == 400
     )
     assert _post(fuzz_server, "/tokenize", {"prompt": ""}).status_code == 400
+
+
+@pytest.mark.parametrize("key", ["\u00b2", "\u0661", "1e3", "-1", ""])
+def test_a_logit_bias_key_is_ascii_digits(fuzz_server: InProcessServer, key: str) -> None:
+    """The fuzz sent "²" as a key: str.isdigit() took it and int() raised, a 500."""
+    body = {"prompt": "hi", "max_tokens": 2, "logit_bias": {key: 1}}
+    r = _post(fuzz_server, "/v1/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
