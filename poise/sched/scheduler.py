@@ -284,9 +284,8 @@ class Scheduler:
                 ledger.left_waiting(cls)
                 return not self.policy.blocks_queue(request, ctx)
             free = 1
-        # The victim is preempted only once the request is sure to go in: preempting it for a
-        # request that then did not fit made two requests displace each other for ever
-        # (found by the stateful test).
+        # The victim is preempted only once the request surely goes in (else two requests
+        # could displace each other for ever: found by the stateful test).
         if not ledger.slot_allowed(cls, free):
             ledger.left_waiting(cls)
             return True  # the slot is held for another class that has work waiting
@@ -307,9 +306,8 @@ class Scheduler:
         if whole_only and n < remaining:
             ledger.left_waiting(cls)
             ledger.passed(cls, remaining)
-            # When it fits the step but not what other classes' reservations leave it, their
-            # requests behind it must get their turn: blocking here left the reservation
-            # unused and nothing ever ran (found by the stateful test).
+            # Fitting the step but not what other classes reserve, it must let their requests
+            # pass (blocking here left nothing ever running: found by the stateful test).
             return remaining <= plan.budget or not self.policy.blocks_queue(request, ctx)
         if victim is not None:
             self._preempt(victim, plan)
