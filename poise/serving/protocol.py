@@ -21,12 +21,12 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic.config import JsonDict
 
 from poise.core.logprobs import MAX_LOGPROBS
 from poise.core.sampling_params import SamplingParams
 from poise.errors import InvalidRequestError
 from poise.serving.logprobs import ChatLogprobs, CompletionLogprobs
+from poise.serving.messages import ChatMessage
 from poise.serving.structured import StructuredOutputFields
 from poise.serving.tool_calls import ChatTemplateFields
 
@@ -45,46 +45,7 @@ class StreamOptions(_Lenient):
 
 MIN_TEMPERATURE = 1e-5
 TOKEN_ID_KEY = re.compile(r"^\s*[0-9]+\s*$")  # a logit_bias key
-# OpenAI's roles; "developer" is its newer name for "system" (and is rendered as system).
-ROLES = ("system", "user", "assistant", "tool", "developer")
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-
-
-class TextPart(_Lenient):
-    type: Literal["text"]
-    text: str
-
-
-# Only an assistant turn (one that made tool calls) may leave its content out; said in the
-# schema too, so that schema-driven clients and fuzzers know it.
-_CONTENT_REQUIRED: JsonDict = {
-    "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
-    "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
-}
-
-
-class ChatMessage(_Lenient):
-    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_CONTENT_REQUIRED)
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    # A string, a list of text parts or None (assistant messages that only carry tool calls).
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    # An assistant turn's calls (OpenAI's shape) and a tool turn's answer to one: rendered by
-    # the chat template (text/tokenizer.py), never dropped.
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-
-    @model_validator(mode="after")
-    def _content_unless_assistant(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content (a string or text parts)")
-        return self
-
-    @field_validator("role")
-    @classmethod
-    def _developer_is_system(cls, v: str) -> str:
-        return "system" if v == "developer" else v
 
 
 _STOP_DOC = (
