@@ -114,8 +114,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--api-key",
         default=None,
         metavar="KEY",
-        help="Require 'Authorization: Bearer KEY' on every route but /health, /ready, /metrics "
-        "and /version (401 otherwise). Default: $POISE_API_KEY, else $VLLM_API_KEY, else off.",
+        help="Require 'Authorization: Bearer KEY' on every route but /health, /ready, /version "
+        "and /metrics (see --metrics-access) (401 otherwise). Default: $POISE_API_KEY, else "
+        "$VLLM_API_KEY, else off.",
+    )
+    exposure.add_argument(
+        "--metrics-access",
+        default="open",
+        choices=("open", "key", "localhost"),
+        help="Who may read /metrics, the live page /dashboard and /server_info: open (/metrics "
+        "open, the rest behind --api-key when given), key (all behind --api-key) or localhost "
+        "(clients on a loopback address only; 403 for others). (default: open)",
+    )
+    exposure.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=[],
+        metavar="ORIGIN",
+        help="Origins a browser may call the API from (CORS headers); '*' for any. "
+        "(default: none, no CORS headers)",
     )
     server.add_argument(
         "--chat-template",
@@ -206,30 +223,38 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"poise serve: error: {exc}", file=sys.stderr)
         return 2
-    settings = ServerSettings(
-        host=args.host,
-        port=args.port,
-        served_model_names=list(args.served_model_name or []),
-        log_interval_s=args.log_interval,
-        shutdown_grace_s=args.shutdown_grace_period,
-        header_read_timeout_s=args.header_read_timeout,
-        body_read_timeout_s=args.body_read_timeout,
-        keep_alive_timeout_s=args.timeout_keep_alive,
-        max_connections=args.max_connections,
-        allowed_hosts=list(args.allowed_hosts),
-        enable_api_docs=args.enable_api_docs,
-        enable_log_requests=args.enable_log_requests,
-        enable_per_request_metrics=args.enable_per_request_metrics,
-        step_trace=args.step_trace,
-        api_key=args.api_key or api_key_from_env(),
-        chat_template=chat_template,
-        uvicorn_log_level=args.uvicorn_log_level,
-        limits=limits,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser,
-    )
+    try:
+        settings = ServerSettings(
+            host=args.host,
+            port=args.port,
+            served_model_names=list(args.served_model_name or []),
+            log_interval_s=args.log_interval,
+            shutdown_grace_s=args.shutdown_grace_period,
+            header_read_timeout_s=args.header_read_timeout,
+            body_read_timeout_s=args.body_read_timeout,
+            keep_alive_timeout_s=args.timeout_keep_alive,
+            max_connections=args.max_connections,
+            allowed_hosts=list(args.allowed_hosts),
+            enable_api_docs=args.enable_api_docs,
+            enable_log_requests=args.enable_log_requests,
+            enable_per_request_metrics=args.enable_per_request_metrics,
+            step_trace=args.step_trace,
+            api_key=args.api_key or api_key_from_env(),
+            metrics_access=args.metrics_access,
+            allowed_origins=list(args.allowed_origins),
+            chat_template=chat_template,
+            uvicorn_log_level=args.uvicorn_log_level,
+            limits=limits,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+        )
+    except ValueError as exc:  # e.g. --metrics-access key without a key
+        print(f"poise serve: error: {exc}", file=sys.stderr)
+        return 2
     if args.replicas > 1:
         given = [flag for flag, value in (("--api-key", settings.api_key),
+                 ("--metrics-access", settings.metrics_access != "open"),
+                 ("--allowed-origins", settings.allowed_origins),
                  ("--chat-template", chat_template), ("--enable-log-requests",
                  args.enable_log_requests), ("--enable-per-request-metrics",
                  args.enable_per_request_metrics), ("--enable-auto-tool-choice",

@@ -34,7 +34,7 @@ from poise.core.outputs import RequestDelta, StepStats
 from poise.core.sampling_params import SamplingParams
 from poise.engine.clock import Clock
 from poise.engine.state import EngineState
-from poise.errors import EngineDeadError, OverloadedError, StepFailedError
+from poise.errors import EngineDeadError, ShuttingDownError, StepFailedError
 from poise.serving.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
@@ -179,10 +179,8 @@ class AsyncEngine:
         ``prompt_leader``: as ``EngineCore.add_request`` (n > 1 siblings)."""
         if self.error is not None:
             raise EngineDeadError(self.error)
-        if not self.accepting:
-            raise OverloadedError(
-                "server is shutting down", retry_after_s=5.0, reason="shutting_down"
-            )
+        if not self.accepting:  # 503, not 429: this server will not take it later either
+            raise ShuttingDownError("server is shutting down")
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, len(prompt_token_ids))
         self._streams[request_id] = stream
@@ -246,9 +244,7 @@ class AsyncEngine:
                 stop = self._stop
             if stop:  # shutting down: admit nothing more
                 for add in adds:
-                    exc = OverloadedError(
-                        "server is shutting down", retry_after_s=5.0, reason="shutting_down"
-                    )
+                    exc = ShuttingDownError("server is shutting down")
                     self._loop.call_soon_threadsafe(self._resolve, add.admitted, exc)  # type: ignore[union-attr]
                 adds = []
             try:
@@ -257,8 +253,12 @@ class AsyncEngine:
                     return
                 if self.core.has_unfinished_requests():
                     self._guarded_step()
-            except Exception as exc:  # noqa: BLE001 - any engine failure must reach clients
+            except BaseException as exc:  # noqa: BLE001 - any engine failure must reach clients
+                # Not only Exception: a SystemExit or the like ending this thread would
+                # otherwise leave every request in flight waiting for ever.
                 self._die(exc)
+                if not isinstance(exc, Exception):
+                    raise
                 return
 
     def _guarded_step(self) -> None:
@@ -335,7 +335,7 @@ class AsyncEngine:
     def _refresh_state(self) -> None:
         self.state = self.core.snapshot()
 
-    def _die(self, exc: Exception) -> None:
+    def _die(self, exc: BaseException) -> None:
         self.error = f"engine dead after step {self._step_no}: {_describe(exc)}"
         self.last_error = self.last_error or self.error
         logger.exception("engine died after step %d", self._step_no)

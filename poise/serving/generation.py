@@ -30,7 +30,7 @@ from poise.core.outputs import RequestDelta
 from poise.core.parallel import Child, fan_out
 from poise.core.sampling_params import SamplingParams
 from poise.core.structured import GrammarCompiler
-from poise.errors import InvalidRequestError, ShuttingDownError
+from poise.errors import EngineDeadError, InvalidRequestError, ShuttingDownError
 from poise.serving.async_engine import AsyncEngine
 from poise.serving.completions import CompletionRequest
 from poise.serving.errors import GenerationFailed
@@ -257,6 +257,8 @@ class Generator:
                     cached = delta.num_cached_tokens or cached
                 if delta.finish_reason == "error":
                     done = True
+                    if self.engine.error is not None:  # the engine died: 503, as new requests
+                        raise EngineDeadError(delta.error_message or self.engine.error)
                     raise GenerationFailed(delta.error_message or "the engine failed")
                 if delta.finish_reason == "abort":  # only a shutdown aborts a request still read
                     done = True

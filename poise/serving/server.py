@@ -22,12 +22,13 @@ import socket
 from typing import Any
 
 import uvicorn
+from starlette.middleware.cors import CORSMiddleware
 
 from poise.config import EngineConfig
 from poise.engine.observer import EngineObserver
 from poise.serving.app import VERSION, ServingState, create_app
 from poise.serving.async_engine import AsyncEngine
-from poise.serving.auth import ApiKeyMiddleware
+from poise.serving.auth import ApiKeyMiddleware, LoopbackOnlyMiddleware, open_paths
 from poise.serving.connections import ConnectionLimits, protocol_class
 from poise.serving.generation import Generator
 from poise.serving.hosts import AllowedHostsMiddleware, allowed_host_names
@@ -135,7 +136,13 @@ def asgi_app(state: ServingState, settings: ServerSettings) -> Any:
     app: Any = create_app(state, enable_api_docs=settings.enable_api_docs)
     add_tokenize_routes(app, state)
     if settings.api_key is not None:
-        app = ApiKeyMiddleware(app, settings.api_key)
+        app = ApiKeyMiddleware(app, settings.api_key, open_paths(settings.metrics_access))
+    if settings.metrics_access == "localhost":
+        app = LoopbackOnlyMiddleware(app)
+    if settings.allowed_origins:  # CORS only when asked (vLLM's --allowed-origins); outside
+        # the key check, since a browser's preflight carries no Authorization header
+        app = CORSMiddleware(app, allow_origins=settings.allowed_origins, allow_methods=["*"],
+                             allow_headers=["*"])  # fmt: skip
     allowed = allowed_host_names(settings.host, settings.allowed_hosts)
     return app if allowed is None else AllowedHostsMiddleware(app, allowed)
 

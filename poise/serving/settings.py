@@ -85,8 +85,14 @@ class ServerSettings:
     allowed_hosts: list[str] = field(default_factory=list)
     # /docs, /redoc and /openapi.json; off by default (they describe the whole API to anyone).
     enable_api_docs: bool = False
-    # Bearer key for every route but /health, /ready, /metrics, /version (serving/auth.py).
+    # Bearer key for every route but /health, /ready, /version and (by default) /metrics
+    # (serving/auth.py).
     api_key: str | None = None
+    # The operator's view (/metrics, /dashboard, /server_info): "open" (/metrics open, the rest
+    # behind the key), "key" (all behind the key) or "localhost" (loopback clients only).
+    metrics_access: str = "open"
+    # Origins a browser may call the API from (CORS); none: no CORS headers at all.
+    allowed_origins: list[str] = field(default_factory=list)
     # A Jinja chat template (the text; the CLI reads a file) replacing the tokenizer's own.
     chat_template: str | None = None
     # One structured log line per finished request (serving/request_log.py): ids, lengths,
@@ -117,6 +123,12 @@ class ServerSettings:
             raise ValueError("enable_auto_tool_choice: needs tool_call_parser (--tool-call-parser)")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key: must not be empty")
+        if self.metrics_access not in ("open", "key", "localhost"):
+            raise ValueError(
+                f"metrics_access: must be open, key or localhost, got {self.metrics_access!r}"
+            )
+        if self.metrics_access == "key" and self.api_key is None:
+            raise ValueError("metrics_access: 'key' needs an API key (--api-key)")
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(
                 f"uvicorn_log_level: must be one of {UVICORN_LOG_LEVELS}, "

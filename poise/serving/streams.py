@@ -24,7 +24,7 @@ from typing import Any
 
 from fastapi import Request
 
-from poise.errors import InvalidRequestError, ShuttingDownError
+from poise.errors import EngineDeadError, InvalidRequestError, ShuttingDownError
 from poise.serving.errors import GenerationFailed
 from poise.serving.generation import Piece
 from poise.serving.logprobs import ChatLogprobs, CompletionLogprobs, LogprobEntry, LogprobFormatter
@@ -120,6 +120,8 @@ def _error_event(exc: Exception) -> str:
         status, kind = 400, "invalid_request_error"
     elif isinstance(exc, ShuttingDownError):
         status, kind = 503, "service_unavailable"
+    elif isinstance(exc, EngineDeadError):
+        status, kind = 503, "engine_dead"
     body = ErrorResponse(error=ErrorInfo(message=str(exc), type=kind, code=status))
     return _event(body.model_dump_json())
 
@@ -173,7 +175,7 @@ async def sse(
                                 tool_calls=piece.tool_calls))  # fmt: skip
         if include_usage:
             yield _event(_usage_chunk(rid, model, created, chat, usage(), metrics))
-    except (GenerationFailed, InvalidRequestError, ShuttingDownError) as exc:
+    except (GenerationFailed, InvalidRequestError, ShuttingDownError, EngineDeadError) as exc:
         yield _error_event(exc)
     finally:
         # Cancelled (client gone) or done: close the pieces iterator now, so its finally

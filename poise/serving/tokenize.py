@@ -46,7 +46,9 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # default: True for prompt, False for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = Field(False, json_schema_extra={"enum": [False]})
-    chat_template: str | None = None
+    # Refused when given (below): a template is code the server runs; the operator's is
+    # --chat-template.
+    chat_template: str | None = Field(None, json_schema_extra={"enum": [None]})
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
@@ -82,6 +84,12 @@ def add_tokenize_routes(app: FastAPI, state: Any) -> None:
         refused = unknown_model(req.model)
         if refused is not None:
             return refused
+        if req.chat_template is not None:
+            return error_response(
+                400, "chat_template: a template from a request is not accepted (it is code the "
+                "server would run; one nested loop can hold the tokenizer for hours); the "
+                "server's is set with --chat-template", param="chat_template",
+            )  # fmt: skip
         gen = state.generator
         try:
             if req.messages is not None:
@@ -90,7 +98,7 @@ def add_tokenize_routes(app: FastAPI, state: Any) -> None:
                 ids = await gen.call_tokenizer(
                     lambda: apply_chat_template(
                         gen.tokenizer, messages, req.add_generation_prompt,
-                        chat_template=req.chat_template, tools=req.tools, **kwargs,
+                        tools=req.tools, **kwargs,
                     )
                 )  # fmt: skip
                 if req.add_special_tokens:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -234,3 +235,27 @@ def test_a_logit_bias_key_is_ascii_digits(fuzz_server: InProcessServer, key: str
     body = {"prompt": "hi", "max_tokens": 2, "logit_bias": {key: 1}}
     r = _post(fuzz_server, "/v1/completions", body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+
+
+# ---- hand-written beside the fuzz: shapes a generator rarely reaches ---------------------
+
+
+def test_a_100k_message_chat_is_refused_quickly(fuzz_server: InProcessServer) -> None:
+    messages = [{"role": "user", "content": "a"}] * 100_000  # ~3 MB, under the body limit
+    started = time.monotonic()
+    r = _post(fuzz_server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text[:300]
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize(
+    "content",
+    [[{"type": "text", "text": 5}], [{"type": "image_url", "image_url": {"url": "x"}}], [5],
+     [{"text": "no type"}], {"type": "text", "text": "not a list"}, 7],
+)  # fmt: skip
+def test_content_parts_that_are_not_text_are_400(
+    fuzz_server: InProcessServer, content: Any
+) -> None:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
+    r = _post(fuzz_server, "/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
