@@ -95,6 +95,12 @@ def add_tokenize_routes(app: FastAPI, state: Any) -> None:
             if req.messages is not None:
                 messages = [m.model_dump(exclude_none=True) for m in req.messages]
                 kwargs = dict(req.chat_template_kwargs or {})
+                clash = sorted(_RESERVED_KWARGS & set(kwargs))
+                if clash:
+                    return error_response(
+                        400, f"chat_template_kwargs: {clash} are set by the request's own fields",
+                        param="chat_template_kwargs",
+                    )  # fmt: skip
                 ids = await gen.call_tokenizer(
                     lambda: apply_chat_template(
                         gen.tokenizer, messages, req.add_generation_prompt,
@@ -149,6 +155,16 @@ def tokenizer_info(tokenizer: Any, max_model_len: int) -> dict[str, Any]:
 
 def _with_special(tokenizer: Any, ids: list[int]) -> list[int]:
     """A rendered chat prompt with the tokenizer's special tokens added (BOS), as
-    add_special_tokens=True asks."""
-    built = tokenizer.build_inputs_with_special_tokens(ids)
+    add_special_tokens=True asks. transformers 5's TokenizersBackend has no
+    build_inputs_with_special_tokens (a 500 the fuzz found): there, what the tokenizer adds to
+    an empty text goes in front."""
+    build = getattr(tokenizer, "build_inputs_with_special_tokens", None)
+    built = (
+        build(ids) if build is not None else [*tokenizer.encode("", add_special_tokens=True), *ids]
+    )
     return [int(t) for t in built]
+
+
+# render_chat's own arguments: a chat_template_kwargs key naming one collided with it (a 500).
+_RESERVED_KWARGS = frozenset({"tokenizer", "messages", "add_generation_prompt", "chat_template",
+                              "tools"})  # fmt: skip

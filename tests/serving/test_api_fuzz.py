@@ -36,7 +36,7 @@ from tests.serving.conftest import InProcessServer
 KEY = "fuzz-key"
 MAX_MODEL_LEN = 128
 # Examples per route: a few seconds in the default suite; POISE_FUZZ_EXAMPLES for a long run.
-SMALL = 4
+SMALL = 3
 LARGE = int(os.environ.get("POISE_FUZZ_EXAMPLES", "400"))
 
 
@@ -55,8 +55,11 @@ def openai_error_shape(ctx: Any, response: Any, case: Any) -> bool | None:
 
 # What a schema cannot say: a request's prompt, counted in tokens, must fit the window (with
 # its max_tokens) and the KV pool; a logit_bias key is a token id written as a string, which a
-# schema cannot bound by the vocabulary. A schema-valid request may be refused only for these.
-_WINDOW = ("max_model_len", "KV cache", "logit_bias: token id")
+# schema cannot bound by the vocabulary; and rules across fields (max_tokens and
+# max_completion_tokens agree, stream_options only with stream, min_tokens <= max_tokens). A schema-valid request may be
+# refused only for these.
+_WINDOW = ("max_model_len", "KV cache", "logit_bias: token id", "differ; give one",
+           "only allowed when stream is true", "min_tokens must be in [0, max_tokens")  # fmt: skip
 
 
 @schemathesis.check
@@ -259,3 +262,22 @@ def test_content_parts_that_are_not_text_are_400(
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
     r = _post(fuzz_server, "/v1/chat/completions", body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [({"add_special_tokens": True}, 200),
+     ({"chat_template_kwargs": {"add_generation_prompt": 5}}, 400),
+     ({"chat_template_kwargs": {"messages": 1}}, 400),
+     ({"chat_template_kwargs": {"tokenize": True}}, 400)],
+)  # fmt: skip
+def test_tokenize_options_the_fuzz_found_500s_with(
+    fuzz_server: InProcessServer, body: dict[str, Any], status: int
+) -> None:
+    """add_special_tokens with messages called a method transformers 5's tokenizers lack; a
+    chat_template_kwargs key naming one of render_chat's arguments raised a TypeError."""
+    messages = [{"role": "user", "content": "x"}]
+    r = _post(fuzz_server, "/tokenize", {"messages": messages, **body})
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["param"] in ("chat_template_kwargs", "messages")
