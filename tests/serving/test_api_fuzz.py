@@ -54,12 +54,14 @@ def openai_error_shape(ctx: Any, response: Any, case: Any) -> bool | None:
 
 
 # What a schema cannot say: a request's prompt, counted in tokens, must fit the window (with
-# its max_tokens) and the KV pool; a logit_bias key is a token id written as a string, which a
+# its max_tokens) and the KV pool, and must have one (a lone control character has none); a
+# logit_bias key is a token id written as a string, which a
 # schema cannot bound by the vocabulary; and rules across fields (max_tokens and
 # max_completion_tokens agree, stream_options only with stream, min_tokens <= max_tokens). A schema-valid request may be
 # refused only for these.
-_WINDOW = ("max_model_len", "KV cache", "logit_bias: token id", "differ; give one",
-           "only allowed when stream is true", "min_tokens must be in [0, max_tokens")  # fmt: skip
+_WINDOW = ("max_model_len", "KV cache", "prompt is empty", "logit_bias: token id",
+           "differ; give one", "only allowed when stream is true",
+           "min_tokens must be in [0, max_tokens")  # fmt: skip
 
 
 @schemathesis.check
