@@ -284,13 +284,10 @@ class Scheduler:
                 ledger.left_waiting(cls)
                 return not self.policy.blocks_queue(request, ctx)
             free = 1
-        # The victim is preempted only once the request surely goes in (else two requests
-        # could displace each other for ever: found by the stateful test).
-        if not ledger.slot_allowed(cls, free):
-            ledger.left_waiting(cls)
-            return True  # the slot is held for another class that has work waiting
+        # The victim goes only once the request surely goes in (stateful test: else two could
+        # displace each other for ever). Pass one whose slot another class holds, or a sibling.
         shared = leader_blocks(request, self.requests, self.kv)
-        if shared is None:  # an n > 1 sibling waits for its leader's prompt; others may pass
+        if not ledger.slot_allowed(cls, free) or shared is None:
             ledger.left_waiting(cls)
             return True
         cached = shared or self.kv.find_cached_prefix(request)
@@ -300,22 +297,18 @@ class Scheduler:
         # Without chunked prefill a prompt goes in whole; recomputes after preemption may
         # still be chunked, or a preempted request longer than the budget could never return.
         whole_only = not self.config.enable_chunked_prefill and not request.num_preemptions
-        if n <= 0:  # the budget left is reserved for other classes: not a reason to block
+        if n <= 0 or (whole_only and n < remaining):
+            # Only reserved budget left, or (whole only) the step fits but the reservations do
+            # not: let others pass (blocking here ran nothing for ever: the stateful test).
             ledger.left_waiting(cls)
-            return True
-        if whole_only and n < remaining:
-            ledger.left_waiting(cls)
-            ledger.passed(cls, remaining)
-            # Fitting the step but not what other classes reserve, it must let their requests
-            # pass (blocking here left nothing ever running: found by the stateful test).
-            return remaining <= plan.budget or not self.policy.blocks_queue(request, ctx)
+            ledger.passed(cls, remaining if n > 0 else 0)
+            return n <= 0 or remaining <= plan.budget or not self.policy.blocks_queue(request, ctx)
         if victim is not None:
             self._preempt(victim, plan)
         reserve = self._reserve_blocks if self.running else 0
-        rid = request.request_id
         if self.kv.allocate_slots(
-            rid, num_computed_tokens=start, num_new_tokens=n, cached_blocks=cached,
-            reserve_blocks=reserve,
+            request.request_id, num_computed_tokens=start, num_new_tokens=n,
+            cached_blocks=cached, reserve_blocks=reserve,
         ) is None:  # fmt: skip
             ledger.left_waiting(cls)
             ledger.passed(cls, remaining)

@@ -75,7 +75,7 @@ class EngineMachine(RuleBasedStateMachine):
         classes=st.sampled_from([None, CLASSES]),
         caching=st.booleans(),
         chunked=st.booleans(),
-        blocks=st.integers(6, 24),
+        blocks=st.integers(6, 16),
         seqs=st.integers(1, 6),
         budget=st.integers(8, 48),
         cap=st.sampled_from([0, 4, 8]),
@@ -247,7 +247,7 @@ _SETTINGS = dict(deadline=None, stateful_step_count=60, suppress_health_check=li
 
 def test_engine_core_stateful_small() -> None:
     TOTALS.clear()
-    EngineMachine.TestCase.settings = settings(max_examples=40, derandomize=True, **_SETTINGS)  # type: ignore[arg-type]
+    EngineMachine.TestCase.settings = settings(max_examples=50, derandomize=True, **_SETTINGS)  # type: ignore[arg-type]
     EngineMachine.TestCase().runTest()
     # The programs really exercised preemption, the prefix cache and failing steps.
     assert TOTALS["preemptions"] > 0 and TOTALS["cache_hits"] > 0, TOTALS
