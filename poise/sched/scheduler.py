@@ -284,8 +284,7 @@ class Scheduler:
                 ledger.left_waiting(cls)
                 return not self.policy.blocks_queue(request, ctx)
             free = 1
-        # The victim goes only once the request surely goes in (stateful test: else two could
-        # displace each other for ever). Pass one whose slot another class holds, or a sibling.
+        # Preempt the victim only once this surely goes in (else two displace each other).
         shared = leader_blocks(request, self.requests, self.kv)
         if not ledger.slot_allowed(cls, free) or shared is None:
             ledger.left_waiting(cls)
