@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.config import JsonDict
 
 # OpenAI's roles; "developer" is its newer name for "system" (and is rendered as system).
@@ -30,6 +30,25 @@ _CONTENT_REQUIRED: JsonDict = {
 }
 
 
+# Each call names its function; its arguments are an object or JSON text (text/tool_calls.py).
+_TOOL_CALLS: JsonDict = {
+    "items": {
+        "type": "object",
+        "required": ["function"],
+        "properties": {
+            "function": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "arguments": {"type": ["string", "object"]},
+                },
+            }
+        },
+    }
+}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_CONTENT_REQUIRED)
 
@@ -39,7 +58,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     # An assistant turn's calls (OpenAI's shape) and a tool turn's answer to one: rendered by
     # the chat template (text/tokenizer.py), never dropped.
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, json_schema_extra=_TOOL_CALLS)
     tool_call_id: str | None = None
 
     @model_validator(mode="after")

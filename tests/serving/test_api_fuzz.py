@@ -57,11 +57,12 @@ def openai_error_shape(ctx: Any, response: Any, case: Any) -> bool | None:
 # its max_tokens) and the KV pool, and must have one (a lone control character has none); a
 # logit_bias key is a token id written as a string, which a
 # schema cannot bound by the vocabulary; and rules across fields (max_tokens and
-# max_completion_tokens agree, stream_options only with stream, min_tokens <= max_tokens). A schema-valid request may be
+# max_completion_tokens agree, stream_options only with stream, min_tokens <= max_tokens;
+# a tool call's arguments given as text must be JSON text). A schema-valid request may be
 # refused only for these.
 _WINDOW = ("max_model_len", "KV cache", "prompt is empty", "logit_bias: token id",
            "differ; give one", "only allowed when stream is true",
-           "min_tokens must be in [0, max_tokens")  # fmt: skip
+           "min_tokens must be in [0, max_tokens", "arguments are not JSON")  # fmt: skip
 
 
 @schemathesis.check
