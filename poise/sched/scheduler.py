@@ -284,7 +284,6 @@ class Scheduler:
                 ledger.left_waiting(cls)
                 return not self.policy.blocks_queue(request, ctx)
             free = 1
-        # Preempt the victim only once this surely goes in (else two displace each other).
         shared = leader_blocks(request, self.requests, self.kv)
         if not ledger.slot_allowed(cls, free) or shared is None:
             ledger.left_waiting(cls)
@@ -297,12 +296,11 @@ class Scheduler:
         # still be chunked, or a preempted request longer than the budget could never return.
         whole_only = not self.config.enable_chunked_prefill and not request.num_preemptions
         if n <= 0 or (whole_only and n < remaining):
-            # Only reserved budget left, or (whole only) the step fits but the reservations do
-            # not: let others pass (blocking here ran nothing for ever: the stateful test).
+            # Only reserved budget left, or whole-only it fits the step but not the reservations.
             ledger.left_waiting(cls)
             ledger.passed(cls, remaining if n > 0 else 0)
             return n <= 0 or remaining <= plan.budget or not self.policy.blocks_queue(request, ctx)
-        if victim is not None:
+        if victim is not None:  # only now that this surely goes in (else two displace each other)
             self._preempt(victim, plan)
         reserve = self._reserve_blocks if self.running else 0
         if self.kv.allocate_slots(
