@@ -17,7 +17,8 @@ from poise.core.timing import derive
 logger = logging.getLogger("poise.requests")
 
 
-def _ms(value: float | None) -> float | None:
+def ms(value: float | None) -> float | None:
+    """Seconds as milliseconds rounded to the microsecond (the log line's and responses' unit)."""
     return None if value is None else round(value * 1000.0, 3)
 
 
@@ -34,10 +35,10 @@ def request_record(delta: RequestDelta) -> dict[str, Any]:
     }
     if m is not None:
         record.update(
-            ingress_ms=_ms(m.ingress_time), queue_ms=_ms(m.queue_time),
-            prefill_ms=_ms(m.prefill_time), prefill_compute_ms=_ms(m.prefill_compute),
-            first_token_sched_ms=_ms(m.first_token_sched), ttft_ms=_ms(m.ttft),
-            tpot_ms=_ms(m.tpot), e2e_ms=_ms(m.e2e),
+            ingress_ms=ms(m.ingress_time), queue_ms=ms(m.queue_time),
+            prefill_ms=ms(m.prefill_time), prefill_compute_ms=ms(m.prefill_compute),
+            first_token_sched_ms=ms(m.first_token_sched), ttft_ms=ms(m.ttft),
+            tpot_ms=ms(m.tpot), e2e_ms=ms(m.e2e),
         )  # fmt: skip
     return record
 

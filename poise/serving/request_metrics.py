@@ -20,10 +20,7 @@ from typing import Any
 
 from poise.core.outputs import RequestDelta
 from poise.core.timing import derive
-
-
-def _ms(value: float | None) -> float | None:
-    return None if value is None else round(value * 1000.0, 3)
+from poise.serving.request_log import ms
 
 
 def response_metrics(delta: RequestDelta, num_output_tokens: int) -> dict[str, Any] | None:
@@ -42,17 +39,17 @@ def response_metrics(delta: RequestDelta, num_output_tokens: int) -> dict[str, A
     mean_itl = sum(m.itl) / len(m.itl) if m.itl else None
     rate = m.num_output_tokens / generation if generation else None
     return {
-        "time_to_first_token_ms": _ms(m.ttft),
-        "generation_time_ms": _ms(generation),
-        "queue_time_ms": _ms(m.queue_time),
-        "mean_itl_ms": _ms(mean_itl),
+        "time_to_first_token_ms": ms(m.ttft),
+        "generation_time_ms": ms(generation),
+        "queue_time_ms": ms(m.queue_time),
+        "mean_itl_ms": ms(mean_itl),
         "tokens_per_second": None if rate is None else round(rate, 3),
-        "ingress_time_ms": _ms(m.ingress_time),
-        "prefill_time_ms": _ms(m.prefill_time),
-        "prefill_compute_ms": _ms(m.prefill_compute),
-        "first_token_sched_ms": _ms(m.first_token_sched),
-        "decode_time_ms": _ms(m.decode_time),
-        "tpot_ms": _ms(m.tpot),
+        "ingress_time_ms": ms(m.ingress_time),
+        "prefill_time_ms": ms(m.prefill_time),
+        "prefill_compute_ms": ms(m.prefill_compute),
+        "first_token_sched_ms": ms(m.first_token_sched),
+        "decode_time_ms": ms(m.decode_time),
+        "tpot_ms": ms(m.tpot),
         "num_cached_tokens": delta.num_cached_tokens,
         "num_preemptions": delta.num_preemptions,
     }
