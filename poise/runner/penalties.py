@@ -16,10 +16,11 @@ vLLM's semantics and order, all on float32 rows:
    tokens only, ``logit -= f * count(token) + p * (count(token) > 0)``.
 
 Counting is vectorised over the batch and sparse: the rows' tokens are concatenated once into
-flat ``row * V + token`` keys, ``unique`` counts them, and only the logits at those positions are
-gathered, changed and scattered back (no Python loop over the vocabulary, no [S, V] temporaries;
-the only per-row Python work is handing over each row's token list). The one dense operation is
-the float32 copy of the logits that every adjusted batch makes.
+flat ``row * V + token`` keys (numpy), the output tokens' keys are counted with ``unique``, and
+only the logits at those positions are gathered, changed and scattered back (no Python loop over
+the vocabulary, no [S, V] temporaries; the only per-row Python work is handing over each row's
+token list). The one dense operation is the float32 copy of the logits that every adjusted batch
+makes.
 """
 
 from __future__ import annotations
@@ -104,12 +105,15 @@ def _mask_stops(
         )
 
 
-def _flat_keys(rows: list[int], token_lists: Sequence[Sequence[int]], vocab: int) -> np.ndarray:
-    """``row * vocab + token`` for every token of every listed row, as one int64 array."""
+def _flat_keys(
+    rows: list[int], token_lists: Sequence[Sequence[int]], vocab: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(``row * vocab + token`` for every token of every listed row as one int64 array, the
+    number of tokens of each listed row)."""
     lengths = np.fromiter((len(t) for t in token_lists), dtype=np.int64, count=len(token_lists))
     total = int(lengths.sum())
     flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=total)
-    return np.repeat(np.asarray(rows, dtype=np.int64) * vocab, lengths) + flat
+    return np.repeat(np.asarray(rows, dtype=np.int64) * vocab, lengths) + flat, lengths
 
 
 def _penalise(
@@ -121,25 +125,33 @@ def _penalise(
     """Repetition, then frequency and presence penalties on ``rows`` of ``out`` (in place).
 
     Sparse: only the logits of tokens a row has seen change, so the work is gathered and
-    scattered at those flat positions (``unique`` over the keys) rather than over [S, V]."""
+    scattered at those flat positions rather than over [S, V]."""
     dev = out.device
-    n_rows, vocab = out.shape
+    vocab = out.shape[1]
     flat = out.view(-1)
-    per_row = torch.zeros(3, n_rows, dtype=torch.float32)  # repetition, frequency, presence
-    for i in rows:
-        p = params[i]
-        per_row[:, i] = torch.tensor(
-            [p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
-        )
-    rep, freq, pres = per_row.to(dev)
-    out_keys = torch.from_numpy(_flat_keys(rows, [histories[i][1] for i in rows], vocab)).to(dev)
     rep_rows = [i for i in rows if params[i].repetition_penalty != 1.0]
     if rep_rows:
-        prompt_keys = _flat_keys(rep_rows, [histories[i][0] for i in rep_rows], vocab)
-        seen = torch.unique(torch.cat([torch.from_numpy(prompt_keys).to(dev), out_keys]))
-        r = rep[seen // vocab]  # 1 for rows without a repetition penalty
-        x = flat[seen]
-        flat[seen] = torch.where(x > 0, x / r, x * r)
-    keys, counts = torch.unique(out_keys, return_counts=True)
-    row = keys // vocab
-    flat[keys] -= freq[row] * counts.to(torch.float32) + pres[row]
+        # Every occurrence of a seen token, duplicates included: each copy of a position
+        # computes the same new value from the same gathered logit, so the scatter needs no
+        # ``unique`` (a sort of the whole prompt, the step's largest cost before).
+        seqs = [histories[i][0] for i in rep_rows] + [histories[i][1] for i in rep_rows]
+        seen, lengths = _flat_keys(rep_rows + rep_rows, seqs, vocab)
+        factor = np.repeat(
+            np.asarray([params[i].repetition_penalty for i in rep_rows * 2], dtype=np.float32),
+            lengths,
+        )
+        at = torch.from_numpy(seen).to(dev)
+        r = torch.from_numpy(factor).to(dev)
+        x = flat[at]
+        flat[at] = torch.where(x > 0, x / r, x * r)
+    counted = [i for i in rows if params[i].frequency_penalty or params[i].presence_penalty]
+    if counted:
+        out_keys, lengths = _flat_keys(counted, [histories[i][1] for i in counted], vocab)
+        keys, counts = np.unique(out_keys, return_counts=True)
+        row = keys // vocab
+        per_row = np.zeros((2, out.shape[0]), dtype=np.float32)  # frequency, presence
+        for i in counted:
+            per_row[:, i] = (params[i].frequency_penalty, params[i].presence_penalty)
+        delta = per_row[0, row] * counts.astype(np.float32) + per_row[1, row]
+        at = torch.from_numpy(keys).to(dev)
+        flat[at] -= torch.from_numpy(delta).to(dev)

@@ -16,9 +16,10 @@ Invariants and choices:
   becomes a per-row *probability threshold*: a token survives iff its probability is at least
   the largest of the row's thresholds. Thresholds make ties behave the same on every code path
   (top-k keeps all tokens tied with the k-th one) and vectorise across rows.
-- No full-vocabulary sort: top-k/top-p look at a ``topk`` candidate set that grows only for
-  rows whose top-p mass is not yet covered. The thresholds found do not depend on the
-  candidate count, so a row's result does not depend on its neighbours.
+- No full-vocabulary sort or cumsum for filtered rows: runner/candidates.py finds each row's
+  thresholds and draws its token from the few tokens near the top of the row, widening the
+  candidate set only for rows whose filters may reach past it. The result is the
+  full-vocabulary one, so a row's token does not depend on its neighbours.
 - Sampling is inverse-CDF: one uniform ``u`` per row, ``searchsorted`` in the row's cumulative
   probabilities. A token with probability 0 can never be chosen (its CDF step is flat).
 - Seeded requests draw ``u`` from a hash of ``(seed, output_index)``: the same token whatever
@@ -34,11 +35,9 @@ import torch
 
 from poise.core.sampling_params import SamplingParams
 from poise.runner import penalties
+from poise.runner.candidates import inverse_cdf, sample_filtered
 from poise.runner.penalties import TokenHistory
 
-# First candidate count for top-p; it grows by _GROWTH until the row's top-p mass is covered.
-_TOP_P_CANDIDATES = 256
-_GROWTH = 8
 _MASK64 = (1 << 64) - 1
 
 
@@ -78,110 +77,35 @@ def sample(
 
     rows = [i for i, g in enumerate(is_greedy) if not g]
     sub_params = [params[i] for i in rows]
-    # [R, V], a copy we may modify; no gather when every row samples (an index op costs as
-    # much as the copy itself at vocabulary width).
-    if greedy_rows:
-        sub = logits[torch.tensor(rows, device=dev)].to(torch.float32)
-    else:
-        sub = logits.to(torch.float32, copy=True)
-    probs = _filtered_probs(sub, sub_params)
+    # [R, V]: no row gather when every row samples (an index op costs as much as a copy at
+    # vocabulary width); the division makes the float32 copy, the caller's logits stay as is.
+    sub = logits[torch.tensor(rows, device=dev)] if greedy_rows else logits
+    temps = torch.tensor([p.temperature for p in sub_params], dtype=torch.float32, device=dev)
+    probs = torch.softmax(sub.to(torch.float32) / temps.unsqueeze(1), dim=-1)  # [R, V]
     uniforms = _uniforms(sub_params, [output_indices[i] for i in rows], generator)
-    for row, tok in zip(rows, _inverse_cdf(probs, uniforms), strict=True):
-        out[row] = tok
-    return out
-
-
-def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k / top-p / min-p as one threshold per row; zeroes filtered tokens.
-
-    ``logits`` [R, V] float32 is scaled in place. Returns unnormalised probabilities [R, V].
-    """
-    n_rows, vocab = logits.shape
-    dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-    logits.div_(temps.unsqueeze(1))
-    probs = torch.softmax(logits, dim=-1)  # [R, V]
-
+    vocab = probs.shape[1]
     # top_k <= 0 (or >= V) disables it; k == V keeps everything anyway.
-    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    top_ps = [p.top_p for p in params]
-    min_ps = [p.min_p for p in params]
-    use_kp = any(ks) or any(tp < 1.0 for tp in top_ps)
-    use_min_p = any(m > 0.0 for m in min_ps)
-    if not (use_kp or use_min_p):
-        return probs
-    thresholds = torch.zeros(n_rows, dtype=torch.float32, device=dev)
-    if use_kp:
-        thresholds = _topk_topp_threshold(probs, ks, top_ps)
-    if use_min_p:
-        max_prob = probs.amax(dim=-1)  # [R]
-        min_p = torch.tensor(min_ps, dtype=torch.float32, device=dev)
-        thresholds = torch.maximum(thresholds, min_p * max_prob)
-    # The row's most likely token always survives: every threshold is <= its probability.
-    return probs.masked_fill_(probs < thresholds.unsqueeze(1), 0.0)
-
-
-def _topk_topp_threshold(probs: torch.Tensor, ks: list[int], top_ps: list[float]) -> torch.Tensor:
-    """Per-row probability threshold implementing top-k then top-p, from topk candidates only.
-
-    Rows whose top-p cutoff lies beyond the candidates are retried with _GROWTH times more.
-    """
-    n_rows, vocab = probs.shape
-    thresholds = torch.zeros(n_rows, dtype=torch.float32, device=probs.device)
-    todo = [i for i in range(n_rows) if ks[i] or top_ps[i] < 1.0]
-    has_p = any(top_ps[i] < 1.0 and not ks[i] for i in todo)
-    count = max([ks[i] for i in todo] + [_TOP_P_CANDIDATES if has_p else 0])
-    while todo:
-        count = min(count, vocab)
-        idx = torch.tensor(todo, device=probs.device)
-        candidates = probs if len(todo) == n_rows else probs[idx]  # no gather when all rows
-        values = candidates.topk(count, dim=-1, sorted=True).values  # [T, count], descending
-        thr, covered = _thresholds_from_candidates(
-            values, [ks[i] for i in todo], [top_ps[i] for i in todo], complete=count == vocab
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in sub_params]
+    filtered = [j for j, p in enumerate(sub_params) if ks[j] or p.top_p < 1.0 or p.min_p > 0.0]
+    if filtered:
+        picked = sample_filtered(
+            probs,
+            filtered,
+            [ks[j] for j in filtered],
+            [sub_params[j].top_p for j in filtered],
+            [sub_params[j].min_p for j in filtered],
+            [uniforms[j] for j in filtered],
         )
-        done = covered.tolist()
-        keep = [j for j, ok in enumerate(done) if ok]
-        if keep:
-            rows = torch.tensor([todo[j] for j in keep], device=probs.device)
-            thresholds[rows] = thr[torch.tensor(keep, device=probs.device)]
-        todo = [row for row, ok in zip(todo, done, strict=True) if not ok]
-        count *= _GROWTH
-    return thresholds
-
-
-def _thresholds_from_candidates(
-    values: torch.Tensor, ks: list[int], top_ps: list[float], complete: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(threshold [T], covered [T] bool) from descending candidate probabilities [T, C].
-
-    ``covered`` is False where the top-p cutoff may lie beyond the C candidates. Top-k always
-    fits (C >= k). Index math, per row, C = 6, k = 4, top_p = 0.8::
-
-        values     .30 .25 .20 .15 | .06 .04      kept = first k (top-k renormalises over them)
-        exclusive  0   .30 .55 .75 |              mass before each kept value (total .90)
-        inside     y   y   y   n                  exclusive < top_p * total = .72
-        threshold  .20                            the last value inside; ties stay in
-    """
-    n, count = values.shape
-    dev = values.device
-    k = torch.tensor(ks, device=dev)  # [T], 0 = off
-    top_p = torch.tensor(top_ps, dtype=torch.float32, device=dev)  # [T], 1 = off
-    col = torch.arange(count, device=dev).unsqueeze(0)  # [1, C]
-    kept = (col < k.unsqueeze(1)) | (k == 0).unsqueeze(1)  # [T, C]
-    masked = values * kept
-    thr_k = torch.where(k > 0, values.gather(1, (k - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
-    # Mass of the top-k-renormalised distribution: the kept values' sum when top-k is on, else
-    # the whole row's softmax mass, 1 up to rounding.
-    total = torch.where(k > 0, masked.sum(dim=1), torch.ones_like(top_p))
-    exclusive = torch.cumsum(masked, dim=1) - masked  # [T, C]
-    inside = (exclusive < (top_p * total).unsqueeze(1)) & kept
-    n_inside = inside.sum(dim=1).clamp(min=1)  # the first candidate is always inside
-    thr_p = values.gather(1, (n_inside - 1).unsqueeze(1)).squeeze(1)
-    thr = torch.where(top_p < 1.0, torch.maximum(thr_k, thr_p), thr_k)
-    covered = (top_p >= 1.0) | (k > 0) | (n_inside < count)
-    if complete:
-        covered = torch.ones_like(covered)
-    return thr, covered
+        for j, tok in zip(filtered, picked, strict=True):
+            out[rows[j]] = tok
+    is_filtered = set(filtered)
+    plain = [j for j in range(len(rows)) if j not in is_filtered]
+    if plain:  # no filter: the whole row is the support
+        dense = probs if len(plain) == len(rows) else probs[torch.tensor(plain, device=dev)]
+        drawn = inverse_cdf(dense, [uniforms[j] for j in plain]).tolist()
+        for j, tok in zip(plain, drawn, strict=True):
+            out[rows[j]] = int(tok)
+    return out
 
 
 def _uniforms(
@@ -197,20 +121,6 @@ def _uniforms(
         by_row[i] if p.seed is None else seeded_uniform(p.seed, output_indices[i])
         for i, p in enumerate(params)
     ]
-
-
-def _inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
-    """Sample each row of unnormalised ``probs`` [R, V] at its uniform."""
-    cdf = torch.cumsum(probs, dim=-1)  # [R, V], non-decreasing
-    total = cdf[:, -1:]  # [R, 1]
-    u = torch.tensor(uniforms, dtype=torch.float32, device=probs.device)
-    target = u.unsqueeze(1) * total
-    # u < 1, but u * total can round up to total; keep the target strictly below it so the
-    # search lands on a token with non-zero probability.
-    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
-    # right=True: the first index whose CDF is > target, so flat (zero-prob) steps are skipped.
-    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return [int(t) for t in picked.clamp_(max=probs.shape[1] - 1).tolist()]
 
 
 def _splitmix64(x: int) -> int:
