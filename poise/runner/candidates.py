@@ -42,6 +42,8 @@ import torch
 # penalised batches at top-p 0.95 the first covered ~85 % of the rows (tens to hundreds of
 # tokens), 2^-14 the rest (the nucleus ends above 1.1e-4 of the maximum); 0 is every token.
 LEVELS = (2.0**-10, 2.0**-14, 2.0**-20, 0.0)
+# See _thresholds: float32 rounding of a running sum near 1 is ~6e-8.
+_MASS_MARGIN = 2.0**-20
 # Tokens per block of the block maxima (a power of two that divides real vocabularies).
 _BLOCK = 64
 
@@ -122,8 +124,8 @@ def _draw_at_level(
     thr = torch.zeros(len(rows), dtype=torch.float32, device=dev)
     covered = torch.ones(len(rows), dtype=torch.bool, device=dev)
     if uses_kp:
-        thr, n_inside = _thresholds(ordered, k, top_p)
-        covered = torch.where(k > 0, counts >= k, (top_p >= 1.0) | (n_inside < counts))
+        thr, n_inside, past = _thresholds(ordered, k, top_p)
+        covered = torch.where(k > 0, counts >= k, (top_p >= 1.0) | (n_inside < counts) | past)
     # min-p alone is covered once the level is at most min_p (then every kept token is a
     # candidate); with top-k / top-p it only raises their threshold.
     min_p = torch.tensor(min_ps, dtype=torch.float32, device=dev)
@@ -176,7 +178,7 @@ def _candidates(
 def _thresholds(
     values: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(threshold [T], n_inside [T]) of top-k then top-p from each row's leading sorted values
+    """(threshold [T], n_inside [T], past [T]) of top-k then top-p from each row's leading sorted values
     [T, W] (descending). Index math, per row, W = 6, k = 4, top_p = 0.8::
 
         values     .30 .25 .20 .15 | .06 .04      kept = first k (top-k renormalises over them)
@@ -185,7 +187,9 @@ def _thresholds(
         threshold  .20                            the last value inside; ties stay in
 
     ``n_inside`` counts the inside positions; where it reaches the row's candidate count the
-    nucleus may extend past the candidates."""
+    nucleus may extend past the candidates, unless ``past``: the values' whole mass is beyond
+    ``top_p * total`` (by a margin larger than the rounding of ``exclusive``), so whatever
+    follows them is outside (a row whose first token has probability 1 has one candidate)."""
     width = values.shape[1]
     col = torch.arange(width, device=values.device).unsqueeze(0)  # [1, W]
     kept = (col < k.unsqueeze(1)) | (k == 0).unsqueeze(1)  # [T, W]
@@ -195,12 +199,14 @@ def _thresholds(
     # Mass of the top-k-renormalised distribution: the kept values' sum when top-k is on, else
     # the whole row's softmax mass, 1 up to rounding.
     total = torch.where(k > 0, masked.sum(dim=1), torch.ones_like(top_p))
-    exclusive = torch.cumsum(masked, dim=1) - masked  # [T, W]
-    inside = (exclusive < (top_p * total).unsqueeze(1)) & kept
+    running = torch.cumsum(masked, dim=1)  # [T, W]
+    exclusive = running - masked
+    bound = top_p * total
+    inside = (exclusive < bound.unsqueeze(1)) & kept
     n_inside = inside.sum(dim=1).clamp(min=1)  # the first value is always inside
     thr_p = values.gather(1, (n_inside - 1).clamp(max=width - 1).unsqueeze(1)).squeeze(1)
     thr = torch.where(top_p < 1.0, torch.maximum(thr_k, thr_p), thr_k)
-    return thr, n_inside
+    return thr, n_inside, running[:, -1] >= bound + _MASS_MARGIN
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: Sequence[float]) -> torch.Tensor:

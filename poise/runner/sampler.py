@@ -61,6 +61,7 @@ def sample(
         )
     if not params:
         return []
+    raw = logits
     logits = penalties.adjust(logits, params, output_indices, histories, eos_token_ids)
     is_greedy = [p.temperature == 0.0 or p.top_k == 1 for p in params]
     if all(is_greedy):
@@ -78,10 +79,15 @@ def sample(
     rows = [i for i, g in enumerate(is_greedy) if not g]
     sub_params = [params[i] for i in rows]
     # [R, V]: no row gather when every row samples (an index op costs as much as a copy at
-    # vocabulary width); the division makes the float32 copy, the caller's logits stay as is.
+    # vocabulary width). Scaled in place when it is already our own float32 copy (a gather, or
+    # the penalties' copy), else the division makes one: the caller's logits stay as they are.
     sub = logits[torch.tensor(rows, device=dev)] if greedy_rows else logits
     temps = torch.tensor([p.temperature for p in sub_params], dtype=torch.float32, device=dev)
-    probs = torch.softmax(sub.to(torch.float32) / temps.unsqueeze(1), dim=-1)  # [R, V]
+    if sub is not raw and sub.dtype == torch.float32:
+        scaled = sub.div_(temps.unsqueeze(1))
+    else:
+        scaled = sub.to(torch.float32) / temps.unsqueeze(1)
+    probs = torch.softmax(scaled, dim=-1)  # [R, V]
     uniforms = _uniforms(sub_params, [output_indices[i] for i in rows], generator)
     vocab = probs.shape[1]
     # top_k <= 0 (or >= V) disables it; k == V keeps everything anyway.
