@@ -177,9 +177,9 @@ def _candidates(
 
 def _thresholds(
     values: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(threshold [T], n_inside [T], past [T]) of top-k then top-p from each row's leading sorted values
-    [T, W] (descending). Index math, per row, W = 6, k = 4, top_p = 0.8::
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(threshold [T], n_inside [T], past [T]) of top-k then top-p from each row's leading
+    sorted values [T, W] (descending). Index math, per row, W = 6, k = 4, top_p = 0.8::
 
         values     .30 .25 .20 .15 | .06 .04      kept = first k (top-k renormalises over them)
         exclusive  0   .30 .55 .75 |              mass before each kept value (total .90)
