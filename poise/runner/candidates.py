@@ -19,8 +19,9 @@ Per row, vectorised over the rows of each pass:
 2. The top-k and top-p thresholds come from those sorted values (see ``_thresholds``); a token
    survives iff its probability is at least the row's threshold (ties stay in), min-p raising it.
 3. A row is *covered* when its candidates provably hold every token its filters keep: top-k needs
-   at least ``k`` candidates; top-p (without top-k) needs a candidate outside the nucleus (the
-   running mass reached ``top_p`` inside the candidates); min-p alone needs ``level <= min_p``.
+   at least ``k`` candidates; top-p (without top-k) needs a candidate outside the nucleus, or
+   the candidates' mass past ``top_p`` (the running mass reached it inside the candidates);
+   min-p alone needs ``level <= min_p``.
    Uncovered rows go again at the next, lower level; the last level (0) takes every token.
 4. Inverse CDF over the surviving candidates in vocabulary order.
 
