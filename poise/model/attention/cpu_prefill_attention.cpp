@@ -147,28 +147,64 @@ void scores(Scratch& w, int rp, int hd, int n, int64_t k_off, float scale) {
 }
 
 // Online softmax step for every row over the block's n keys (key j visible to row r iff
-// j <= pos[r]): scores -> P = e^(S - m') in place (0 where not visible, up to n2 = n rounded
-// up to even), m, l updated, corr = e^(m - m') for the rows' accumulated O.
+// j <= pos[r]; MASKED: the block crosses the diagonal, else every key is visible to every row):
+// P = e^(S - m') (0 where not visible, up to n2 = n rounded up to even), m, l updated, corr =
+// e^(m - m') for the rows' accumulated O. P goes to pp as bf16 pairs of keys on the PAIRS path
+// (rounded once, as P V takes it; l sums the float values), else back into st.
+#if defined(__AVX512F__)
+template <bool MASKED>
+inline __mmask16 visible(__m512i pos, int j, int n) {
+  if (j >= n) return 0;
+  if constexpr (MASKED) return _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(j));
+  return 0xffff;
+}
+
+// (p_2jp, p_2jp+1) of 16 rows -> 16 bf16 pairs (key 2jp in the low half), in row order.
+inline __m512i pack_pairs(__m512 even, __m512 odd) {
+  // cvtne2ps puts `even` rounded in elements 0-15 and `odd` in 16-31; interleave them.
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  return _mm512_permutexvar_epi16(
+      order, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even)));
+}
+#endif
+
+template <bool PAIRS, bool MASKED>
 inline void softmax_block(Scratch& w, int rp, int n, int n2) {
 #if defined(__AVX512F__)
+  constexpr float kInf = std::numeric_limits<float>::infinity();
   for (int r = 0; r < rp; r += 16) {
     const __m512i pos = _mm512_loadu_si512(&w.pos[r]);
-    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int j = 0; j < n; ++j) {
-      const __mmask16 vis = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(j));
-      mx = _mm512_mask_max_ps(mx, vis, mx, _mm512_loadu_ps(&w.st[j * rp + r]));
+    // Two running maxima (max is exact, so the split changes nothing) hide its latency.
+    __m512 mx0 = _mm512_set1_ps(-kInf), mx1 = mx0;
+    for (int j = 0; j < n2; j += 2) {
+      mx0 = _mm512_mask_max_ps(mx0, visible<MASKED>(pos, j, n), mx0,
+                               _mm512_loadu_ps(&w.st[j * rp + r]));
+      mx1 = _mm512_mask_max_ps(mx1, visible<MASKED>(pos, j + 1, n), mx1,
+                               _mm512_loadu_ps(&w.st[(j + 1) * rp + r]));
     }
     const __m512 m_old = _mm512_loadu_ps(&w.m[r]);
-    const __m512 m_new = _mm512_max_ps(m_old, mx);  // finite: key 0 is visible to every row
+    // finite: key 0 is visible to every row
+    const __m512 m_new = _mm512_max_ps(m_old, _mm512_max_ps(mx0, mx1));
     const __m512 corr = exp_nonpositive16(_mm512_sub_ps(m_old, m_new));
     __m512 sum = _mm512_setzero_ps();
-    for (int j = 0; j < n2; ++j) {
-      const __mmask16 vis =
-          j < n ? _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(j)) : __mmask16(0);
-      const __m512 e = _mm512_maskz_mov_ps(
-          vis, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(&w.st[j * rp + r]), m_new)));
-      _mm512_storeu_ps(&w.st[j * rp + r], e);
-      sum = _mm512_add_ps(sum, e);
+    for (int j = 0; j < n2; j += 2) {
+      __m512 e[2];
+      for (int t = 0; t < 2; ++t) {
+        const __m512 s = _mm512_loadu_ps(&w.st[(j + t) * rp + r]);
+        e[t] = _mm512_maskz_mov_ps(visible<MASKED>(pos, j + t, n),
+                                   exp_nonpositive16(_mm512_sub_ps(s, m_new)));
+        sum = _mm512_add_ps(sum, e[t]);
+      }
+#if defined(__AVX512BF16__)
+      if constexpr (PAIRS) {
+        _mm512_storeu_si512(&w.pp[(j / 2) * rp + r], pack_pairs(e[0], e[1]));
+        continue;
+      }
+#endif
+      _mm512_storeu_ps(&w.st[j * rp + r], e[0]);
+      _mm512_storeu_ps(&w.st[(j + 1) * rp + r], e[1]);
     }
     _mm512_storeu_ps(&w.m[r], m_new);
     _mm512_storeu_ps(&w.l[r], _mm512_fmadd_ps(_mm512_loadu_ps(&w.l[r]), corr, sum));
@@ -208,12 +244,6 @@ void accumulate(Scratch& w, int rp, int hd, int n, int n2, int64_t v_off) {
         store_pairs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)),
                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d)),
                     &w.vp[(jp * HD + d) * 2]);
-      for (int r = 0; r < rp; r += 16)  // P: pp[jp][r] = (p_r,2jp, p_r,2jp+1)
-        store_pairs(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(
-                        _mm512_loadu_ps(&w.st[(2 * jp) * rp + r]))),
-                    reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(
-                        _mm512_loadu_ps(&w.st[(2 * jp + 1) * rp + r]))),
-                    &w.pp[jp * rp + r]);
     }
 #endif
   } else {
@@ -307,10 +337,14 @@ void attend_item(const Chunks& p, const Item& it, Scratch& w) {
       w.slots[j] = cache + (table[pos / p.block_size] * p.block_size + pos % p.block_size) *
                                slot_stride;
     }
-    for (int r = 0; r < rp; ++r)
-      w.pos[r] = static_cast<int32_t>(std::min<int64_t>(first_pos + r / G - kb, kKeys));
     scores<T, PAIRS, HD>(w, rp, hd, n, k_off, p.scale);
-    softmax_block(w, rp, n, n2);
+    if (kb + n - 1 > first_pos) {  // some key past the first query: the diagonal's mask
+      for (int r = 0; r < rp; ++r)
+        w.pos[r] = static_cast<int32_t>(std::min<int64_t>(first_pos + r / G - kb, kKeys));
+      softmax_block<PAIRS, true>(w, rp, n, n2);
+    } else {
+      softmax_block<PAIRS, false>(w, rp, n, n2);
+    }
     accumulate<T, PAIRS, HD>(w, rp, hd, n, n2, v_off);
   }
 
