@@ -38,6 +38,11 @@ using namespace poise_attention;
 constexpr int kQueries = 32;   // queries per work item
 constexpr int kKeys = 64;      // keys per block
 constexpr int kRowAlign = 32;  // an item's rows, padded: two 16-lane groups at a time
+// Register tiles (16 accumulators each; measured on Zen 5 against 24-accumulator tiles, which
+// spill): Q K^T takes kQkKeys keys x kQkRowVectors x 16 rows, P V kPvRows rows x head_dim.
+constexpr int kQkKeys = 8;
+constexpr int kQkRowVectors = 2;
+constexpr int kPvRows = 4;
 
 struct Chunks {  // the arguments of poise_paged_prefill
   const void *q, *kv_cache;
@@ -64,6 +69,7 @@ struct Scratch {
   std::vector<float> qt;           // [hd][rp] Q transposed (float path)
   std::vector<uint32_t> qp;        // [hd/2][rp] Q as bf16 pairs of head dims (dpbf16 path)
   std::vector<float> st;           // [kKeys][rp] scores, then probabilities
+  std::vector<float> kc;           // [kKeys][hd] the block's keys of this kv head, packed (T)
   std::vector<uint32_t> pp;        // [kKeys/2][rp] probabilities as bf16 pairs of keys
   std::vector<float> vf;           // [kKeys][hd] V widened (float path)
   std::vector<bf16> vp;            // [kKeys/2][hd][2] V as bf16 pairs of keys (dpbf16 path)
@@ -71,7 +77,7 @@ struct Scratch {
   std::vector<int32_t> pos;  // [rp] the row's query position minus the block's first key
   Scratch(int rp, int hd)
       : slots(kKeys), qt(static_cast<size_t>(hd) * rp), qp(static_cast<size_t>(hd) * rp),
-        st(static_cast<size_t>(kKeys) * rp), pp(static_cast<size_t>(kKeys) * rp),
+        st(static_cast<size_t>(kKeys) * rp), kc(static_cast<size_t>(kKeys) * hd), pp(static_cast<size_t>(kKeys) * rp),
         vf(static_cast<size_t>(kKeys) * hd), vp(static_cast<size_t>(kKeys) * hd),
         o(static_cast<size_t>(rp) * hd), m(rp), l(rp), corr(rp), pos(rp) {}
 };
@@ -87,54 +93,58 @@ inline __m512 madd(__m512 acc, __m512 a, __m512 b) {
   return _mm512_fmadd_ps(a, b, acc);
 }
 
-// Scores of NJ keys (from j0) for all rows: st[j][r] = scale * q_r . k_j, the key's elements
-// broadcast (a bf16 pair per dpbf16 on the PAIRS path) against 2 x 16 rows per step.
-template <typename T, bool PAIRS, int HD, int NJ>
-inline void qk_keys(Scratch& w, int rp, int j0, int64_t k_off, float scale) {
+// Scores of NJ keys (from j0) for RV x 16 rows (from r0): st[j][r] = scale * q_r . k_j, the
+// key's elements broadcast (a bf16 pair per dpbf16 on the PAIRS path) against the rows' q.
+template <typename T, bool PAIRS, int HD, int NJ, int RV>
+inline void qk_tile(Scratch& w, int rp, int r0, int j0, float scale) {
   constexpr int kSteps = PAIRS ? HD / 2 : HD;
-  const T* k[NJ];
-  for (int t = 0; t < NJ; ++t) k[t] = static_cast<const T*>(w.slots[j0 + t]) + k_off;
-  const float* qsrc = PAIRS ? reinterpret_cast<const float*>(w.qp.data()) : w.qt.data();
-  for (int r = 0; r < rp; r += 32) {
-    __m512 acc[NJ][2];
-    for (int t = 0; t < NJ; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-    for (int d = 0; d < kSteps; ++d) {
-      const __m512 q0 = _mm512_loadu_ps(qsrc + d * rp + r);
-      const __m512 q1 = _mm512_loadu_ps(qsrc + d * rp + r + 16);
-      for (int t = 0; t < NJ; ++t) {
-        __m512 b;
-        if constexpr (PAIRS) {
-          uint32_t pair;
-          std::memcpy(&pair, k[t] + 2 * d, sizeof pair);
-          b = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(pair)));
-        } else {
-          b = _mm512_set1_ps(to_float(k[t][d]));
-        }
-        acc[t][0] = madd<PAIRS>(acc[t][0], b, q0);
-        acc[t][1] = madd<PAIRS>(acc[t][1], b, q1);
-      }
-    }
-    const __m512 sc = _mm512_set1_ps(scale);
+  const T* k = reinterpret_cast<const T*>(w.kc.data()) + j0 * HD;  // key t at k + t * HD
+  const float* qsrc = (PAIRS ? reinterpret_cast<const float*>(w.qp.data()) : w.qt.data()) + r0;
+  __m512 acc[NJ][RV];
+  for (int t = 0; t < NJ; ++t)
+    for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_setzero_ps();
+  for (int d = 0; d < kSteps; ++d) {
+    __m512 q[RV];
+    for (int v = 0; v < RV; ++v) q[v] = _mm512_loadu_ps(qsrc + d * rp + 16 * v);
     for (int t = 0; t < NJ; ++t) {
-      _mm512_storeu_ps(&w.st[(j0 + t) * rp + r], _mm512_mul_ps(acc[t][0], sc));
-      _mm512_storeu_ps(&w.st[(j0 + t) * rp + r + 16], _mm512_mul_ps(acc[t][1], sc));
+      __m512 b;
+      if constexpr (PAIRS) {
+        uint32_t pair;
+        std::memcpy(&pair, k + t * HD + 2 * d, sizeof pair);
+        b = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(pair)));
+      } else {
+        b = _mm512_set1_ps(to_float(k[t * HD + d]));
+      }
+      for (int v = 0; v < RV; ++v) acc[t][v] = madd<PAIRS>(acc[t][v], b, q[v]);
     }
   }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int t = 0; t < NJ; ++t)
+    for (int v = 0; v < RV; ++v)
+      _mm512_storeu_ps(&w.st[(j0 + t) * rp + r0 + 16 * v], _mm512_mul_ps(acc[t][v], sc));
+}
+
+// All rows against keys j0 .. j0 + NJ - 1: tiles of RV row vectors, then of two.
+template <typename T, bool PAIRS, int HD, int NJ, int RV>
+inline void qk_keys(Scratch& w, int rp, int j0, float scale) {
+  int r = 0;
+  for (; r + 16 * RV <= rp; r += 16 * RV) qk_tile<T, PAIRS, HD, NJ, RV>(w, rp, r, j0, scale);
+  for (; r < rp; r += 32) qk_tile<T, PAIRS, HD, NJ, 2>(w, rp, r, j0, scale);
 }
 #endif
 
 template <typename T, bool PAIRS, int HD>
-void scores(Scratch& w, int rp, int hd, int n, int64_t k_off, float scale) {
+void scores(Scratch& w, int rp, int hd, int n, float scale) {
 #if defined(__AVX512F__)
   if constexpr (HD > 0) {
     int j = 0;
-    for (; j + 8 <= n; j += 8) qk_keys<T, PAIRS, HD, 8>(w, rp, j, k_off, scale);
-    for (; j < n; ++j) qk_keys<T, PAIRS, HD, 1>(w, rp, j, k_off, scale);
+    for (; j + kQkKeys <= n; j += kQkKeys) qk_keys<T, PAIRS, HD, kQkKeys, kQkRowVectors>(w, rp, j, scale);
+    for (; j < n; ++j) qk_keys<T, PAIRS, HD, 1, kQkRowVectors>(w, rp, j, scale);
     return;
   }
 #endif
   for (int j = 0; j < n; ++j) {
-    const T* k = static_cast<const T*>(w.slots[j]) + k_off;
+    const T* k = reinterpret_cast<const T*>(w.kc.data()) + static_cast<int64_t>(j) * hd;
     float* sj = &w.st[j * rp];
     std::fill(sj, sj + rp, 0.0f);
     for (int d = 0; d < hd; ++d) {
@@ -229,6 +239,33 @@ inline void softmax_block(Scratch& w, int rp, int n, int n2) {
 #endif
 }
 
+#if defined(__AVX512F__)
+// PV for NR rows from r0 over `steps` keys (or key pairs): the rows' O (times corr) held in
+// NR x HD/16 registers, each V vector (pair) loaded once for the NR rows.
+template <typename T, bool PAIRS, int HD, int NR>
+inline void pv_rows(Scratch& w, int rp, int r0, int steps) {
+  constexpr int NV = HD / 16;
+  const float* vsrc = PAIRS ? reinterpret_cast<const float*>(w.vp.data()) : w.vf.data();
+  const float* psrc = PAIRS ? reinterpret_cast<const float*>(w.pp.data()) : w.st.data();
+  __m512 acc[NR][NV];
+  for (int i = 0; i < NR; ++i) {
+    const __m512 c = _mm512_set1_ps(w.corr[r0 + i]);
+    for (int v = 0; v < NV; ++v)
+      acc[i][v] = _mm512_mul_ps(_mm512_loadu_ps(&w.o[(r0 + i) * HD + v * 16]), c);
+  }
+  for (int j = 0; j < steps; ++j) {
+    __m512 vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_ps(vsrc + j * HD + v * 16);
+    for (int i = 0; i < NR; ++i) {
+      const __m512 p = _mm512_set1_ps(like_t<T, PAIRS>(psrc[j * rp + r0 + i]));
+      for (int v = 0; v < NV; ++v) acc[i][v] = madd<PAIRS>(acc[i][v], p, vv[v]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(&w.o[(r0 + i) * HD + v * 16], acc[i][v]);
+}
+#endif
+
 // O[r] = O[r] * corr[r] + sum_j P[r][j] V[j] over the block's keys. PAIRS: P (rounded to bf16,
 // as flash attention does; its sum l stays float) and V in bf16, two keys per dpbf16.
 template <typename T, bool PAIRS, int HD>
@@ -254,29 +291,10 @@ void accumulate(Scratch& w, int rp, int hd, int n, int n2, int64_t v_off) {
   }
 #if defined(__AVX512F__)
   if constexpr (HD > 0) {
-    constexpr int NV = HD / 16;
-    constexpr int NR = NV <= 4 ? 4 : 2;  // NR * NV accumulators + NV values <= 32 registers
     const int steps = PAIRS ? n2 / 2 : n;  // key pairs, or keys
-    const float* vsrc = PAIRS ? reinterpret_cast<const float*>(w.vp.data()) : w.vf.data();
-    const float* psrc = PAIRS ? reinterpret_cast<const float*>(w.pp.data()) : w.st.data();
-    for (int r0 = 0; r0 < rp; r0 += NR) {
-      __m512 acc[NR][NV];
-      for (int i = 0; i < NR; ++i) {
-        const __m512 c = _mm512_set1_ps(w.corr[r0 + i]);
-        for (int v = 0; v < NV; ++v)
-          acc[i][v] = _mm512_mul_ps(_mm512_loadu_ps(&w.o[(r0 + i) * HD + v * 16]), c);
-      }
-      for (int j = 0; j < steps; ++j) {
-        __m512 vv[NV];
-        for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_ps(vsrc + j * HD + v * 16);
-        for (int i = 0; i < NR; ++i) {
-          const __m512 p = _mm512_set1_ps(like_t<T, PAIRS>(psrc[j * rp + r0 + i]));
-          for (int v = 0; v < NV; ++v) acc[i][v] = madd<PAIRS>(acc[i][v], p, vv[v]);
-        }
-      }
-      for (int i = 0; i < NR; ++i)
-        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(&w.o[(r0 + i) * HD + v * 16], acc[i][v]);
-    }
+    int r0 = 0;  // tiles of kPvRows rows, then of two (rp is a multiple of 32)
+    for (; r0 + kPvRows <= rp; r0 += kPvRows) pv_rows<T, PAIRS, HD, kPvRows>(w, rp, r0, steps);
+    for (; r0 < rp; r0 += 2) pv_rows<T, PAIRS, HD, 2>(w, rp, r0, steps);
     return;
   }
 #endif
@@ -332,12 +350,16 @@ void attend_item(const Chunks& p, const Item& it, Scratch& w) {
   for (int64_t kb = 0; kb < key_end; kb += kKeys) {
     const int n = static_cast<int>(std::min<int64_t>(kKeys, key_end - kb));
     const int n2 = (n + 1) & ~1;
+    // The block's slots (V is read in place), and its keys packed for Q K^T's broadcasts.
+    T* kc = reinterpret_cast<T*>(w.kc.data());
+    int64_t block = kb / p.block_size, in_block = kb % p.block_size;
     for (int j = 0; j < n; ++j) {
-      const int64_t pos = kb + j;
-      w.slots[j] = cache + (table[pos / p.block_size] * p.block_size + pos % p.block_size) *
-                               slot_stride;
+      const T* slot = cache + (table[block] * p.block_size + in_block) * slot_stride;
+      w.slots[j] = slot;
+      std::memcpy(kc + static_cast<int64_t>(j) * hd, slot + k_off, sizeof(T) * hd);
+      if (++in_block == p.block_size) in_block = 0, ++block;
     }
-    scores<T, PAIRS, HD>(w, rp, hd, n, k_off, p.scale);
+    scores<T, PAIRS, HD>(w, rp, hd, n, p.scale);
     if (kb + n - 1 > first_pos) {  // some key past the first query: the diagonal's mask
       for (int r = 0; r < rp; ++r)
         w.pos[r] = static_cast<int32_t>(std::min<int64_t>(first_pos + r / G - kb, kKeys));
@@ -364,7 +386,9 @@ void run(const Chunks& p, int num_threads) {
       for (int g = 0; g < p.num_kv_heads; ++g)
         items.push_back({c, q0, g, p.start_position[c] + q0 + kQueries});
   std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+                   [](const Item& a, const Item& b) {
+                     return a.kv_head != b.kv_head ? a.kv_head < b.kv_head : a.cost > b.cost;
+                   });
   const int G = p.num_heads / p.num_kv_heads;
   const int rp = (kQueries * G + kRowAlign - 1) / kRowAlign * kRowAlign;
   const int num_items = static_cast<int>(items.size());
