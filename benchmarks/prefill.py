@@ -13,7 +13,12 @@ The floor is the model's linear layers alone (q/k/v, o, gate/up, down, with its 
 weights) over the same tokens in the same chunks, timed in the same run: no engine can
 prefill faster than that. The figure to quote is TTFT / floor.
 
-    .venv/bin/python benchmarks/prefill.py [--model PATH] [--repeats 5] [--threads 1]
+    .venv/bin/python benchmarks/prefill.py [--model PATH] [--repeats 5] [--threads 1] [--profile]
+
+``--profile`` adds one more cold prefill per backend under the torch profiler and splits its
+time: the linear layers (``aten::mm``, the lm_head's one row included), the attention backend
+(its K/V write and kernel), the other torch ops of the model (norms, rope, SiLU, residual
+adds, embedding), and the rest (engine, Python, the profiler's own cost).
 
 Prefix caching is off so every repeat is cold. Medians of ``--repeats``, in wall and in
 process-CPU seconds (the steadier one on a machine shared with other work).
@@ -48,7 +53,7 @@ def timed(fn: object) -> tuple[float, float]:
 
 def linear_floor(llm: LLM, chunks: list[int]) -> tuple[float, float]:
     """(wall, cpu) seconds of every linear layer over the prompt, chunk by chunk."""
-    model = llm.engine.executor.model  # type: ignore[attr-defined]
+    model = llm.engine._executor.model  # type: ignore[attr-defined]
     weights = [m.weight for m in model.modules() if isinstance(m, Linear)]
     dtype = weights[0].dtype
     inputs = {
@@ -64,6 +69,52 @@ def linear_floor(llm: LLM, chunks: list[int]) -> tuple[float, float]:
     return timed(run)
 
 
+def profile_breakdown(llm: LLM, tokens: list[int], params: SamplingParams) -> dict[str, float]:
+    """Seconds of one cold prefill by part (see the module docstring), from the profiler's
+    times on the engine thread (an op's own time, its threads included)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    runner = llm.engine._executor  # type: ignore[attr-defined]
+    backend = runner.attention
+    forward = backend.forward
+
+    def traced(*args: object) -> torch.Tensor:
+        with record_function("attention"):
+            return forward(*args)  # type: ignore[no-any-return]
+
+    backend.forward = traced
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            wall, _ = timed(lambda: llm.generate(tokens, params))
+    finally:
+        del backend.forward  # back to the class's method
+    parts = {"linear layers": 0.0, "attention": 0.0, "other model ops": 0.0}
+    for event in prof.key_averages():
+        if event.key == "attention":
+            parts["attention"] += event.cpu_time_total / 1e6
+        elif event.key in ("aten::mm", "aten::addmm"):
+            parts["linear layers"] += event.self_cpu_time_total / 1e6
+    ops = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("aten::"))
+    attention_ops = sum(
+        e.self_cpu_time_total
+        for e in prof.events()
+        if e.key.startswith("aten::") and _inside(e, "attention")
+    )
+    parts["other model ops"] = ops / 1e6 - parts["linear layers"] - attention_ops / 1e6
+    parts["engine, Python, profiler"] = wall - sum(parts.values())
+    parts["total (TTFT)"] = wall
+    return parts
+
+
+def _inside(event: object, name: str) -> bool:
+    parent = getattr(event, "cpu_parent", None)
+    while parent is not None:
+        if parent.name == name:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
@@ -72,6 +123,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--profile", action="store_true", help="also split one prefill by op")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -115,6 +167,12 @@ def main() -> None:
     for name in backends:
         w, c = med(ttft[name], 0), med(ttft[name], 1)
         print(f"{name:>8} {w:8.3f} {c:8.3f} {n / w:8.0f} {w / fw:8.2f} {c / fc:12.2f}")
+    if args.profile:
+        for name in backends:
+            parts = profile_breakdown(llms[name], tokens, params)
+            print(f"{name}, one profiled prefill (wall s on the engine thread):")
+            for part, seconds in parts.items():
+                print(f"  {part:>26} {seconds:7.3f} {seconds / parts['total (TTFT)']:6.1%}")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 
