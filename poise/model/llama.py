@@ -19,13 +19,14 @@ their float weights (or shards) to the layer, which quantizes those rows.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from poise.checkpoint.arch import ArchConfig
+from poise.model import elementwise
 from poise.model.attention import AttentionBackend, AttentionMetadata
 from poise.model.quant import QUANT_LINEARS, Int8Linear, QuantLinear
 from poise.model.rope import RotaryEmbedding, apply_rope
@@ -79,8 +80,20 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if elementwise.applies(x, self.weight):  # one pass, same roundings (model/elementwise.py)
+            return elementwise.rms_norm(x, self.weight, self.eps)
         normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
         return normed.to(x.dtype) * self.weight
+
+    def add_and_norm(
+        self, x: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add, then the norm: (x + delta, norm(x + delta)). The bf16 kernel adds
+        into ``x`` in place (the residual stream is the forward's own tensor)."""
+        if elementwise.applies(x, delta, self.weight):
+            return x, elementwise.rms_norm(x, self.weight, self.eps, delta)
+        x = x + delta
+        return x, self(x)
 
 
 class Attention(nn.Module):
@@ -127,7 +140,10 @@ class MLP(nn.Module):
         self.down_proj = linear(arch.intermediate_size, arch.hidden_size, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)  # [T, 2I]: gate, then up
+        if elementwise.applies(gate_up):  # one pass, same roundings (model/elementwise.py)
+            return self.down_proj(elementwise.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -142,14 +158,19 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        normed: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
         attention: AttentionBackend[Any],
         state: Any,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attention, state)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream x, input_layernorm(x)) -> (x after this layer, next_norm of it):
+        each residual add is fused with the norm after it (RMSNorm.add_and_norm)."""
+        attn = self.self_attn(normed, cos, sin, kv_cache, attention, state)
+        x, normed = self.post_attention_layernorm.add_and_norm(x, attn)
+        return next_norm.add_and_norm(x, self.mlp(normed))
 
 
 class LlamaModel(nn.Module):
@@ -210,10 +231,13 @@ class LlamaForCausalLM(nn.Module):
         assert self.rotary is not None, "call init_rope() after loading"
         state = attention.prepare(meta)  # once per step, shared by every layer
         cos, sin = self.rotary.tables(positions)  # [T, 1, hd] each
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, attention, state)
-        return self.model.norm(x)
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]: the residual stream
+        layers = cast(list[DecoderLayer], list(self.model.layers))
+        normed = layers[0].input_layernorm(x)
+        norms_after = [*(layer.input_layernorm for layer in layers[1:]), self.model.norm]
+        for layer, kv_cache, next_norm in zip(layers, kv_caches, norms_after, strict=True):
+            x, normed = layer(x, normed, cos, sin, kv_cache, attention, state, next_norm)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden_size] -> float32 logits [S, vocab]."""

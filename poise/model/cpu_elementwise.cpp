@@ -1,0 +1,173 @@
+// Fused elementwise ops of the decoder layer for bfloat16 on CPU (model/elementwise.py):
+//   RMSNorm, optionally after the residual add:  x = x + delta; out = norm(x) * weight
+//   SiLU and multiply of the fused gate/up output: out = silu(gate) * up
+// Why: in torch each is 2-6 passes over [T, hidden] or [T, intermediate] (the float copy, the
+// square, the mean, the scale, the bf16 copy, the weight; SiLU on a strided view, then the
+// product), ~10 % of a long prefill's time; here each is one pass over rows that stay in L1.
+//
+// Roundings are transformers' (and torch's bf16 ops'): the residual sum rounded to bf16; the
+// norm in float32 (mean of squares, times 1/sqrt(var + eps)), rounded to bf16, THEN times the
+// bf16 weight and rounded again; SiLU in float32 rounded to bf16, then the product rounded.
+// Not bit-identical to torch: the mean's summation order, and exp (Cephes' polynomial here,
+// torch's own vectorised one there), can move a value across a bf16 rounding boundary (one ulp).
+//
+// Rows are split over OpenMP threads (torch's pool: the library links the same libgomp).
+// Shapes: row r of x at x + r * x_stride (elements); other tensors likewise with their strides.
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using bf16 = uint16_t;
+
+inline float to_float(bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline bf16 to_bf16(float x) {  // round to nearest even, NaN kept quiet
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16>((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<bf16>(bits >> 16);
+}
+
+inline float round_bf16(float x) { return to_float(to_bf16(x)); }
+
+#if defined(__AVX512F__)
+inline __m512 load16(const bf16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// 16 floats -> bf16, round to nearest even (NaN inputs do not occur here: finite activations).
+inline __m256i to_bf16_16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+inline __m512 round_bf16_16(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_16(x)), 16));
+}
+
+// e^x on 16 lanes (Cephes: 2^n * p(r), r in [-ln2/2, ln2/2]); overflows to +inf, underflows
+// to 0 through scalef.
+inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// One row: x (+ delta, written back to x when delta is given) -> out.
+void norm_row(bf16* x, const bf16* delta, const bf16* weight, bf16* out, int64_t dim,
+              float eps) {
+  int64_t i = 0;
+  float sum = 0.0f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= dim; i += 16) {
+    __m512 v = load16(x + i);
+    if (delta) {
+      v = round_bf16_16(_mm512_add_ps(v, load16(delta + i)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + i), to_bf16_16(v));
+    }
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < dim; ++i) {
+    float v = to_float(x[i]);
+    if (delta) {
+      v = round_bf16(v + to_float(delta[i]));
+      x[i] = to_bf16(v);
+    }
+    sum += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(dim) + eps);
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 s = _mm512_set1_ps(inv);
+  for (; i + 16 <= dim; i += 16) {
+    const __m512 normed = round_bf16_16(_mm512_mul_ps(load16(x + i), s));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        to_bf16_16(_mm512_mul_ps(normed, load16(weight + i))));
+  }
+#endif
+  for (; i < dim; ++i) out[i] = to_bf16(round_bf16(to_float(x[i]) * inv) * to_float(weight[i]));
+}
+
+void silu_mul_row(const bf16* gate, const bf16* up, bf16* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = load16(gate + i);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 silu = round_bf16_16(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        to_bf16_16(_mm512_mul_ps(silu, load16(up + i))));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float g = to_float(gate[i]);
+    out[i] = to_bf16(round_bf16(g / (1.0f + std::exp(-g))) * to_float(up[i]));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [rows, dim] (stride x_stride), delta [rows, dim] or null (stride delta_stride): with
+// delta, x += delta first (in place). out [rows, dim] (stride out_stride) = norm(x) * weight.
+int poise_rms_norm_bf16(void* x, int64_t x_stride, const void* delta, int64_t delta_stride,
+                        const void* weight, void* out, int64_t out_stride, int64_t rows,
+                        int64_t dim, float eps, int num_threads) {
+  if (rows < 0 || dim <= 0) return -1;
+#pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
+  for (int64_t r = 0; r < rows; ++r)
+    norm_row(static_cast<bf16*>(x) + r * x_stride,
+             delta ? static_cast<const bf16*>(delta) + r * delta_stride : nullptr,
+             static_cast<const bf16*>(weight), static_cast<bf16*>(out) + r * out_stride, dim,
+             eps);
+  return 0;
+}
+
+// gate_up [rows, 2 * n] (stride in_stride; gate then up) -> out [rows, n] (stride out_stride).
+int poise_silu_mul_bf16(const void* gate_up, int64_t in_stride, void* out, int64_t out_stride,
+                        int64_t rows, int64_t n, int num_threads) {
+  if (rows < 0 || n <= 0) return -1;
+#pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const bf16* row = static_cast<const bf16*>(gate_up) + r * in_stride;
+    silu_mul_row(row, row + n, static_cast<bf16*>(out) + r * out_stride, n);
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,66 @@
+"""The fused bf16 elementwise kernels (model/elementwise.py) against torch's ops.
+
+SiLU x up rounds exactly as torch (bit-identical); the norm sums its squares in another order,
+so a value may land one bf16 ulp away, rarely. Covers rows longer than a vector and a tail
+(dims 576, 100, 17), strided rows (a view of a wider tensor), and the residual added in place.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from poise.model import elementwise
+from poise.model.llama import RMSNorm
+
+pytestmark = pytest.mark.skipif(
+    elementwise.load_elementwise_kernel() is None, reason="no C++ compiler"
+)
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
+    diff = (got.float() - want.float()).abs()
+    return float((diff / (want.float().abs() * 2**-7).clamp_min(1e-30)).max().detach())
+
+
+@pytest.mark.parametrize(("rows", "dim"), [(1, 576), (300, 576), (9, 100), (4, 17)])
+def test_add_and_norm_matches_torch(rows: int, dim: int) -> None:
+    gen = torch.Generator().manual_seed(rows + dim)
+    wide = (3 * torch.randn(rows, dim + 8, generator=gen)).bfloat16()
+    x = wide[:, :dim]  # strided rows
+    delta = torch.randn(rows, dim, generator=gen).bfloat16()
+    weight = (1 + 0.1 * torch.randn(dim, generator=gen)).bfloat16()
+    want_x = x + delta
+    padding = wide[:, dim:].clone()
+    want = F.rms_norm(want_x.float(), (dim,), None, 1e-5).to(torch.bfloat16) * weight
+
+    got = elementwise.rms_norm(x, weight, 1e-5, delta)
+    assert torch.equal(x, want_x)  # the residual, added in place
+    assert torch.equal(wide[:, dim:], padding)  # past each row: untouched
+    assert _ulps(got, want) <= 1.01
+    assert (got != want).float().mean() < 1e-3
+    assert torch.equal(elementwise.rms_norm(want_x.clone(), weight, 1e-5), got)
+
+
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (200, 1536), (5, 40), (3, 7)])
+def test_silu_mul_is_torchs(rows: int, inter: int) -> None:
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = (4 * torch.randn(rows, 2 * inter, generator=gen)).bfloat16()
+    gate, up = gate_up.split(inter, dim=-1)
+    assert torch.equal(elementwise.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_rmsnorm_module_uses_the_kernel_only_where_it_applies() -> None:
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.linspace(0.5, 1.5, 64)
+    x = torch.randn(6, 64)
+    # float32: torch's fused op, unchanged.
+    torch.testing.assert_close(norm(x), F.rms_norm(x, (64,), norm.weight, 1e-6), rtol=0, atol=0)
+    norm.bfloat16()
+    xb = x.bfloat16()
+    assert elementwise.applies(xb, norm.weight)
+    assert not elementwise.applies(xb.view(6, 4, 16)[:, :2])  # 3-D (q/k norms): torch's ops
+    h, out = norm.add_and_norm(xb.clone(), xb)
+    assert torch.equal(h, xb + xb)
+    assert _ulps(out, F.rms_norm(h.float(), (64,), None, 1e-6).bfloat16() * norm.weight) <= 1.01
