@@ -11,8 +11,11 @@
 //     plain loops without AVX-512);
 //   online softmax, 16 rows per vector: key j is visible to a row iff j <= its position,
 //     m' = max(m, max S), P = e^(S - m'), O = O e^(m - m') + P V (bf16 pairs again), l likewise;
-// then O / l is written once, rounded to the output dtype. Items run under OpenMP, the most
-// expensive (last query blocks, most keys) first, so the causal triangle balances.
+// then O / l is written once, rounded to the output dtype. Items run under OpenMP, one kv head
+// after the other and within it the most expensive (last query blocks, most keys) first, so
+// the causal triangle balances. Before them, every key block of every kv head is read from
+// the paged cache once and packed (keys as rows, values as the bf16 pairs P V takes), shared
+// by all the items that read it instead of gathered by each.
 //
 // Numerics: float32 accumulation everywhere (bf16 products are exact in float32); on the bf16
 // path P is rounded to bf16 for P V, as flash attention does. Shapes as in
@@ -65,21 +68,24 @@ struct Item {  // (chunk, first query, kv head); cost: keys its last query sees
 // scores are stored transposed (row index fastest), so one vector holds 16 rows: Q K^T
 // broadcasts each key element against 16 rows' q, and the softmax runs 16 rows per vector.
 struct Scratch {
-  std::vector<const void*> slots;  // [kKeys] slot pointers of the key block
-  std::vector<float> qt;           // [hd][rp] Q transposed (float path)
-  std::vector<uint32_t> qp;        // [hd/2][rp] Q as bf16 pairs of head dims (dpbf16 path)
-  std::vector<float> st;           // [kKeys][rp] scores, then probabilities
-  std::vector<float> kc;           // [kKeys][hd] the block's keys of this kv head, packed (T)
-  std::vector<uint32_t> pp;        // [kKeys/2][rp] probabilities as bf16 pairs of keys
-  std::vector<float> vf;           // [kKeys][hd] V widened (float path)
-  std::vector<bf16> vp;            // [kKeys/2][hd][2] V as bf16 pairs of keys (dpbf16 path)
+  std::vector<float> qt;     // [hd][rp] Q transposed (float path)
+  std::vector<uint32_t> qp;  // [hd/2][rp] Q as bf16 pairs of head dims (dpbf16 path)
+  std::vector<float> st;     // [kKeys][rp] scores, then probabilities
+  std::vector<uint32_t> pp;  // [kKeys/2][rp] probabilities as bf16 pairs of keys
   std::vector<float> o, m, l, corr;
   std::vector<int32_t> pos;  // [rp] the row's query position minus the block's first key
   Scratch(int rp, int hd)
-      : slots(kKeys), qt(static_cast<size_t>(hd) * rp), qp(static_cast<size_t>(hd) * rp),
-        st(static_cast<size_t>(kKeys) * rp), kc(static_cast<size_t>(kKeys) * hd), pp(static_cast<size_t>(kKeys) * rp),
-        vf(static_cast<size_t>(kKeys) * hd), vp(static_cast<size_t>(kKeys) * hd),
+      : qt(static_cast<size_t>(hd) * rp), qp(static_cast<size_t>(hd) * rp),
+        st(static_cast<size_t>(kKeys) * rp), pp(static_cast<size_t>(kKeys) * rp),
         o(static_cast<size_t>(rp) * hd), m(rp), l(rp), corr(rp), pos(rp) {}
+};
+
+// One key block of one kv head, packed once per call for every item that reads it: its keys
+// as rows of T, its values as bf16 pairs of keys [kKeys/2][hd][2] (dpbf16 path) or float
+// rows [kKeys][hd] (float path). Both are kKeys * hd floats of room.
+struct Packed {
+  const void* k;   // [kKeys][hd] T
+  const float* v;  // as above
 };
 
 #if defined(__AVX512F__)
@@ -96,9 +102,9 @@ inline __m512 madd(__m512 acc, __m512 a, __m512 b) {
 // Scores of NJ keys (from j0) for RV x 16 rows (from r0): st[j][r] = scale * q_r . k_j, the
 // key's elements broadcast (a bf16 pair per dpbf16 on the PAIRS path) against the rows' q.
 template <typename T, bool PAIRS, int HD, int NJ, int RV>
-inline void qk_tile(Scratch& w, int rp, int r0, int j0, float scale) {
+inline void qk_tile(Scratch& w, const Packed& b, int rp, int r0, int j0, float scale) {
   constexpr int kSteps = PAIRS ? HD / 2 : HD;
-  const T* k = reinterpret_cast<const T*>(w.kc.data()) + j0 * HD;  // key t at k + t * HD
+  const T* k = static_cast<const T*>(b.k) + j0 * HD;  // key t at k + t * HD
   const float* qsrc = (PAIRS ? reinterpret_cast<const float*>(w.qp.data()) : w.qt.data()) + r0;
   __m512 acc[NJ][RV];
   for (int t = 0; t < NJ; ++t)
@@ -126,25 +132,25 @@ inline void qk_tile(Scratch& w, int rp, int r0, int j0, float scale) {
 
 // All rows against keys j0 .. j0 + NJ - 1: tiles of RV row vectors, then of two.
 template <typename T, bool PAIRS, int HD, int NJ, int RV>
-inline void qk_keys(Scratch& w, int rp, int j0, float scale) {
+inline void qk_keys(Scratch& w, const Packed& b, int rp, int j0, float scale) {
   int r = 0;
-  for (; r + 16 * RV <= rp; r += 16 * RV) qk_tile<T, PAIRS, HD, NJ, RV>(w, rp, r, j0, scale);
-  for (; r < rp; r += 32) qk_tile<T, PAIRS, HD, NJ, 2>(w, rp, r, j0, scale);
+  for (; r + 16 * RV <= rp; r += 16 * RV) qk_tile<T, PAIRS, HD, NJ, RV>(w, b, rp, r, j0, scale);
+  for (; r < rp; r += 32) qk_tile<T, PAIRS, HD, NJ, 2>(w, b, rp, r, j0, scale);
 }
 #endif
 
 template <typename T, bool PAIRS, int HD>
-void scores(Scratch& w, int rp, int hd, int n, float scale) {
+void scores(Scratch& w, const Packed& b, int rp, int hd, int n, float scale) {
 #if defined(__AVX512F__)
   if constexpr (HD > 0) {
     int j = 0;
-    for (; j + kQkKeys <= n; j += kQkKeys) qk_keys<T, PAIRS, HD, kQkKeys, kQkRowVectors>(w, rp, j, scale);
-    for (; j < n; ++j) qk_keys<T, PAIRS, HD, 1, kQkRowVectors>(w, rp, j, scale);
+    for (; j + kQkKeys <= n; j += kQkKeys) qk_keys<T, PAIRS, HD, kQkKeys, kQkRowVectors>(w, b, rp, j, scale);
+    for (; j < n; ++j) qk_keys<T, PAIRS, HD, 1, kQkRowVectors>(w, b, rp, j, scale);
     return;
   }
 #endif
   for (int j = 0; j < n; ++j) {
-    const T* k = reinterpret_cast<const T*>(w.kc.data()) + static_cast<int64_t>(j) * hd;
+    const T* k = static_cast<const T*>(b.k) + static_cast<int64_t>(j) * hd;
     float* sj = &w.st[j * rp];
     std::fill(sj, sj + rp, 0.0f);
     for (int d = 0; d < hd; ++d) {
@@ -243,9 +249,8 @@ inline void softmax_block(Scratch& w, int rp, int n, int n2) {
 // PV for NR rows from r0 over `steps` keys (or key pairs): the rows' O (times corr) held in
 // NR x HD/16 registers, each V vector (pair) loaded once for the NR rows.
 template <typename T, bool PAIRS, int HD, int NR>
-inline void pv_rows(Scratch& w, int rp, int r0, int steps) {
+inline void pv_rows(Scratch& w, const float* vsrc, int rp, int r0, int steps) {
   constexpr int NV = HD / 16;
-  const float* vsrc = PAIRS ? reinterpret_cast<const float*>(w.vp.data()) : w.vf.data();
   const float* psrc = PAIRS ? reinterpret_cast<const float*>(w.pp.data()) : w.st.data();
   __m512 acc[NR][NV];
   for (int i = 0; i < NR; ++i) {
@@ -269,32 +274,13 @@ inline void pv_rows(Scratch& w, int rp, int r0, int steps) {
 // O[r] = O[r] * corr[r] + sum_j P[r][j] V[j] over the block's keys. PAIRS: P (rounded to bf16,
 // as flash attention does; its sum l stays float) and V in bf16, two keys per dpbf16.
 template <typename T, bool PAIRS, int HD>
-void accumulate(Scratch& w, int rp, int hd, int n, int n2, int64_t v_off) {
-  if constexpr (PAIRS) {
-#if defined(__AVX512BF16__)
-    static const bf16 zeros[HD] = {};
-    for (int jp = 0; jp < n2 / 2; ++jp) {  // V: vp[jp][d] = (v_2jp[d], v_2jp+1[d])
-      const bf16* a = static_cast<const bf16*>(w.slots[2 * jp]) + v_off;
-      const bf16* b = 2 * jp + 1 < n ? static_cast<const bf16*>(w.slots[2 * jp + 1]) + v_off
-                                     : zeros;
-      for (int d = 0; d < HD; d += 16)
-        store_pairs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)),
-                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d)),
-                    &w.vp[(jp * HD + d) * 2]);
-    }
-#endif
-  } else {
-    for (int j = 0; j < n; ++j) {
-      const T* v = static_cast<const T*>(w.slots[j]) + v_off;
-      for (int d = 0; d < hd; ++d) w.vf[j * hd + d] = to_float(v[d]);
-    }
-  }
+void accumulate(Scratch& w, const Packed& b, int rp, int hd, int n, int n2) {
 #if defined(__AVX512F__)
   if constexpr (HD > 0) {
     const int steps = PAIRS ? n2 / 2 : n;  // key pairs, or keys
     int r0 = 0;  // tiles of kPvRows rows, then of two (rp is a multiple of 32)
-    for (; r0 + kPvRows <= rp; r0 += kPvRows) pv_rows<T, PAIRS, HD, kPvRows>(w, rp, r0, steps);
-    for (; r0 < rp; r0 += 2) pv_rows<T, PAIRS, HD, 2>(w, rp, r0, steps);
+    for (; r0 + kPvRows <= rp; r0 += kPvRows) pv_rows<T, PAIRS, HD, kPvRows>(w, b.v, rp, r0, steps);
+    for (; r0 < rp; r0 += 2) pv_rows<T, PAIRS, HD, 2>(w, b.v, rp, r0, steps);
     return;
   }
 #endif
@@ -305,15 +291,54 @@ void accumulate(Scratch& w, int rp, int hd, int n, int n2, int64_t v_off) {
     for (int d = 0; d < hd; ++d) o[d] *= c;
     for (int j = 0; j < n; ++j) {
       const float p = like_t<T, false>(w.st[j * rp + r]);
-      const float* v = &w.vf[j * hd];
+      const float* v = b.v + j * hd;
 #pragma omp simd
       for (int d = 0; d < hd; ++d) o[d] += p * v[d];
     }
   }
 }
 
+// One key block of one kv head (chunk c, block b) into its packed form (see Packed): read from
+// the paged cache once per call.
 template <typename T, bool PAIRS, int HD>
-void attend_item(const Chunks& p, const Item& it, Scratch& w) {
+void pack_block(const Chunks& p, int c, int g, int64_t b, T* k_dst, float* v_dst) {
+  const int hd = HD > 0 ? HD : p.head_dim;
+  const int64_t kb = b * kKeys;
+  const int n = static_cast<int>(
+      std::min<int64_t>(kKeys, p.start_position[c] + p.query_len[c] - kb));
+  const T* cache = static_cast<const T*>(p.kv_cache);
+  const int64_t* table = p.tables + c * p.table_stride;
+  const int64_t slot_stride = static_cast<int64_t>(2 * p.num_kv_heads) * hd;
+  const int64_t k_off = static_cast<int64_t>(g) * hd, v_off = k_off + p.num_kv_heads * hd;
+  const T* slots[kKeys];
+  int64_t block = kb / p.block_size, in_block = kb % p.block_size;
+  for (int j = 0; j < n; ++j) {
+    slots[j] = cache + (table[block] * p.block_size + in_block) * slot_stride;
+    std::memcpy(k_dst + static_cast<int64_t>(j) * hd, slots[j] + k_off, sizeof(T) * hd);
+    if (++in_block == p.block_size) in_block = 0, ++block;
+  }
+  if constexpr (PAIRS) {
+#if defined(__AVX512BF16__)
+    static const bf16 zeros[HD] = {};
+    bf16* vp = reinterpret_cast<bf16*>(v_dst);
+    for (int jp = 0; jp < (n + 1) / 2; ++jp) {  // vp[jp][d] = (v_2jp[d], v_2jp+1[d])
+      const bf16* lo = slots[2 * jp] + v_off;
+      const bf16* hi = 2 * jp + 1 < n ? slots[2 * jp + 1] + v_off : zeros;
+      for (int d = 0; d < HD; d += 16)
+        store_pairs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + d)),
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + d)),
+                    &vp[(jp * HD + d) * 2]);
+    }
+#endif
+  } else {
+    for (int j = 0; j < n; ++j)
+      for (int d = 0; d < hd; ++d) v_dst[j * hd + d] = to_float(slots[j][v_off + d]);
+  }
+}
+
+// `blocks`: the packed blocks of this item's (chunk, kv head), block b at blocks[b].
+template <typename T, bool PAIRS, int HD>
+void attend_item(const Chunks& p, const Item& it, Scratch& w, const Packed* blocks) {
   const int hd = HD > 0 ? HD : p.head_dim;
   const int G = p.num_heads / p.num_kv_heads, g = it.kv_head;
   const int nq = std::min<int>(kQueries, static_cast<int>(p.query_len[it.chunk]) - it.first_query);
@@ -322,10 +347,6 @@ void attend_item(const Chunks& p, const Item& it, Scratch& w) {
   const int64_t first_pos = p.start_position[it.chunk] + it.first_query;
   const int64_t key_end = first_pos + nq;  // keys 0 .. key_end - 1
   const int64_t token0 = p.query_start[it.chunk] + it.first_query;
-  const T* cache = static_cast<const T*>(p.kv_cache);
-  const int64_t* table = p.tables + it.chunk * p.table_stride;
-  const int64_t slot_stride = static_cast<int64_t>(2 * p.num_kv_heads) * hd;
-  const int64_t k_off = static_cast<int64_t>(g) * hd, v_off = k_off + p.num_kv_heads * hd;
 
   // Row r = (query r / G, head g * G + r % G); rows past `rows` are zero padding (never
   // written out; they see key 0 so their softmax stays finite).
@@ -350,16 +371,8 @@ void attend_item(const Chunks& p, const Item& it, Scratch& w) {
   for (int64_t kb = 0; kb < key_end; kb += kKeys) {
     const int n = static_cast<int>(std::min<int64_t>(kKeys, key_end - kb));
     const int n2 = (n + 1) & ~1;
-    // The block's slots (V is read in place), and its keys packed for Q K^T's broadcasts.
-    T* kc = reinterpret_cast<T*>(w.kc.data());
-    int64_t block = kb / p.block_size, in_block = kb % p.block_size;
-    for (int j = 0; j < n; ++j) {
-      const T* slot = cache + (table[block] * p.block_size + in_block) * slot_stride;
-      w.slots[j] = slot;
-      std::memcpy(kc + static_cast<int64_t>(j) * hd, slot + k_off, sizeof(T) * hd);
-      if (++in_block == p.block_size) in_block = 0, ++block;
-    }
-    scores<T, PAIRS, HD>(w, rp, hd, n, p.scale);
+    const Packed& b = blocks[kb / kKeys];
+    scores<T, PAIRS, HD>(w, b, rp, hd, n, p.scale);
     if (kb + n - 1 > first_pos) {  // some key past the first query: the diagonal's mask
       for (int r = 0; r < rp; ++r)
         w.pos[r] = static_cast<int32_t>(std::min<int64_t>(first_pos + r / G - kb, kKeys));
@@ -367,7 +380,7 @@ void attend_item(const Chunks& p, const Item& it, Scratch& w) {
     } else {
       softmax_block<PAIRS, false>(w, rp, n, n2);
     }
-    accumulate<T, PAIRS, HD>(w, rp, hd, n, n2, v_off);
+    accumulate<T, PAIRS, HD>(w, b, rp, hd, n, n2);
   }
 
   for (int r = 0; r < rows; ++r) {
@@ -392,11 +405,46 @@ void run(const Chunks& p, int num_threads) {
   const int G = p.num_heads / p.num_kv_heads;
   const int rp = (kQueries * G + kRowAlign - 1) / kRowAlign * kRowAlign;
   const int num_items = static_cast<int>(items.size());
+  const int hd = HD > 0 ? HD : p.head_dim;
+  // Every (chunk, kv head, key block), packed once and shared by the items that read it
+  // (each block is read by every query block after it: ~context / 64 items).
+  std::vector<int64_t> first_block(p.num_chunks + 1, 0);  // chunk c's at [c] + g * count
+  for (int c = 0; c < p.num_chunks; ++c) {
+    const int64_t count = (p.start_position[c] + p.query_len[c] + kKeys - 1) / kKeys;
+    first_block[c + 1] = first_block[c] + count * p.num_kv_heads;
+  }
+  const int64_t num_blocks = first_block[p.num_chunks];
+  const size_t block_room = static_cast<size_t>(kKeys) * hd;  // floats, for K and for V
+  // Kept by the calling thread from call to call (each layer's call needs the same room): a
+  // fresh allocation of this size is a fresh mapping, page-faulted in again every call. Its
+  // size: about twice one layer's K/V of the step's longest contexts, in float32.
+  thread_local std::vector<float> room;
+  if (room.size() < 2 * num_blocks * block_room) room.resize(2 * num_blocks * block_room);
+  float* const k_room = room.data();
+  float* const v_room = k_room + num_blocks * block_room;
+  std::vector<Packed> packed(num_blocks);
+  for (int64_t i = 0; i < num_blocks; ++i)
+    packed[i] = {k_room + i * block_room, v_room + i * block_room};
 #pragma omp parallel num_threads(num_threads)
   {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < num_blocks; ++i) {
+      const int c = static_cast<int>(
+          std::upper_bound(first_block.begin(), first_block.end(), i) - first_block.begin() - 1);
+      const int64_t count = (first_block[c + 1] - first_block[c]) / p.num_kv_heads;
+      const int64_t local = i - first_block[c];
+      pack_block<T, PAIRS, HD>(p, c, static_cast<int>(local / count), local % count,
+                               reinterpret_cast<T*>(k_room + i * block_room),
+                               v_room + i * block_room);
+    }
     Scratch w(rp, p.head_dim);
 #pragma omp for schedule(dynamic, 1)
-    for (int k = 0; k < num_items; ++k) attend_item<T, PAIRS, HD>(p, items[k], w);
+    for (int k = 0; k < num_items; ++k) {
+      const Item& it = items[k];
+      const int64_t count = (first_block[it.chunk + 1] - first_block[it.chunk]) / p.num_kv_heads;
+      attend_item<T, PAIRS, HD>(p, it, w,
+                                packed.data() + first_block[it.chunk] + it.kv_head * count);
+    }
   }
 }
 
