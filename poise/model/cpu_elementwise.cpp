@@ -1,13 +1,15 @@
 // Fused elementwise ops of the decoder layer for bfloat16 on CPU (model/elementwise.py):
 //   RMSNorm, optionally after the residual add:  x = x + delta; out = norm(x) * weight
 //   SiLU and multiply of the fused gate/up output: out = silu(gate) * up
+//   RoPE of the q and k heads, in place in the qkv output
 // Why: in torch each is 2-6 passes over [T, hidden] or [T, intermediate] (the float copy, the
 // square, the mean, the scale, the bf16 copy, the weight; SiLU on a strided view, then the
 // product), ~10 % of a long prefill's time; here each is one pass over rows that stay in L1.
 //
 // Roundings are transformers' (and torch's bf16 ops'): the residual sum rounded to bf16; the
 // norm in float32 (mean of squares, times 1/sqrt(var + eps)), rounded to bf16, THEN times the
-// bf16 weight and rounded again; SiLU in float32 rounded to bf16, then the product rounded.
+// bf16 weight and rounded again; SiLU in float32 rounded to bf16, then the product rounded;
+// RoPE's two products each rounded, then their sum (bit-identical to torch's ops).
 // Not bit-identical to torch: the mean's summation order, and exp (Cephes' polynomial here,
 // torch's own vectorised one there), can move a value across a bf16 rounding boundary (one ulp).
 //
@@ -139,6 +141,37 @@ void silu_mul_row(const bf16* gate, const bf16* up, bf16* out, int64_t n) {
   }
 }
 
+// RoPE (HF rotate_half) on bf16 q/k heads in place: x = x * cos + rotate_half(x) * sin, each
+// product rounded to bf16, then the sum (torch's three bf16 ops on the tables of
+// model/rope.py: cos = [c, c], sin = [-s, s], so rotate_half's sign is in the table).
+void rope_row(bf16* x, const bf16* cos, const bf16* sin, int heads, int64_t head_stride, int hd) {
+  const int half = hd / 2;
+  for (int h = 0; h < heads; ++h) {
+    bf16* v = x + h * head_stride;
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= half; i += 16) {
+      const __m512 a = load16(v + i), b = load16(v + half + i);
+      const __m512 lo = _mm512_add_ps(round_bf16_16(_mm512_mul_ps(a, load16(cos + i))),
+                                      round_bf16_16(_mm512_mul_ps(b, load16(sin + i))));
+      const __m512 hi =
+          _mm512_add_ps(round_bf16_16(_mm512_mul_ps(b, load16(cos + half + i))),
+                        round_bf16_16(_mm512_mul_ps(a, load16(sin + half + i))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + i), to_bf16_16(lo));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + half + i), to_bf16_16(hi));
+    }
+#endif
+    for (; i < half; ++i) {
+      const float a = to_float(v[i]), b = to_float(v[half + i]);
+      const float lo = round_bf16(a * to_float(cos[i])) + round_bf16(b * to_float(sin[i]));
+      const float hi =
+          round_bf16(b * to_float(cos[half + i])) + round_bf16(a * to_float(sin[half + i]));
+      v[i] = to_bf16(lo);
+      v[half + i] = to_bf16(hi);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -167,6 +200,20 @@ int poise_silu_mul_bf16(const void* gate_up, int64_t in_stride, void* out, int64
     const bf16* row = static_cast<const bf16*>(gate_up) + r * in_stride;
     silu_mul_row(row, row + n, static_cast<bf16*>(out) + r * out_stride, n);
   }
+  return 0;
+}
+
+// x: T tokens of `heads` heads of hd values (token stride x_stride, head stride head_stride),
+// rotated in place; cos / sin: [T, hd] tables of each token's position (row stride table_stride).
+int poise_rope_bf16(void* x, int64_t x_stride, int64_t head_stride, int heads, int hd,
+                    const void* cos, const void* sin, int64_t table_stride, int64_t tokens,
+                    int num_threads) {
+  if (tokens < 0 || heads <= 0 || hd <= 0 || hd % 2 != 0) return -1;
+#pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
+  for (int64_t t = 0; t < tokens; ++t)
+    rope_row(static_cast<bf16*>(x) + t * x_stride,
+             static_cast<const bf16*>(cos) + t * table_stride,
+             static_cast<const bf16*>(sin) + t * table_stride, heads, head_stride, hd);
   return 0;
 }
 

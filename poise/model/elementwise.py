@@ -1,7 +1,7 @@
 """Fused bfloat16 elementwise ops on CPU (cpu_elementwise.cpp): build, load, call.
 
 ``rms_norm`` (optionally after the residual add) and ``silu_mul`` for llama.py's RMSNorm and
-MLP. Used only for bfloat16 tensors on CPU whose rows are contiguous; float32 keeps torch's
+MLP, ``rope`` for rope.py's rotation. Used only for bfloat16 tensors on CPU whose rows are contiguous; float32 keeps torch's
 ops (bit-identical to transformers there), and without a compiler (or with
 ``POISE_DISABLE_CPU_KERNEL``) everything stays on torch. Measured in benchmarks/RESULTS.md
 ("Cold prefill of one long prompt").
@@ -48,7 +48,12 @@ def load_elementwise_kernel() -> Any:
         i64, i64, ctypes.c_float, ctypes.c_int,  # rows, dim, eps, threads
     ]  # fmt: skip
     lib.poise_silu_mul_bf16.argtypes = [ptr, i64, ptr, i64, i64, i64, ctypes.c_int]
-    lib.poise_rms_norm_bf16.restype = lib.poise_silu_mul_bf16.restype = ctypes.c_int
+    lib.poise_rope_bf16.argtypes = [
+        ptr, i64, i64, ctypes.c_int, ctypes.c_int,  # x, token and head strides, heads, hd
+        ptr, ptr, i64, i64, ctypes.c_int,  # cos, sin, their row stride, tokens, threads
+    ]  # fmt: skip
+    for fn in (lib.poise_rms_norm_bf16, lib.poise_silu_mul_bf16, lib.poise_rope_bf16):
+        fn.restype = ctypes.c_int
     return lib
 
 
@@ -92,6 +97,32 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rc != 0:
         raise ValueError(f"silu_mul kernel rejected shape [{rows}, {width}]")
     return out
+
+
+def rope_applies(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether ``rope`` takes these: bf16 on CPU, x [T, heads, hd] with contiguous heads, the
+    tables [T, 1, hd] with contiguous rows."""
+    return (
+        x.dim() == 3
+        and x.stride(2) == 1
+        and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2])
+        and cos.stride() == sin.stride()
+        and cos.stride(2) == 1
+        and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in (x, cos, sin))
+        and load_elementwise_kernel() is not None
+    )
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate x [T, heads, hd] in place by the tables [T, 1, hd] (see rope.RotaryEmbedding)."""
+    lib = load_elementwise_kernel()
+    tokens, heads, hd = x.shape
+    rc = lib.poise_rope_bf16(
+        x.data_ptr(), x.stride(0), x.stride(1), heads, hd, cos.data_ptr(), sin.data_ptr(),
+        cos.stride(0), tokens, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"rope kernel rejected shape [{tokens}, {heads}, {hd}]")
 
 
 if __name__ == "__main__":  # `python -m poise.model.elementwise`: build ahead of time

@@ -13,6 +13,7 @@ import math
 import torch
 
 from poise.checkpoint.arch import RopeConfig
+from poise.model import elementwise
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -73,6 +74,12 @@ def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Rotate x [T, heads, hd] by tables [T, 1, hd] (see RotaryEmbedding); writes into
-    ``out`` when given (it may alias x: both products are taken before the write)."""
+    ``out`` when given (it may alias x: both products are taken before the write). bf16 on
+    CPU: one pass of the fused kernel (model/elementwise.py), the same roundings."""
+    if out is not None and elementwise.rope_applies(out, cos, sin) and out.shape == x.shape:
+        if out.data_ptr() != x.data_ptr() or out.stride() != x.stride():
+            out.copy_(x)
+        elementwise.rope(out, cos, sin)
+        return out
     swapped = x.roll(x.shape[-1] // 2, dims=-1)  # [x2, x1]
     return torch.add(x * cos, swapped * sin, out=out)  # [x1 c - x2 s, x2 c + x1 s]

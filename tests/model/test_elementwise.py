@@ -64,3 +64,25 @@ def test_rmsnorm_module_uses_the_kernel_only_where_it_applies() -> None:
     h, out = norm.add_and_norm(xb.clone(), xb)
     assert torch.equal(h, xb + xb)
     assert _ulps(out, F.rms_norm(h.float(), (64,), None, 1e-6).bfloat16() * norm.weight) <= 1.01
+
+
+@pytest.mark.parametrize(("tokens", "head_dim"), [(1, 64), (50, 64), (7, 128), (3, 24)])
+def test_rope_is_torchs(tokens: int, head_dim: int) -> None:
+    from poise.checkpoint.arch import RopeConfig
+    from poise.model.rope import RotaryEmbedding, apply_rope
+
+    gen = torch.Generator().manual_seed(tokens + head_dim)
+    rotary = RotaryEmbedding(
+        RopeConfig(theta=10000.0), head_dim, 4096, torch.bfloat16, torch.device("cpu")
+    )
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    cos, sin = rotary.tables(positions)
+    qkv = (4 * torch.randn(tokens, 5, head_dim, generator=gen)).bfloat16()
+    x = qkv[:, :3]  # q and k heads of a wider qkv row, as the model rotates them
+    swapped = x.roll(head_dim // 2, dims=-1)
+    want = x * cos + swapped * sin  # torch's ops (the fallback), three bf16 roundings
+    untouched = qkv[:, 3:].clone()
+    assert elementwise.rope_applies(x, cos, sin)
+    apply_rope(x, cos, sin, out=x)  # in place, through the kernel
+    assert torch.equal(x, want)
+    assert torch.equal(qkv[:, 3:], untouched)
