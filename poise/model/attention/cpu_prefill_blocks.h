@@ -1,0 +1,260 @@
+// The block math of the prefill kernel (cpu_prefill_attention.cpp): one item's per-thread
+// buffers, and for one key block Q K^T, the online softmax step and P V. Included by that one
+// file only (a header to keep each file short); numerics as described there.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "cpu_attention_common.h"
+
+namespace poise_prefill {
+
+using namespace poise_attention;
+
+constexpr int kKeys = 64;      // keys per block
+constexpr int kRowAlign = 32;  // an item's rows, padded: two 16-lane groups at a time
+// Register tiles (16 accumulators each; measured on Zen 5 against 24-accumulator tiles, which
+// spill): Q K^T takes kQkKeys keys x kQkRowVectors x 16 rows, P V kPvRows rows x head_dim.
+constexpr int kQkKeys = 8;
+constexpr int kQkRowVectors = 2;
+constexpr int kPvRows = 4;
+
+// Per-thread buffers of one item, rows padded to rp (a multiple of kRowAlign). Q and the
+// scores are stored transposed (row index fastest), so one vector holds 16 rows: Q K^T
+// broadcasts each key element against 16 rows' q, and the softmax runs 16 rows per vector.
+struct Scratch {
+  std::vector<float> qt;     // [hd][rp] Q transposed (float path)
+  std::vector<uint32_t> qp;  // [hd/2][rp] Q as bf16 pairs of head dims (dpbf16 path)
+  std::vector<float> st;     // [kKeys][rp] scores, then probabilities
+  std::vector<uint32_t> pp;  // [kKeys/2][rp] probabilities as bf16 pairs of keys
+  std::vector<float> o, m, l, corr;
+  std::vector<int32_t> pos;  // [rp] the row's query position minus the block's first key
+  Scratch(int rp, int hd)
+      : qt(static_cast<size_t>(hd) * rp), qp(static_cast<size_t>(hd) * rp),
+        st(static_cast<size_t>(kKeys) * rp), pp(static_cast<size_t>(kKeys) * rp),
+        o(static_cast<size_t>(rp) * hd), m(rp), l(rp), corr(rp), pos(rp) {}
+};
+
+// One key block of one kv head, packed once per call for every item that reads it: its keys
+// as rows of T, its values as bf16 pairs of keys [kKeys/2][hd][2] (dpbf16 path) or float
+// rows [kKeys][hd] (float path). Both are kKeys * hd floats of room.
+struct Packed {
+  const void* k;   // [kKeys][hd] T
+  const float* v;  // as above
+};
+
+#if defined(__AVX512F__)
+// acc + a * b: float lanes (fma), or on the PAIRS path 16 lanes of bf16 pairs (dpbf16).
+template <bool PAIRS>
+inline __m512 madd(__m512 acc, __m512 a, __m512 b) {
+#if defined(__AVX512BF16__)
+  if constexpr (PAIRS)
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+#endif
+  return _mm512_fmadd_ps(a, b, acc);
+}
+
+// Scores of NJ keys (from j0) for RV x 16 rows (from r0): st[j][r] = scale * q_r . k_j, the
+// key's elements broadcast (a bf16 pair per dpbf16 on the PAIRS path) against the rows' q.
+template <typename T, bool PAIRS, int HD, int NJ, int RV>
+inline void qk_tile(Scratch& w, const Packed& b, int rp, int r0, int j0, float scale) {
+  constexpr int kSteps = PAIRS ? HD / 2 : HD;
+  const T* k = static_cast<const T*>(b.k) + j0 * HD;  // key t at k + t * HD
+  const float* qsrc = (PAIRS ? reinterpret_cast<const float*>(w.qp.data()) : w.qt.data()) + r0;
+  __m512 acc[NJ][RV];
+  for (int t = 0; t < NJ; ++t)
+    for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_setzero_ps();
+  for (int d = 0; d < kSteps; ++d) {
+    __m512 q[RV];
+    for (int v = 0; v < RV; ++v) q[v] = _mm512_loadu_ps(qsrc + d * rp + 16 * v);
+    for (int t = 0; t < NJ; ++t) {
+      __m512 b;
+      if constexpr (PAIRS) {
+        uint32_t pair;
+        std::memcpy(&pair, k + t * HD + 2 * d, sizeof pair);
+        b = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(pair)));
+      } else {
+        b = _mm512_set1_ps(to_float(k[t * HD + d]));
+      }
+      for (int v = 0; v < RV; ++v) acc[t][v] = madd<PAIRS>(acc[t][v], b, q[v]);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int t = 0; t < NJ; ++t)
+    for (int v = 0; v < RV; ++v)
+      _mm512_storeu_ps(&w.st[(j0 + t) * rp + r0 + 16 * v], _mm512_mul_ps(acc[t][v], sc));
+}
+
+// All rows against keys j0 .. j0 + NJ - 1: tiles of RV row vectors, then of two.
+template <typename T, bool PAIRS, int HD, int NJ, int RV>
+inline void qk_keys(Scratch& w, const Packed& b, int rp, int j0, float scale) {
+  int r = 0;
+  for (; r + 16 * RV <= rp; r += 16 * RV) qk_tile<T, PAIRS, HD, NJ, RV>(w, b, rp, r, j0, scale);
+  for (; r < rp; r += 32) qk_tile<T, PAIRS, HD, NJ, 2>(w, b, rp, r, j0, scale);
+}
+#endif
+
+template <typename T, bool PAIRS, int HD>
+void scores(Scratch& w, const Packed& b, int rp, int hd, int n, float scale) {
+#if defined(__AVX512F__)
+  if constexpr (HD > 0) {
+    int j = 0;
+    for (; j + kQkKeys <= n; j += kQkKeys) qk_keys<T, PAIRS, HD, kQkKeys, kQkRowVectors>(w, b, rp, j, scale);
+    for (; j < n; ++j) qk_keys<T, PAIRS, HD, 1, kQkRowVectors>(w, b, rp, j, scale);
+    return;
+  }
+#endif
+  for (int j = 0; j < n; ++j) {
+    const T* k = static_cast<const T*>(b.k) + static_cast<int64_t>(j) * hd;
+    float* sj = &w.st[j * rp];
+    std::fill(sj, sj + rp, 0.0f);
+    for (int d = 0; d < hd; ++d) {
+      const float kd = to_float(k[d]) * scale;
+      const float* qd = &w.qt[d * rp];
+#pragma omp simd
+      for (int r = 0; r < rp; ++r) sj[r] += kd * qd[r];
+    }
+  }
+}
+
+// Online softmax step for every row over the block's n keys (key j visible to row r iff
+// j <= pos[r]; MASKED: the block crosses the diagonal, else every key is visible to every row):
+// P = e^(S - m') (0 where not visible, up to n2 = n rounded up to even), m, l updated, corr =
+// e^(m - m') for the rows' accumulated O. P goes to pp as bf16 pairs of keys on the PAIRS path
+// (rounded once, as P V takes it; l sums the float values), else back into st.
+#if defined(__AVX512F__)
+template <bool MASKED>
+inline __mmask16 visible(__m512i pos, int j, int n) {
+  if (j >= n) return 0;
+  if constexpr (MASKED) return _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(j));
+  return 0xffff;
+}
+
+// (p_2jp, p_2jp+1) of 16 rows -> 16 bf16 pairs (key 2jp in the low half), in row order.
+inline __m512i pack_pairs(__m512 even, __m512 odd) {
+  // cvtne2ps puts `even` rounded in elements 0-15 and `odd` in 16-31; interleave them.
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  return _mm512_permutexvar_epi16(
+      order, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even)));
+}
+#endif
+
+template <bool PAIRS, bool MASKED>
+inline void softmax_block(Scratch& w, int rp, int n, int n2) {
+#if defined(__AVX512F__)
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  for (int r = 0; r < rp; r += 16) {
+    const __m512i pos = _mm512_loadu_si512(&w.pos[r]);
+    // Two running maxima (max is exact, so the split changes nothing) hide its latency.
+    __m512 mx0 = _mm512_set1_ps(-kInf), mx1 = mx0;
+    for (int j = 0; j < n2; j += 2) {
+      mx0 = _mm512_mask_max_ps(mx0, visible<MASKED>(pos, j, n), mx0,
+                               _mm512_loadu_ps(&w.st[j * rp + r]));
+      mx1 = _mm512_mask_max_ps(mx1, visible<MASKED>(pos, j + 1, n), mx1,
+                               _mm512_loadu_ps(&w.st[(j + 1) * rp + r]));
+    }
+    const __m512 m_old = _mm512_loadu_ps(&w.m[r]);
+    // finite: key 0 is visible to every row
+    const __m512 m_new = _mm512_max_ps(m_old, _mm512_max_ps(mx0, mx1));
+    const __m512 corr = exp_nonpositive16(_mm512_sub_ps(m_old, m_new));
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < n2; j += 2) {
+      __m512 e[2];
+      for (int t = 0; t < 2; ++t) {
+        const __m512 s = _mm512_loadu_ps(&w.st[(j + t) * rp + r]);
+        e[t] = _mm512_maskz_mov_ps(visible<MASKED>(pos, j + t, n),
+                                   exp_nonpositive16(_mm512_sub_ps(s, m_new)));
+        sum = _mm512_add_ps(sum, e[t]);
+      }
+#if defined(__AVX512BF16__)
+      if constexpr (PAIRS) {
+        _mm512_storeu_si512(&w.pp[(j / 2) * rp + r], pack_pairs(e[0], e[1]));
+        continue;
+      }
+#endif
+      _mm512_storeu_ps(&w.st[j * rp + r], e[0]);
+      _mm512_storeu_ps(&w.st[(j + 1) * rp + r], e[1]);
+    }
+    _mm512_storeu_ps(&w.m[r], m_new);
+    _mm512_storeu_ps(&w.l[r], _mm512_fmadd_ps(_mm512_loadu_ps(&w.l[r]), corr, sum));
+    _mm512_storeu_ps(&w.corr[r], corr);
+  }
+#else
+  for (int r = 0; r < rp; ++r) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int j = 0; j < n && j <= w.pos[r]; ++j) mx = std::max(mx, w.st[j * rp + r]);
+    const float m_new = std::max(w.m[r], mx);
+    const float corr = std::exp(w.m[r] - m_new);
+    float sum = 0.0f;
+    for (int j = 0; j < n2; ++j) {
+      float& s = w.st[j * rp + r];
+      s = j < n && j <= w.pos[r] ? exp_nonpositive(s - m_new) : 0.0f;
+      sum += s;
+    }
+    w.m[r] = m_new;
+    w.l[r] = w.l[r] * corr + sum;
+    w.corr[r] = corr;
+  }
+#endif
+}
+
+#if defined(__AVX512F__)
+// PV for NR rows from r0 over `steps` keys (or key pairs): the rows' O (times corr) held in
+// NR x HD/16 registers, each V vector (pair) loaded once for the NR rows.
+template <typename T, bool PAIRS, int HD, int NR>
+inline void pv_rows(Scratch& w, const float* vsrc, int rp, int r0, int steps) {
+  constexpr int NV = HD / 16;
+  const float* psrc = PAIRS ? reinterpret_cast<const float*>(w.pp.data()) : w.st.data();
+  __m512 acc[NR][NV];
+  for (int i = 0; i < NR; ++i) {
+    const __m512 c = _mm512_set1_ps(w.corr[r0 + i]);
+    for (int v = 0; v < NV; ++v)
+      acc[i][v] = _mm512_mul_ps(_mm512_loadu_ps(&w.o[(r0 + i) * HD + v * 16]), c);
+  }
+  for (int j = 0; j < steps; ++j) {
+    __m512 vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_ps(vsrc + j * HD + v * 16);
+    for (int i = 0; i < NR; ++i) {
+      const __m512 p = _mm512_set1_ps(like_t<T, PAIRS>(psrc[j * rp + r0 + i]));
+      for (int v = 0; v < NV; ++v) acc[i][v] = madd<PAIRS>(acc[i][v], p, vv[v]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(&w.o[(r0 + i) * HD + v * 16], acc[i][v]);
+}
+#endif
+
+// O[r] = O[r] * corr[r] + sum_j P[r][j] V[j] over the block's keys. PAIRS: P (rounded to bf16,
+// as flash attention does; its sum l stays float) and V in bf16, two keys per dpbf16.
+template <typename T, bool PAIRS, int HD>
+void accumulate(Scratch& w, const Packed& b, int rp, int hd, int n, int n2) {
+#if defined(__AVX512F__)
+  if constexpr (HD > 0) {
+    const int steps = PAIRS ? n2 / 2 : n;  // key pairs, or keys
+    int r0 = 0;  // tiles of kPvRows rows, then of two (rp is a multiple of 32)
+    for (; r0 + kPvRows <= rp; r0 += kPvRows) pv_rows<T, PAIRS, HD, kPvRows>(w, b.v, rp, r0, steps);
+    for (; r0 < rp; r0 += 2) pv_rows<T, PAIRS, HD, 2>(w, b.v, rp, r0, steps);
+    return;
+  }
+#endif
+  (void)n2;
+  for (int r = 0; r < rp; ++r) {
+    float* o = &w.o[r * hd];
+    const float c = w.corr[r];
+    for (int d = 0; d < hd; ++d) o[d] *= c;
+    for (int j = 0; j < n; ++j) {
+      const float p = like_t<T, false>(w.st[j * rp + r]);
+      const float* v = b.v + j * hd;
+#pragma omp simd
+      for (int d = 0; d < hd; ++d) o[d] += p * v[d];
+    }
+  }
+}
+
+}  // namespace poise_prefill
