@@ -22,36 +22,24 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "attention/cpu_attention_common.h"  // bf16 conversions, load16, exp16
 
 namespace {
 
-using bf16 = uint16_t;
+using poise_attention::bf16;
+using poise_attention::to_float;
 
-inline float to_float(bf16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline bf16 to_bf16(float x) {  // round to nearest even, NaN kept quiet
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<bf16>(bits >> 16);
+inline bf16 to_bf16(float x) {
+  bf16 b;
+  poise_attention::from_float(x, &b);
+  return b;
 }
 
 inline float round_bf16(float x) { return to_float(to_bf16(x)); }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const bf16* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
+using poise_attention::exp16;
+using poise_attention::load16;
 
 // 16 floats -> bf16, round to nearest even (NaN inputs do not occur here: finite activations).
 inline __m256i to_bf16_16(__m512 x) {
@@ -64,24 +52,6 @@ inline __m256i to_bf16_16(__m512 x) {
 
 inline __m512 round_bf16_16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_16(x)), 16));
-}
-
-// e^x on 16 lanes (Cephes: 2^n * p(r), r in [-ln2/2, ln2/2]); overflows to +inf, underflows
-// to 0 through scalef.
-inline __m512 exp16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
 }
 #endif
 

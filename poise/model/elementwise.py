@@ -22,6 +22,7 @@ from poise.model.cpu_build import build_library
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu_elementwise.cpp"
+HEADER = Path(__file__).parent / "attention" / "cpu_attention_common.h"
 _FALLBACK = "RMSNorm and SiLU use torch's ops"
 
 
@@ -31,7 +32,7 @@ def load_elementwise_kernel() -> Any:
     it cannot be built."""
     import torch  # noqa: F401  (first: the library must bind to torch's libgomp)
 
-    target = build_library("cpu_elementwise", [SOURCE], [], _FALLBACK)
+    target = build_library("cpu_elementwise", [SOURCE], [HEADER], _FALLBACK)
     if target is None:
         return None
     try:

@@ -60,9 +60,9 @@ inline float exp_nonpositive(float x) {
 }
 
 #if defined(__AVX512F__)
-// exp_nonpositive on 16 lanes (same polynomial; the scalar loop does not vectorise by itself).
-inline __m512 exp_nonpositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+// e^x on 16 lanes, the polynomial of exp_nonpositive (the scalar loop does not vectorise by
+// itself); overflows to +inf and underflows to 0 through scalef. Also cpu_elementwise.cpp's.
+inline __m512 exp16(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(
       _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
       _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -77,6 +77,11 @@ inline __m512 exp_nonpositive16(__m512 x) {
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   // p * 2^n in one instruction (the same IEEE product as building 2^n's bits and multiplying).
   return _mm512_scalef_ps(p, n);
+}
+
+// exp_nonpositive on 16 lanes (the same clamp, so the same values).
+inline __m512 exp_nonpositive16(__m512 x) {
+  return exp16(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)));
 }
 
 // 16 values widened to float (bf16: the bits shifted into a float's high half).
