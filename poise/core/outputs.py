@@ -104,6 +104,9 @@ class ModelRunnerOutput:
     # token's logprob, and one entry per target of the chunk's PromptLogprobSpan.
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # request_id -> why the step could not produce its token (its logits were NaN or inf):
+    # the engine finishes those requests with an error; they have no sampled token.
+    failed: dict[str, str] = field(default_factory=dict)
 
     def record_prompt_logprobs(self, request: Request, sched: ScheduledRequest) -> None:
         """Append the prompt logprobs ``sched``'s chunk scored (its span's targets, in order) to

@@ -11,7 +11,8 @@ One step::
 No torch and no wall clock here: the executor, the clock and the observers are injected when
 the engine is built (nothing replaces them later), so the simulator runs exactly this code with
 a SimExecutor and a VirtualClock. A step that raises after scheduling raises StepFailedError
-naming the requests it scheduled. ``snapshot()`` is the read-only state the server publishes.
+naming the requests it scheduled; a request the executor reports in ``result.failed`` (its
+logits were NaN or inf) finishes alone with an error and the step goes on for the others. ``snapshot()`` is the read-only state the server publishes.
 """
 
 from __future__ import annotations
@@ -278,7 +279,14 @@ class EngineCore:
             result = self._executor.execute(output)
             for observer in self._observers:
                 observer.on_step_end(output, result)
-            return self.scheduler.update(output, result, self.clock.now())
+            # Requests the runner could not produce a token for (non-finite logits) finish
+            # with an error first, their blocks freed; update then skips them as aborted.
+            failed = [d for rid, why in result.failed.items() for d in self.fail([rid], why)]
+            for rid, why in result.failed.items():
+                logger.warning("request %s failed: %s", rid, why)
+            deltas, stats = self.scheduler.update(output, result, self.clock.now())
+            stats.num_finished += len(failed)
+            return failed + deltas, stats
         except Exception as exc:
             for observer in self._observers:
                 observer.on_step_failed(output, exc)

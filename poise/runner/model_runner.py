@@ -20,6 +20,7 @@ from poise.model.attention import AttentionBackend
 from poise.model.llama import KVCache, LlamaForCausalLM
 from poise.runner.inputs import build_step_inputs
 from poise.runner.logprobs import prompt_logprobs, raw_logprobs, sampled_logprobs
+from poise.runner.nonfinite import NONFINITE_MESSAGE, nonfinite_rows
 from poise.runner.sampler import sample
 from poise.runner.structured import mask_logits
 
@@ -65,6 +66,8 @@ class ModelRunner:
         if not sampled:
             return ModelRunnerOutput(prompt_logprobs=prompt_lp)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V] float32
+        # NaN / inf rows fail their request only (runner/nonfinite.py); their rows are zeroed.
+        failed = {sampled[i].request_id: NONFINITE_MESSAGE for i in nonfinite_rows(logits)}
         # Raw logprobs: from the logits before the sampler touches them.
         raw = raw_logprobs(logits, sampled)
         mask_logits(logits, [r.grammar for r in sampled])  # structured output: allowed tokens
@@ -76,8 +79,13 @@ class ModelRunner:
             histories=[r.token_history for r in sampled],
             eos_token_ids=self.eos_token_ids,
         )
-        return ModelRunnerOutput(
+        out = ModelRunnerOutput(
             {r.request_id: t for r, t in zip(sampled, tokens, strict=True)},
             logprobs=sampled_logprobs(raw, sampled, tokens),
             prompt_logprobs=prompt_lp,
+            failed=failed,
         )
+        for rid in failed:  # a token sampled from zeros means nothing
+            out.sampled_token_ids.pop(rid)
+            out.logprobs.pop(rid, None)
+        return out

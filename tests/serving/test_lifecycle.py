@@ -439,7 +439,10 @@ def test_a_soak_at_saturation(smol_tokenizer: Any) -> None:
     warm = [rss for t, rss in samples if t >= samples[0][0] + min(30.0, duration / 4)]
     half = len(warm) // 2
     first, second = sum(warm[:half]) / half, sum(warm[half:]) / (len(warm) - half)
-    print(f"soak {duration:g} s: {statuses}, RSS {first / 2**20:.0f} -> {second / 2**20:.0f} MiB")
+    quarters = [warm[i * len(warm) // 4 : (i + 1) * len(warm) // 4] for i in range(4)]
+    trend = " -> ".join(f"{sum(q) / len(q) / 2**20:.0f}" for q in quarters if q)
+    print(f"soak {duration:g} s: {statuses}, RSS {first / 2**20:.0f} -> {second / 2**20:.0f} MiB"
+          f" (quarters after warm-up: {trend} MiB)")  # fmt: skip
     assert second - first < 32 * 2**20, (first, second)  # no growth trend between the halves
 
 
