@@ -26,6 +26,7 @@ from pydantic.config import JsonDict
 
 from poise.errors import InvalidRequestError
 from poise.serving.protocol import ChatMessage
+from poise.serving.tool_calls import ToolDefinition, checked_template_kwargs
 from poise.text.tokenizer import apply_chat_template, encode_prompt
 
 # Exactly one of the two inputs, in the published schema as in the validator below.
@@ -49,8 +50,10 @@ class TokenizeRequest(BaseModel):
     # Refused when given (below): a template is code the server runs; the operator's is
     # --chat-template.
     chat_template: str | None = Field(None, json_schema_extra={"enum": [None]})
+    # Validated as the chat endpoint's: tool definitions, and no key that replaces one of
+    # the template call's own arguments.
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -94,17 +97,12 @@ def add_tokenize_routes(app: FastAPI, state: Any) -> None:
         try:
             if req.messages is not None:
                 messages = [m.model_dump(exclude_none=True) for m in req.messages]
-                kwargs = dict(req.chat_template_kwargs or {})
-                clash = sorted(_RESERVED_KWARGS & set(kwargs))
-                if clash:
-                    return error_response(
-                        400, f"chat_template_kwargs: {clash} are set by the request's own fields",
-                        param="chat_template_kwargs",
-                    )  # fmt: skip
+                kwargs = checked_template_kwargs(req.chat_template_kwargs)
+                tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
                 ids = await gen.call_tokenizer(
                     lambda: apply_chat_template(
                         gen.tokenizer, messages, req.add_generation_prompt,
-                        tools=req.tools, **kwargs,
+                        tools=tools, **kwargs,
                     )
                 )  # fmt: skip
                 if req.add_special_tokens:
@@ -164,7 +162,3 @@ def _with_special(tokenizer: Any, ids: list[int]) -> list[int]:
     )
     return [int(t) for t in built]
 
-
-# render_chat's own arguments: a chat_template_kwargs key naming one collided with it (a 500).
-_RESERVED_KWARGS = frozenset({"tokenizer", "messages", "add_generation_prompt", "chat_template",
-                              "tools"})  # fmt: skip

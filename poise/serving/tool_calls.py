@@ -35,8 +35,9 @@ from poise.text.tool_calls import (
 if TYPE_CHECKING:  # generation.py imports this module
     from poise.serving.generation import Piece
 
-# apply_chat_template's own arguments: a chat_template_kwargs key may not replace them.
-_RESERVED_KWARGS = ("conversation", "messages", "tools", "documents", "chat_template",
+# apply_chat_template's own arguments (and poise's render_chat's ``tokenizer``): a
+# chat_template_kwargs key may not replace them.
+_RESERVED_KWARGS = ("tokenizer", "conversation", "messages", "tools", "documents", "chat_template",
                     "add_generation_prompt", "continue_final_message", "tokenize", "padding",
                     "truncation", "max_length", "return_tensors", "return_dict",
                     "return_assistant_tokens_mask", "tokenizer_kwargs")  # fmt: skip
@@ -82,14 +83,21 @@ class ChatTemplateFields(BaseModel):
 def template_kwargs(req: ChatTemplateFields) -> dict[str, Any]:
     """Keywords for ``text.apply_chat_template``: the request's template, tools and
     ``chat_template_kwargs`` (a key that would replace one of its arguments is a 400)."""
-    extra = dict(req.chat_template_kwargs or {})
+    extra = checked_template_kwargs(req.chat_template_kwargs)
+    return {"chat_template": req.chat_template, "tools": req.tool_dicts(), **extra}
+
+
+def checked_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's ``chat_template_kwargs`` (chat and /tokenize alike), refused with a 400
+    when a key would replace one of apply_chat_template's own arguments."""
+    extra = dict(kwargs or {})
     clash = sorted(set(extra) & set(_RESERVED_KWARGS))
     if clash:
         raise InvalidRequestError(
             f"chat_template_kwargs may not set {clash}: they are request fields or fixed",
             "chat_template_kwargs",
         )
-    return {"chat_template": req.chat_template, "tools": req.tool_dicts(), **extra}
+    return extra
 
 
 @dataclass

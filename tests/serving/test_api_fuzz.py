@@ -272,15 +272,32 @@ def test_content_parts_that_are_not_text_are_400(
     [({"add_special_tokens": True}, 200),
      ({"chat_template_kwargs": {"add_generation_prompt": 5}}, 400),
      ({"chat_template_kwargs": {"messages": 1}}, 400),
-     ({"chat_template_kwargs": {"tokenize": True}}, 400)],
+     ({"chat_template_kwargs": {"tokenize": True}}, 400),
+     # Validated as the chat endpoint does (they used to reach the template as they were):
+     ({"chat_template_kwargs": {"return_dict": True}}, 400),
+     ({"chat_template_kwargs": {"documents": [{"x": 1}]}}, 400),
+     ({"chat_template_kwargs": {"tokenizer": 1}}, 400),
+     ({"chat_template_kwargs": {"enable_thinking": False}}, 200),
+     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 200),
+     ({"tools": [{}]}, 400),
+     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, 400),
+     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, 400)],
 )  # fmt: skip
-def test_tokenize_options_the_fuzz_found_500s_with(
-    fuzz_server: InProcessServer, body: dict[str, Any], status: int
+@pytest.mark.parametrize("route", ["/tokenize", "/v1/chat/completions"])
+def test_template_options_are_validated_alike_on_tokenize_and_chat(
+    fuzz_server: InProcessServer, body: dict[str, Any], status: int, route: str
 ) -> None:
     """add_special_tokens with messages called a method transformers 5's tokenizers lack; a
-    chat_template_kwargs key naming one of render_chat's arguments raised a TypeError."""
+    chat_template_kwargs key naming one of render_chat's arguments raised a TypeError; /tokenize
+    took any ``tools`` and more ``chat_template_kwargs`` keys than the chat endpoint."""
+    if route != "/tokenize" and "add_special_tokens" in body:
+        return  # a /tokenize field
     messages = [{"role": "user", "content": "x"}]
-    r = _post(fuzz_server, "/tokenize", {"messages": messages, **body})
+    extra: dict[str, Any] = {}
+    if route != "/tokenize":  # tools reach the template alone (auto choice needs a parser)
+        extra = {"max_tokens": 1, **({"tool_choice": "none"} if "tools" in body else {})}
+    r = _post(fuzz_server, route, {"messages": messages, **extra, **body})
     assert r.status_code == status, r.text
     if status == 400:
-        assert r.json()["error"]["param"] in ("chat_template_kwargs", "messages")
+        param = r.json()["error"]["param"] or ""
+        assert param.split(".")[0].split("[")[0] in ("chat_template_kwargs", "tools"), r.text
