@@ -9,6 +9,7 @@ The real app, AsyncEngine and SmolLM2 tokenizer around the scheduler tests' fake
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import random
@@ -177,6 +178,39 @@ def test_a_disconnect_storm_leaves_no_blocks_tasks_or_threads(smol_tokenizer: An
         aborted = metric_value(httpx.get(server.base_url + "/metrics").text,
                                "poise:request_success_total", finished_reason="abort")  # fmt: skip
         assert aborted >= STORM * 0.9, aborted  # the cut ones were aborted, not run to the end
+
+
+def test_streams_whose_client_left_before_the_response_started_are_aborted(
+    smol_tokenizer: Any,
+) -> None:
+    """A client that sends a streaming request and closes its connection at once is gone before
+    its response starts (here: while the engine is in a slow step and has not admitted it).
+    Starlette then cancels the response before its body is iterated, so nothing that closes the
+    body ran: each such request used to be generated to its end. They are aborted now."""
+    import socket
+
+    server, executor = _server(smol_tokenizer, max_num_seqs=64)
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True,
+                       "stream": True}).encode()  # fmt: skip
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    busy = {"prompt": [9, 9], "max_tokens": 4, "ignore_eos": True}
+    with server:
+        executor.delay_s = 0.3  # slow steps: new requests wait for the engine to admit them
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(httpx.post, server.base_url + "/v1/completions", json=busy,
+                                  timeout=30)  # fmt: skip
+            _wait(lambda: server.state.engine.core.scheduler.num_running == 1)
+            for _ in range(5):
+                with socket.create_connection(("127.0.0.1", server.port)) as sock:
+                    sock.sendall(head + body)
+            assert running.result().status_code == 200
+        executor.delay_s = 0.002  # 500 tokens each would take > 1 s from here
+        _wait(lambda: server.state.engine.num_in_flight == 0, timeout=30)
+        text = httpx.get(server.base_url + "/metrics", timeout=10).text
+        assert metric_value(text, "poise:request_success_total", finished_reason="abort") == 5
+        assert metric_value(text, "poise:request_success_total", finished_reason="length") == 1
+        assert server.state.engine.core.scheduler.kv_cache_usage == 0
 
 
 @pytest.mark.slow
