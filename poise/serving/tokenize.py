@@ -161,4 +161,3 @@ def _with_special(tokenizer: Any, ids: list[int]) -> list[int]:
         build(ids) if build is not None else [*tokenizer.encode("", add_special_tokens=True), *ids]
     )
     return [int(t) for t in built]
-
