@@ -273,18 +273,6 @@ def _p95(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
 
 
-def _histogram_p95(text: str, name: str) -> float:
-    """The upper bound of the bucket holding the 95th percentile of histogram ``name``."""
-    buckets = []
-    for line in text.splitlines():
-        if line.startswith(name + "_bucket{"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets.append((float(le), float(line.rsplit(" ", 1)[1])))
-    buckets.sort()
-    total = buckets[-1][1]
-    return next(le for le, count in buckets if count >= 0.95 * total)
-
-
 @pytest.mark.parametrize("seconds", [0.5, pytest.param(20.0, marks=pytest.mark.slow)])
 def test_overload_at_ten_times_capacity_is_refused_with_retry_after(
     smol_tokenizer: Any, seconds: float
@@ -301,29 +289,59 @@ def test_overload_at_ten_times_capacity_is_refused_with_retry_after(
                                admission_control="predictive", admission_margin=MARGIN,
                                step_cost_const_s=0.012, step_cost_per_token_s=1e-5)  # fmt: skip
     executor.delay_s = 0.01
+    core = server.state.engine.core
+    first_tokens = _record_first_tokens(core)
     rss = _rss_bytes()
     with server:
+        start = time.monotonic()
         codes, ttfts, retry_after = _overload(server, rate=400, seconds=seconds)
-        text = httpx.get(server.base_url + "/metrics", timeout=10).text
-        engine_p95 = _histogram_p95(text, "poise:time_to_first_token_seconds")
-        kv_left = server.state.engine.core.scheduler.kv_cache_usage
+        offered_s = time.monotonic() - start
+        kv_left = core.scheduler.kv_cache_usage
     grown = _rss_bytes() - rss
+    # The engine's TTFT of every accepted request: arrival (the handler's first line) to the
+    # end of the step that sampled its first token, on the engine clock (what the histogram
+    # counts, exactly instead of by bucket).
+    engine_ttfts = [
+        t.first_token - t.arrival for t in first_tokens.values() if t.first_token is not None
+    ]
+    assert len(engine_ttfts) == codes.count(200)
+    engine_p95 = _p95(engine_ttfts)
     assert set(codes) <= {200, 429}, sorted(set(codes))
     # The excess is refused and the engine serves the rest. (How many of each depends on how
     # fast this client really sends on a busy machine: the open loop may fall behind.)
     assert codes.count(429) >= 1 and codes.count(200) >= 10 and kv_left == 0, codes
     assert all(int(h) >= 1 for h in retry_after) and len(retry_after) == codes.count(429)
     bound = TTFT_TARGET_MS / 1000 * (1 + MARGIN)
-    # Near the bound, not at it: client and server share this process (and a busy 2-core
-    # machine), so steps run slower than predicted. The check is that admission works at all:
-    # admitting everything, the 95th percentile would wait ~4.5 s for the 200 ahead of it.
-    assert engine_p95 <= 4 * bound, (engine_p95, bound)
-    assert grown < 200 * 2**20, grown  # memory bounded: the refused cost nothing lasting
     print(
-        f"overload {seconds:g} s at 400/s: {codes.count(200)} served, {codes.count(429)} "
-        f"refused, engine TTFT p95 <= {engine_p95 * 1000:.0f} ms (bound {bound * 1000:.0f}), "
-        f"client TTFT p95 {_p95(ttfts) * 1000:.0f} ms, RSS +{grown / 2**20:.0f} MiB"
+        f"overload {seconds:g} s at 400/s (sent in {offered_s:.1f} s): {codes.count(200)} "
+        f"served, {codes.count(429)} refused, engine TTFT p95 {engine_p95 * 1000:.0f} ms "
+        f"(bound {bound * 1000:.0f}), client TTFT p95 {_p95(ttfts) * 1000:.0f} ms, "
+        f"RSS +{grown / 2**20:.0f} MiB"
     )
+    # The slow run asserts the bound itself. The default run's 200 requests cannot: on this
+    # shared 2-core machine its p95 measured 422-604 ms against 500 (docs/reliability.md:
+    # the forecast's correction lags a slow spell by about one TTFT, and the first ones are
+    # admitted before any first token has corrected it); 1.5x the bound still fails an
+    # admission that does not work (admitting everything, the p95 would wait ~4.5 s).
+    assert engine_p95 <= (bound if seconds >= 20 else 1.5 * bound), (engine_p95, bound)
+    assert grown < 200 * 2**20, grown  # memory bounded: the refused cost nothing lasting
+
+
+def _record_first_tokens(core: EngineCore) -> dict[str, Any]:
+    """Request id -> RequestTimes of every request the engine produced a token for, as the
+    engine steps (a test probe around ``core.step``)."""
+    seen: dict[str, Any] = {}
+    step = core.step
+
+    def recording_step() -> Any:
+        deltas, stats = step()
+        for d in deltas:
+            if d.times is not None:
+                seen.setdefault(d.request_id, d.times)
+        return deltas, stats
+
+    core.step = recording_step  # type: ignore[method-assign]
+    return seen
 
 
 def _rss_bytes() -> int:
