@@ -68,9 +68,6 @@ class RequestTimes:
     # One entry per output token, when the step that produced it ended.
     token_times: list[float] = field(default_factory=list)
     finished: float | None = None
-    # Predictive admission's TTFT forecast (s from arrival) when it took the request in; read
-    # once at the first token (sched/calibration.py), then cleared.
-    predicted_ttft: float | None = None
 
 
 @dataclass(frozen=True)

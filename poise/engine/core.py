@@ -286,9 +286,6 @@ class EngineCore:
                 logger.warning("request %s failed: %s", rid, why)
             deltas, stats = self.scheduler.update(output, result, self.clock.now())
             stats.num_finished += len(failed)
-            for delta in deltas:  # predictive admission learns how late its forecasts come
-                if delta.times is not None:
-                    self.scheduler.steer.observe_first_token(delta.times)
             return failed + deltas, stats
         except Exception as exc:
             for observer in self._observers:

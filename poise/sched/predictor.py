@@ -134,15 +134,13 @@ def retry_after(est: StepCostEstimator, backlog: Backlog, target_s: float) -> fl
 
 
 def refusal(
-    est: StepCostEstimator, backlog: Backlog, fc: Forecast, target_s: float | None, margin: float,
-    factor: float = 1.0,
-) -> float | None:  # fmt: skip
+    est: StepCostEstimator, backlog: Backlog, fc: Forecast, target_s: float | None, margin: float
+) -> float | None:
     """None to admit; else the Retry-After (s) of a request that would miss its target by more
-    than ``margin`` (a fraction of the target). ``factor``: how much later than forecast first
-    tokens have come lately (sched/calibration.py); the forecast is multiplied by it."""
-    if target_s is None or fc.ttft_s * factor <= target_s * (1.0 + margin):
+    than ``margin`` (a fraction of the target)."""
+    if target_s is None or fc.ttft_s <= target_s * (1.0 + margin):
         return None
-    return retry_after(est, backlog, target_s / factor)
+    return retry_after(est, backlog, target_s)
 
 
 def prefill_left(request: Request, cached_tokens: int = 0) -> int:

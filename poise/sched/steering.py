@@ -13,9 +13,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from poise.config import SchedulerConfig
-from poise.core.request import Request, RequestTimes
+from poise.core.request import Request
 from poise.errors import OverloadedError
-from poise.sched.calibration import TtftCalibration
 from poise.sched.classes import ClassSet, load_classes
 from poise.sched.controller import TokenBudgetController
 from poise.sched.estimator import DEFAULT_CONST_S, DEFAULT_PER_TOKEN_S, StepCostEstimator
@@ -58,7 +57,6 @@ class Steering:
                 config.max_num_batched_tokens,
             )  # fmt: skip
         self.preemptions_by_class: Counter[str] = Counter()
-        self.calibration = TtftCalibration()
         self.budget = config.max_num_batched_tokens
 
     # -- per step ---------------------------------------------------------------------------
@@ -150,32 +148,17 @@ class Steering:
             return
         backlog = self.backlog(request, running, waiting, ctx)
         fc = forecast(self.estimator, backlog, max(0.0, ctx.now - request.arrival_time))
-        factor = self.calibration.factor(ctx.now)
         wait = refusal(
-            self.estimator, backlog, fc, request.slo.ttft_s, self.config.admission_margin, factor
+            self.estimator, backlog, fc, request.slo.ttft_s, self.config.admission_margin
         )
         if wait is not None:
-            late = (
-                f" (x{factor:.1f}: first tokens came that much later lately)" if factor > 1 else ""
-            )
             raise OverloadedError(
-                f"predicted time to first token {fc.ttft_s:.2f} s{late} misses the "
+                f"predicted time to first token {fc.ttft_s:.2f} s misses the "
                 f"{request.slo.class_name!r} target of {request.slo.ttft_s:.2f} s; retry in "
                 f"{wait:.1f} s",
                 retry_after_s=wait,
                 reason="slo",
             )
-        request.times.predicted_ttft = fc.ttft_s
-
-    def observe_first_token(self, times: RequestTimes) -> None:
-        """A request's first token came: how late against its admission forecast, if it had one
-        (once per request)."""
-        if times.predicted_ttft is None or times.first_token is None:
-            return
-        actual = times.first_token - times.arrival
-        floor = self.estimator.step_time(self.budget)  # one step: the least a forecast can say
-        self.calibration.observe(times.predicted_ttft, actual, times.first_token, floor)
-        times.predicted_ttft = None
 
     def queue_wait_s(self, running: Sequence[Request], waiting: Sequence[Request]) -> float:
         """Predicted seconds until the head of the waiting queue is admitted (Retry-After of a
