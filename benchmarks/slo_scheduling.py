@@ -10,11 +10,15 @@ prefix with another (no prefix-cache shortcut), ``max_tokens`` output tokens wit
 - open loop (Poisson arrivals) at ``--load`` x the capacity measured by the first policy's
   closed loop (requests/s), with the same seeded arrival times for every policy.
 
-Policies: ``fifo`` and ``prefill_first`` as before (no traffic classes), ``priority`` (SHORT
-priority 0, LONG 1), ``slo`` (classes short/long with the targets below and shares 0.7/0.3),
-and ``slo+controller`` (``slo`` with the token-budget controller holding the SHORT TPOT
-target). Reported per cell: SHORT TTFT p50/p95, LONG TTFT p95, TPOT p50, output tok/s, goodput
-(requests meeting every target of their class, per second) and attainment per class.
+Policies: ``fifo`` and ``prefill_first`` as before (``traffic_classes none``), ``fifo+classes``
+(fifo with the classes below: what the engine does out of the box), ``priority`` (SHORT priority
+0, LONG 1; the only cell that sets priorities), ``slo`` (classes short / long with the targets
+below and shares 0.7 / 0.3) and ``slo+controller`` (``slo`` with the token-budget controller
+holding the SHORT TPOT target, unless ``--controller-tpot-ms``). The targets default to the
+engine's default chat classes (SHORT TTFT 1 s / TPOT 200 ms, LONG 15 s / 400 ms). Reported per
+cell: SHORT TTFT p50/p95, LONG TTFT p95, TPOT p50, output tok/s, goodput (requests meeting
+every target of their class, per second), attainment per class, and the engine's totals (steps,
+prompt tokens computed, preemptions: why two cells of the same requests did different work).
 
 The in-process engine leaves HTTP out on purpose: the policies are the engine's, and on a
 shared 2-core machine the server's own CPU would add noise to every cell. Cells of one round
@@ -45,7 +49,7 @@ from poise.core.timing import derive, percentile
 from poise.errors import OverloadedError
 from poise.workload import long_positions, salted, seed_classes
 
-POLICIES = ("fifo", "prefill_first", "priority", "slo", "slo+controller")
+POLICIES = ("fifo", "prefill_first", "fifo+classes", "priority", "slo", "slo+controller")
 
 
 @dataclass
@@ -67,6 +71,8 @@ class CellResult:
     load_avg: float
     done: list[Done] = field(default_factory=list)
     warmup: int = 0
+    # Engine-side totals: why two cells with the same requests did different amounts of work.
+    steps: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Rates (tok/s, goodput) count every request of the cell over its wall time; latency
@@ -106,6 +112,7 @@ class CellResult:
             "rejected": sum(d.rejected for d in self.done),
             "seconds": round(self.seconds, 1),
             "load_avg": round(self.load_avg, 1),
+            **self.steps,
         }
         for cls in ("short", "long"):
             mine = [d for d in self.done if d.cls == cls]
@@ -117,15 +124,16 @@ def engine_kwargs(policy: str, args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = dict(
         dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-        scheduling_policy=policy.split("+")[0],
+        scheduling_policy=policy.split("+")[0], traffic_classes="none",
     )  # fmt: skip
-    if policy in ("priority", "slo", "slo+controller"):
+    if policy in ("fifo+classes", "priority", "slo", "slo+controller"):
         kw["traffic_classes"] = (
             f"short:ttft_p95_ms={args.short_ttft_ms},tpot_p50_ms={args.tpot_ms},share=0.7;"
             f"long:prompt_tokens>=1024,ttft_p95_ms={args.long_ttft_ms},"
-            f"tpot_p50_ms={args.tpot_ms},share=0.3"
+            f"tpot_p50_ms={args.long_tpot_ms},share=0.3"
         )
     if policy == "slo+controller":
+        # None: the tightest class TPOT target, the engine's own default.
         kw.update(token_budget_controller=True, target_tpot_ms=args.controller_tpot_ms)
     return kw
 
@@ -139,14 +147,14 @@ def make_requests(tok: Any, n: int, long_ratio: float, max_tokens: int, run_salt
         c = long if is_long else short
         text = salted(c.prompt or "", f"{run_salt}-{i}")  # unique: no shared cached prefix
         ids = apply_chat_template(tok, [{"role": "user", "content": text}])
-        prio = 1 if is_long else 0
-        reqs.append((c.name, ids, prio))
+        reqs.append((c.name, ids, 1 if is_long else 0))
     return reqs
 
 
 def run_cell(
     core: Any, reqs: list[Any], max_tokens: int, *, concurrency: int | None,
-    arrivals: list[float] | None,
+    arrivals: list[float] | None, steps: dict[str, float] | None = None,
+    use_priority: bool = False,
 ) -> tuple[list[Done], float]:  # fmt: skip
     """Closed loop (``concurrency``) or open loop (``arrivals``, seconds from the start)."""
     clock = core.clock
@@ -159,7 +167,7 @@ def run_cell(
         nonlocal in_flight
         cls, ids, prio = reqs[i]
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                priority=prio)  # fmt: skip
+                                priority=prio if use_priority else 0)  # fmt: skip
         rid = f"r{i}-{start:.3f}"
         try:
             core.add_request(rid, ids, params, arrival_time=arrival)
@@ -182,7 +190,12 @@ def run_cell(
             if not in_flight and next_i < len(reqs):
                 time.sleep(max(0.0, start + arrivals[next_i] - clock.now()))
                 continue
-        deltas, _ = core.step()
+        deltas, stats = core.step()
+        if stats is not None and steps is not None:
+            steps["steps"] = steps.get("steps", 0) + 1
+            steps["prefill_tokens"] = steps.get("prefill_tokens", 0) + stats.num_prefill_tokens
+            steps["preemptions"] = steps.get("preemptions", 0) + stats.num_preemptions
+            steps["step_s"] = steps.get("step_s", 0.0) + stats.step_duration
         for d in deltas:
             if d.finished and d.request_id in classes:
                 in_flight -= 1
@@ -196,6 +209,7 @@ def run_cell(
 def sim_cell(
     engine_config: Any, cost: Any, reqs: list[Any], max_tokens: int, *, concurrency: int | None,
     arrivals: list[float] | None,
+    use_priority: bool = False,
 ) -> tuple[list[Done], float]:  # fmt: skip
     from poise.sim.simulator import SimCell, SimRequest, simulate_cell
 
@@ -207,7 +221,7 @@ def sim_cell(
             arrival=arrivals[i] if arrivals else 0.0,
             class_name=cls,
             prompt_key=f"p{i}",
-            priority=prio,
+            priority=prio if use_priority else 0,
         )  # fmt: skip
         for i, (cls, ids, prio) in enumerate(reqs)
     ]
@@ -244,15 +258,23 @@ def main() -> int:
     p.add_argument("--open-loop", action="store_true", help="Also the Poisson open loop.")
     p.add_argument("--closed-loop", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--load", type=float, default=0.8, help="Open-loop rate / measured capacity.")
+    p.add_argument(
+        "--open-rate",
+        type=float,
+        default=None,
+        help="Open-loop rate (req/s) instead of --load x the measured capacity.",
+    )
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--open-warmup", type=int, default=4, help="Open loop: requests not counted.")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-kv-blocks", type=int, default=2048)
-    p.add_argument("--short-ttft-ms", type=float, default=3000)
-    p.add_argument("--long-ttft-ms", type=float, default=60000)
-    p.add_argument("--tpot-ms", type=float, default=600)
-    p.add_argument("--controller-tpot-ms", type=float, default=300)
+    # Defaults: the engine's default chat classes (poise.sched.classes.DEFAULT_CHAT_CLASSES).
+    p.add_argument("--short-ttft-ms", type=float, default=1000)
+    p.add_argument("--long-ttft-ms", type=float, default=15000)
+    p.add_argument("--tpot-ms", type=float, default=200, help="SHORT TPOT target.")
+    p.add_argument("--long-tpot-ms", type=float, default=400)
+    p.add_argument("--controller-tpot-ms", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--simulate", default=None, metavar="ACCEL:SHAPE | profile:FILE")
     p.add_argument("--json", default=None)
@@ -264,7 +286,7 @@ def main() -> int:
     from poise.text.tokenizer import load_tokenizer
 
     targets = {"short": (args.short_ttft_ms / 1e3, args.tpot_ms / 1e3),
-               "long": (args.long_ttft_ms / 1e3, args.tpot_ms / 1e3)}  # fmt: skip
+               "long": (args.long_ttft_ms / 1e3, args.long_tpot_ms / 1e3)}  # fmt: skip
     policies = args.policies.split(",")
     configs = {pol: EngineConfig.from_kwargs(**engine_kwargs(pol, args)) for pol in policies}
     cost = cost_model(args.simulate, args.dtype) if args.simulate else None
@@ -281,8 +303,8 @@ def main() -> int:
                 modes.append((f"closed-{args.concurrency}", args.concurrency, None))
             for mode, conc, _ in modes + ([("open", None, None)] if args.open_loop else []):
                 if mode == "open":
-                    assert capacity, "the open loop needs a closed-loop capacity first"
-                    rate = args.load * capacity
+                    assert capacity or args.open_rate, "the open loop needs a capacity first"
+                    rate = args.open_rate or args.load * (capacity or 0.0)
                     rng = random.Random(args.seed)
                     t, arrivals = 0.0, []
                     for _ in reqs:
@@ -292,22 +314,27 @@ def main() -> int:
                 else:
                     arrivals = None
                 for pol in policies:
+                    steps: dict[str, float] = {}
                     if args.simulate:
                         done, secs = sim_cell(configs[pol], cost, reqs, args.max_tokens,
-                                              concurrency=conc, arrivals=arrivals)  # fmt: skip
+                                              concurrency=conc, arrivals=arrivals,
+                                              use_priority=pol == "priority")  # fmt: skip
                         mode = f"sim-{mode}" if not mode.startswith("sim-") else mode
                     else:
                         # One engine at a time: five KV pools at once would not fit beside
                         # the other processes of a shared machine.
                         core = LLM(args.model, **engine_kwargs(pol, args)).engine
                         done, secs = run_cell(core, reqs, args.max_tokens, concurrency=conc,
-                                              arrivals=arrivals)  # fmt: skip
+                                              arrivals=arrivals, steps=steps,
+                                              use_priority=pol == "priority")  # fmt: skip
                         assert not core.has_unfinished_requests()
                         assert core.kv.num_free_blocks == core.kv.num_blocks  # no leak
                         del core
                         gc.collect()
                     warm = (conc or 0) if arrivals is None else args.open_warmup
                     cell = CellResult(pol, mode, lr, secs, os.getloadavg()[0], done, warm)
+                    if steps:
+                        cell.steps = {k: round(v, 1) for k, v in steps.items()}
                     row = cell.summary(targets)
                     rows.append(row)
                     print(json.dumps(row), flush=True)

@@ -178,7 +178,7 @@ class Scheduler:
         """
         self._step_id += 1
         self._had_decodes = any(not is_partial_prefill(r) for r in self.running)
-        plan = StepPlan(budget=self.steer.step_budget(self.running))
+        plan = StepPlan(budget=self.steer.step_budget(self.running, self.waiting, now))
         ctx = self.context(now)
         # The policy's walk; the loop below is the same for every policy.
         candidates = self.policy.walk(self.running, self.waiting, ctx)

@@ -273,3 +273,31 @@ def test_slo_ties_go_to_the_longest_cached_prefix() -> None:
     assert order[0] == "hit"
     first_hit = next(s for st in executor.steps for s in st.scheduled if s.request_id == "hit")
     assert first_hit.start_position == 32
+
+
+def test_controller_gives_way_to_ttft_deadlines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TPOT target does not starve prompts: a prefill that would miss its TTFT target at
+    the controlled budget gets the whole step (without that, the queue of long prompts grows)."""
+    from poise.sched.steering import Steering
+
+    spec = "short:tpot_p50_ms=100,share=0.7;long:prompt_tokens>=200,ttft_p95_ms=3000,share=0.3"
+    decoders = [Arrival(0.0, f"d{i}", toks(8, i), params(600)) for i in range(4)]
+    # 500-token prompts every 0.3 s: more than a 100 ms step leaves room for (about 156 tokens
+    # per step), less than full steps can do.
+    longs = [Arrival(0.25 * i, f"p{i}", toks(500, 50 + i), params(1)) for i in range(100)]
+    ttft, tpot = {}, {}
+    for lift in (False, True):
+        if not lift:
+            monkeypatch.setattr(Steering, "_ttft_at_risk", lambda *a: False)
+        else:
+            monkeypatch.undo()
+        engine, _, _ = make_engine(
+            a=0.02, b=0.0005, scheduling_policy="slo", traffic_classes=spec,
+            token_budget_controller=True, max_num_batched_tokens=2048, min_num_batched_tokens=16,
+        )  # fmt: skip
+        out = drive(engine, [*decoders, *longs])
+        ttft[lift] = percentile([out[f"p{i}"].metrics.ttft for i in range(100)], 95)
+        tpot[lift] = percentile([g for i in range(4) for g in out[f"d{i}"].metrics.itl[10:]], 50)
+    assert ttft[False] > 2 * 3.0  # the controller alone lets the backlog grow
+    assert ttft[True] < 3.0 * 1.2
+    assert tpot[True] < 0.1 * 1.5  # decodes still mostly at the target
