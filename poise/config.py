@@ -192,10 +192,11 @@ class SchedulerConfig:
     )
     traffic_classes: str | None = _help(
         "Traffic classes with TTFT/TPOT targets and work-conserving shares of the token budget "
-        "and request slots: 'none' (one class), 'default' (chat: interactive vs long prompts "
-        ">= 1024 tokens), a YAML file, or inline 'NAME:ttft_p95_ms=800,tpot_p50_ms=150,"
+        "and request slots: 'default' (chat: interactive vs long prompts >= 1024 tokens, so a "
+        "burst of long prompts cannot take the step from short ones), 'none' (one class, no "
+        "shares: plain FIFO), a YAML file, or inline 'NAME:ttft_p95_ms=800,tpot_p50_ms=150,"
         "share=0.7;long:prompt_tokens>=1024,ttft_p95_ms=10000,share=0.3'.",
-        default=None,
+        default="default",
     )
     token_budget_controller: bool = _help(
         "Move the per-step token budget between min_num_batched_tokens and "

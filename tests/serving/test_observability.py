@@ -180,7 +180,7 @@ def test_log_requests_writes_one_json_line_per_request_without_the_prompt(
     lines = [r.getMessage() for r in caplog.records if r.name == "poise.requests"]
     assert len(lines) == 1 and "secret" not in lines[0]
     record = json.loads(lines[0].split(" ", 2)[2])
-    assert record["id"].startswith("cmpl-") and record["class"] == "default"
+    assert record["id"].startswith("cmpl-") and record["class"] == "interactive"
     assert record["output_tokens"] == 3 and record["finish_reason"] == "length"
     assert record["prompt_tokens"] > 0 and record["ttft_ms"] > 0 and record["tpot_ms"] >= 0
     parts = ("ingress_ms", "queue_ms", "prefill_compute_ms", "first_token_sched_ms")

@@ -99,7 +99,8 @@ def test_snapshot_reports_counts_usage_and_preemption_totals() -> None:
         assert state.kv_cache_usage == engine.kv.usage
         assert state.num_preemptions == preemptions  # the engine's own total, per step stats
     assert preemptions > 0
-    assert dict(state.preemptions_by_class) == {"default": preemptions}
+    # Short prompts: all in the default chat set's first class.
+    assert dict(state.preemptions_by_class) == {"interactive": preemptions}
     with pytest.raises(TypeError):
         state.preemptions_by_class["default"] = 0  # type: ignore[index]
 

@@ -53,7 +53,7 @@ def test_priority_preempts_the_lowest_at_the_seq_cap() -> None:
     out = drive(engine, arrivals)
     # The later of the two lowest-priority requests made room, and still finished correctly.
     assert out["low-b"].num_preemptions == 1 and out["low-a"].num_preemptions == 0
-    assert engine.scheduler.steer.preemptions_by_class == {"default": 1}
+    assert engine.scheduler.steer.preemptions_by_class == {"interactive": 1}  # default classes
     high_start = out["high"].times.first_scheduled  # type: ignore[union-attr]
     assert high_start is not None and high_start < 0.2
     reference, _, _ = make_engine(max_num_seqs=64)
@@ -141,12 +141,14 @@ def test_shares_are_work_conserving() -> None:
 def test_controller_holds_tpot_target() -> None:
     target = 0.1
     decoders = [Arrival(0.0, f"d{i}", toks(8, i), params(200)) for i in range(4)]
-    # A steady supply of long prompts that would fill every step of a 2048-token budget.
+    # A steady supply of long prompts that would fill every step of a 2048-token budget. No
+    # classes, so no TTFT target the controller would give way to (the test after this one).
     floods = [Arrival(0.2 * i, f"p{i}", toks(600, 50 + i), params(1)) for i in range(150)]
     tpots = {}
     for on in (False, True):
         engine, _, _ = make_engine(
             a=0.02, b=0.0005, token_budget_controller=on, target_tpot_ms=target * 1000,
+            traffic_classes="none",
             max_num_batched_tokens=2048, min_num_batched_tokens=16,
         )  # fmt: skip
         out = drive(engine, [*decoders, *floods])
