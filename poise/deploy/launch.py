@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from poise.deploy.app import DeploySpec, build_app
@@ -16,8 +17,12 @@ logger = logging.getLogger(__name__)
 OBJECT_STORE_BYTES = 200 * 1024 * 1024
 
 
-def start_local(spec: DeploySpec, host: str, port: int, num_cpus: int | None = None) -> None:
-    """Start Ray (if not yet) and Serve on host:port, and deploy ``spec``; returns when ready."""
+def start_local(
+    spec: DeploySpec, host: str, port: int, num_cpus: int | None = None,
+    on_signal: Callable[[int, Any], None] | None = None,
+) -> None:  # fmt: skip
+    """Start Ray (if not yet) and Serve on host:port, and deploy ``spec``; returns when ready.
+    ``on_signal`` handles SIGINT/SIGTERM from Ray's start on."""
     import ray
     from ray import serve
 
@@ -25,6 +30,11 @@ def start_local(spec: DeploySpec, host: str, port: int, num_cpus: int | None = N
         cpus = num_cpus if num_cpus is not None else max(1, int(spec.num_cpus * spec.replicas))
         ray.init(num_cpus=cpus, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False,
                  log_to_driver=False, configure_logging=False)  # fmt: skip
+    if on_signal is not None:
+        # ray.init puts its own SIGTERM handler in place (exit at once), under which a stopped
+        # server died before Serve and Ray were shut down and left Ray's agents running.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(spec), name="poise", route_prefix="/")
 
@@ -47,7 +57,7 @@ def serve_replicas(spec: DeploySpec, host: str, port: int) -> int:
 
     old = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        start_local(spec, host, port)
+        start_local(spec, host, port, on_signal=_stop)
         print(f"poise: {spec.replicas} replicas behind the {spec.router.policy} router on "
               f"http://{host}:{port}", flush=True)  # fmt: skip
         done.wait()
