@@ -13,7 +13,9 @@ from typing import Any
 @dataclass(frozen=True)
 class SimRequest:
     """One request of a simulated cell. Requests with the same ``prompt_key`` get the same
-    synthetic token ids (so prefix caching sees identical prompts as identical)."""
+    synthetic token ids (so prefix caching sees identical prompts as identical); a request
+    with ``token_ids`` (a measured workload replayed) keeps its real ids, so prompts that
+    share only an opening part (a system prompt, the chat template's) share it here too."""
 
     index: int
     prompt_len: int
@@ -26,6 +28,14 @@ class SimRequest:
     # Scheduling inputs, as a bench client sends them (``--priority``, ``--send-class``).
     priority: int = 0
     traffic_class: str | None = None
+    token_ids: tuple[int, ...] | None = None  # the prompt's real ids (len == prompt_len)
+
+    def __post_init__(self) -> None:
+        if self.token_ids is not None and len(self.token_ids) != self.prompt_len:
+            raise ValueError(
+                f"SimRequest {self.index}: {len(self.token_ids)} token_ids for prompt_len "
+                f"{self.prompt_len}"
+            )
 
 
 @dataclass(frozen=True)

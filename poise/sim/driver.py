@@ -95,6 +95,8 @@ class _Driver:
 
     # -- engine ---------------------------------------------------------------------------------
     def token_ids(self, req: SimRequest) -> list[int]:
+        if req.token_ids is not None:
+            return list(req.token_ids)
         key = (req.prompt_key or f"#{req.index}", req.prompt_len)
         ids = self._ids.get(key)
         if ids is None:

@@ -135,3 +135,19 @@ def test_simulate_cli_refuses_pools_that_do_not_match_the_replicas(
             "--router-pools", "long"]  # fmt: skip
     assert main(args) == 2
     assert "--router-pools" in capsys.readouterr().err
+
+
+def test_real_token_ids_share_only_their_common_opening() -> None:
+    # A replayed workload: two prompts with the same 64-token opening (4 blocks) and their own
+    # tails. With real ids the second hits exactly those 4 blocks; as synthetic ids of two
+    # different keys it would hit nothing.
+    opening = tuple(range(100, 164))
+    reqs = [
+        SimRequest(i, 100, 4, arrival=i * 1.0, token_ids=opening + tuple(range(500 + 36 * i,
+                   536 + 36 * i)))  # fmt: skip
+        for i in range(2)
+    ]
+    res = simulate_cluster(_config(), COST, SimCell(reqs, open_loop=True), replicas=1)
+    assert [r.num_cached_tokens for r in res.requests] == [0, 64]
+    with pytest.raises(ValueError, match="token_ids"):
+        SimRequest(0, 10, 4, token_ids=(1, 2, 3))
