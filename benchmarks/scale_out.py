@@ -1,35 +1,88 @@
-"""Scale-out in the simulator: 1, 2, 4, 8 H100 replicas of a Qwen2.5-7B engine behind each
-router policy, on one run of a workload with several shared prompts and the seed's long/short
-mix. Reports per (replicas, policy): prefix-cache hit rate, TTFT p50/p95, output tokens/s.
+"""Scale-out: engine replicas behind poise's router, simulated on H100s and measured on this CPU.
 
-    .venv/bin/python benchmarks/scale_out.py --replicas 1,2,4,8 --requests-per-replica 150
+One run, two parts (``--part sim`` or ``--part measured`` runs one, for development):
 
-Workload (seeded): open loop, Poisson arrivals at ``--rate-per-replica`` x replicas; 25 % LONG
-prompts (one of ``--long-docs`` shared documents of 3,363 tokens, the seed's LONG length), 75 %
-SHORT ones (one of ``--system-prompts`` shared prompts of 600 tokens: a system prompt plus a
-question). The simulator gives requests with the same key the same token ids, so a shared
-prompt is shared whole (as the seed's LONG prompts are). 160 output tokens each.
+**sim**: 1, 2, 4, 8 H100 replicas of a Qwen2.5-7B engine (roofline) behind each router policy
+(``sim/cluster.py``: N copies of the real scheduler behind the router, virtual time). Open loop,
+Poisson arrivals at ``--rate-per-replica`` x replicas; 25 % LONG prompts (one of ``--long-docs``
+shared documents of 3,363 tokens, the seed's LONG length), 75 % SHORT ones (one of
+``--system-prompts`` shared prompts of 600 tokens: a system prompt plus a question). Requests
+with the same key get the same token ids, so a shared prompt is shared whole. 160 output tokens.
 
-Not here yet: the measured 1 vs 2 replicas on this machine and the simulator's error against
-it (the issue's acceptance line; see RESULTS.md).
+**measured**: the same kind of workload, sized for this CPU, against ``poise serve`` with one
+replica (the plain server: one engine, no Ray) and ``poise serve --replicas 2 --router P``
+(Ray Serve on a local Ray instance, each replica one CPU and one torch thread) for each policy
+of ``--cpu-policies``, the embedded SmolLM2-135M in bfloat16. Each cell gets a fresh server (cold
+caches). Per cell: prefix-cache hit rate (the replicas' own counters, hits over prompt tokens
+looked up), TTFT p50/p95 and output tokens/s (all output tokens over first send to last token),
+from `poise bench`'s client. The workload (seeded): ``--cpu-system-prompts`` system prompts of
+``--cpu-system-words`` words and ``--cpu-long-docs`` documents of ``--cpu-long-repeat`` of the
+seed's log lines (the seed's 220 would take ~3 s of one core per cold prefill here); each request
+is one of them followed by its own question (the seed's SHORT question, or its LONG
+instruction), 25 % LONG exactly spread, ``--cpu-max-tokens`` output tokens (ignore_eos),
+Poisson at ``--cpu-rate-per-replica`` x replicas.
+
+The simulator's prediction of the same cells: a cost profile of this machine measured at the
+start of the run (``poise profile --threads 1 --clock cpu``: the runner thread's CPU time),
+calibrated per server from a concurrency-1 cell run on it before its compared cell (time scale:
+measured TPOT over the profile's decode step; request overhead: median response-header latency;
+the way in: the chat template and tokenizer timed per prompt token, one FIFO worker), the same
+requests with their real token ids (so a shared system prompt is shared as on the server,
+template included) through ``sim/cluster.py`` with the same router code; median over
+``--sim-seeds`` seeds of the step jitter. Ratios simulated / measured; the target is the
+2-replica cells within ``--tolerance`` (20 %) in TTFT p95 and tokens/s.
+
+    flock /work/bench.lock nice -n -15 .venv/bin/python benchmarks/scale_out.py
+    .venv/bin/python benchmarks/scale_out.py --part sim --replicas 1,2,4,8
+    .venv/bin/python benchmarks/scale_out.py --part measured --profile runs/.../profile.json
+
+Stop every server it starts (Ray included) by its process group, whatever happens.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
+import json
+import os
 import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from poise import workload as wl
+from poise.bench.client import Endpoint, discover_model, make_session, now, send_one
+from poise.bench.metrics import RequestRecord, derive
 from poise.config import EngineConfig
 from poise.core.timing import percentile
+from poise.lab.calibration import request_timing
+from poise.lab.server import ManagedServer, ServerSpec
 from poise.router import RouterConfig
+from poise.sim import calibrate as cal
+from poise.sim.arrival import ArrivalModel
 from poise.sim.cell import SimCell, SimRequest
 from poise.sim.cluster import simulate_cluster
+from poise.sim.cost import CostModel
+from poise.sim.fit import load_profile
 from poise.sim.roofline import RooflineCostModel
 
+REPO = Path(__file__).resolve().parents[1]
 LONG, SHORT = 3363, 600
+METRICS = ("hit", "ttft_p95_ms", "tok_s")
+CAL_REQUESTS, CAL_TOKENS = 8, 32  # the concurrency-1 calibration cell (+1 discarded)
+_WORDS = ("token", "budget", "decode", "prefill", "queue", "batch", "cache", "block", "step",
+          "stream", "latency", "throughput", "request", "schedule", "memory", "chunk")  # fmt: skip
 
 
+# ---- the simulated H100 fleet --------------------------------------------------------------
 def workload(n: int, rate: float, long_docs: int, systems: int, seed: int) -> list[SimRequest]:
     rng = random.Random(seed)
     t, out = 0.0, []
@@ -42,38 +95,31 @@ def workload(n: int, rate: float, long_docs: int, systems: int, seed: int) -> li
     return out
 
 
-def run(replicas: int, policy: str, reqs: list[SimRequest], config: EngineConfig,
-        cost: Any) -> dict[str, Any]:  # fmt: skip
+def run(replicas: int, policy: str, reqs: list[SimRequest], config: EngineConfig, cost: Any,
+        seed: int = 0, arrival: ArrivalModel = ArrivalModel()) -> dict[str, Any]:  # fmt: skip
     res = simulate_cluster(config, cost, SimCell(reqs, open_loop=True), replicas=replicas,
-                           router_config=RouterConfig(policy=policy))  # fmt: skip
+                           router_config=RouterConfig(policy=policy), seed=seed,
+                           arrival=arrival)  # fmt: skip
     ok = [r for r in res.requests if r.ok]
     ttft = sorted(r.ttft or 0.0 for r in ok)
     tokens = sum(len(r.token_times) for r in ok)
     return {
         "replicas": replicas, "policy": policy, "ok": len(ok), "n": len(res.requests),
         "hit": res.router["prefix_cache_hit_rate"],
-        "ttft_p50_ms": 1000 * percentile(ttft, 50), "ttft_p95_ms": 1000 * percentile(ttft, 95),
+        "ttft_p50_ms": 1000 * (percentile(ttft, 50) or 0.0),
+        "ttft_p95_ms": 1000 * (percentile(ttft, 95) or 0.0),
         "tok_s": tokens / res.duration_s if res.duration_s else 0.0, "wall_s": res.wall_s,
     }  # fmt: skip
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--replicas", default="1,2,4,8")
-    p.add_argument("--policies", default="round_robin,least_loaded,prefix_affinity,balanced")
-    p.add_argument("--requests-per-replica", type=int, default=150)
-    p.add_argument("--rate-per-replica", type=float, default=4.0)
-    p.add_argument("--long-docs", type=int, default=4)
-    p.add_argument("--system-prompts", type=int, default=8)
-    p.add_argument("--accelerator", default="h100")
-    p.add_argument("--model-shape", default="Qwen2.5-7B-Instruct")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+def sim_part(args: argparse.Namespace) -> None:
     cost = RooflineCostModel.build(args.model_shape, args.accelerator, dtype="bfloat16")
     config = EngineConfig.from_kwargs(max_num_seqs=64, max_num_batched_tokens=4096,
                                       max_model_len=8192, gpu_memory_utilization=0.9)  # fmt: skip
-    print(f"{args.model_shape} on {args.accelerator} (roofline), {args.rate_per_replica} req/s "
-          f"and {args.requests_per_replica} requests per replica")  # fmt: skip
+    print(
+        f"## simulated: {args.model_shape} on {args.accelerator} (roofline), "
+        f"{args.rate_per_replica} req/s and {args.requests_per_replica} requests per replica\n"
+    )
     print("| replicas | router | ok | prefix-cache hit | TTFT p50 ms | TTFT p95 ms | output tok/s "
           "| TTFT p95 / round_robin | tok/s / round_robin |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
@@ -88,7 +134,325 @@ def main() -> int:
                   f"| {r['ttft_p95_ms']:.0f} | {r['tok_s']:.0f} "
                   f"| {r['ttft_p95_ms'] / base['ttft_p95_ms']:.2f} | {r['tok_s'] / base['tok_s']:.2f} |",
                   flush=True)  # fmt: skip
-    return 0
+
+
+# ---- the measured CPU cells ----------------------------------------------------------------
+@dataclass(frozen=True)
+class LiveRequest:
+    index: int
+    class_name: str
+    prompt: str  # one user message, as `poise bench` sends it
+    max_tokens: int
+    arrival: float  # s after the cell's start
+
+
+def cpu_workload(args: argparse.Namespace, replicas: int) -> list[LiveRequest]:
+    """Shared system prompts and documents, each request with its own question; 25 % LONG,
+    exactly spread (as the seed lab's mixes); Poisson arrivals."""
+    rng = random.Random(args.seed)
+    systems = [f"You are assistant {k} of the scheduling team. "
+               + " ".join(rng.choice(_WORDS) for _ in range(args.cpu_system_words))
+               for k in range(args.cpu_system_prompts)]  # fmt: skip
+    docs = [f"[log {k}]" + wl.SEED_LONG_LINE * args.cpu_long_repeat
+            for k in range(args.cpu_long_docs)]  # fmt: skip
+    n = replicas * args.cpu_requests_per_replica
+    times = wl.arrival_times(n, replicas * args.cpu_rate_per_replica, 1.0, args.seed)
+    out = []
+    for i, t in enumerate(times):
+        long = int((i + 1) * 0.25) > int(i * 0.25)
+        if long:
+            prompt = f"{rng.choice(docs)}\n[{i}] {wl.SEED_LONG_HEAD}"
+        else:
+            prompt = f"{rng.choice(systems)}\n[{i}] {wl.SHORT_PROMPT}"
+        out.append(LiveRequest(i, "long" if long else "short", prompt, args.cpu_max_tokens, t))
+    return out
+
+
+def threads_env(threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def server_spec(replicas: int, policy: str) -> ServerSpec:
+    engine = {"dtype": "bfloat16", "num_threads": 1, "log_interval": 0}
+    if replicas > 1:
+        engine |= {"replicas": replicas, "router": policy}
+    return ServerSpec(name=f"poise-{replicas}x-{policy}", args=engine, env=threads_env(1),
+                      startup_timeout_s=300.0)  # fmt: skip
+
+
+async def _warm(session: aiohttp.ClientSession, ep: Endpoint, replicas: int) -> list[str]:
+    """Bursts of ``replicas`` concurrent short requests (unique prompts) until every replica
+    answered one: a replica loads its engine on its first request."""
+    seen: set[str] = set()
+    answered: list[str] = []
+    for burst in range(6):
+
+        async def one(j: int, burst: int = burst) -> None:
+            body = ep.payload(f"warm-up {burst}.{j}: {wl.SHORT_PROMPT}", 8)
+            body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+            async with session.post(ep.chat_url, json=body) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    raise RuntimeError(f"warm-up: HTTP {resp.status}: {text[:300]}")
+                name = resp.headers.get("x-poise-replica", "engine")
+                seen.add(name)
+                answered.append(name)
+
+        await asyncio.gather(*(one(j) for j in range(replicas)))
+        if len(seen) >= replicas and burst >= 1:
+            return answered
+    raise RuntimeError(f"warm-up: only {sorted(seen)} of {replicas} replicas answered")
+
+
+async def _metrics(session: aiohttp.ClientSession, root: str) -> dict[str, float]:
+    """Prefix-cache hits and queries (prompt tokens), summed over the replicas."""
+    async with session.get(root + "/metrics") as resp:
+        text = await resp.text()
+    out = {"hits": 0.0, "queries": 0.0}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "poise:prefix_cache_hits_total":
+                out["hits"] += s.value
+            elif s.name == "poise:prefix_cache_queries_total":
+                out["queries"] += s.value
+    return out
+
+
+async def _cell(base_url: str, replicas: int, reqs: list[LiveRequest],
+                timeout_s: float) -> dict[str, Any]:  # fmt: skip
+    """Warm every replica, the concurrency-1 calibration cell, then the open-loop cell."""
+    root = base_url.removesuffix("/v1")
+    async with make_session() as session:
+        model = await discover_model(session, base_url, {})
+        if model is None:
+            raise RuntimeError(f"{base_url}: no model listed")
+        ep = Endpoint(base_url, model)
+        warm = await _warm(session, ep, replicas)
+        cal_recs = []
+        for i in range(CAL_REQUESTS + 1):
+            rec = RequestRecord(i, "short", now(), max_tokens=CAL_TOKENS, warmup=i == 0)
+            await send_one(session, ep, f"calibration {i}: {wl.SHORT_PROMPT}", rec, timeout_s)
+            cal_recs.append(rec)
+        before = await _metrics(session, root)
+        load0 = os.getloadavg()[0]
+        t0 = now()
+        recs: list[RequestRecord] = []
+        tasks = []
+        for r in reqs:
+            delay = t0 + r.arrival - now()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            rec = RequestRecord(r.index, r.class_name, now(), intended=t0 + r.arrival,
+                                max_tokens=r.max_tokens)  # fmt: skip
+            recs.append(rec)
+            tasks.append(asyncio.create_task(send_one(session, ep, r.prompt, rec, timeout_s)))
+        await asyncio.gather(*tasks)
+        after = await _metrics(session, root)
+    bad = [r for r in recs + cal_recs if not r.ok]
+    if bad:
+        raise RuntimeError(f"{len(bad)} requests failed, e.g. {bad[0].error}")
+    queries = after["queries"] - before["queries"]
+    return {"records": recs, "calibration": cal_recs, "warm_replicas": warm,
+            "hit": (after["hits"] - before["hits"]) / queries if queries else 0.0,
+            "loadavg": [load0, os.getloadavg()[0]]}  # fmt: skip
+
+
+def summarize(recs: list[RequestRecord]) -> dict[str, float]:
+    stats = [derive(r) for r in recs]
+    ttft = [s.ttft for s in stats if s.ttft is not None]
+    tokens = sum(s.n_out for s in stats)
+    span = max(r.events[-1] for r in recs if r.events) - min(r.start for r in recs)
+    return {"ttft_p50_ms": 1000 * (percentile(ttft, 50) or 0.0),
+            "ttft_p95_ms": 1000 * (percentile(ttft, 95) or 0.0), "tok_s": tokens / span}  # fmt: skip
+
+
+def measure_cell(replicas: int, policy: str, reqs: list[LiveRequest], out: Path,
+                 timeout_s: float) -> dict[str, Any]:  # fmt: skip
+    spec = server_spec(replicas, policy)
+    server = ManagedServer(spec, out / f"serve-{replicas}x-{policy}.log")
+    t0 = time.monotonic()
+    try:
+        server.start().wait_ready()
+        started = time.monotonic() - t0
+        res = asyncio.run(_cell(server.base_url, replicas, reqs, timeout_s))
+    finally:
+        server.stop()  # SIGTERM to its process group; poise serve --replicas stops Serve and Ray
+    res |= summarize(res["records"]) | {"startup_s": started, "replicas": replicas,
+                                         "policy": policy}  # fmt: skip
+    return res
+
+
+def profile(out: Path, repeats: int) -> Path:
+    path = out / "profile.json"
+    argv = [sys.executable, "-m", "poise", "profile", "--grid", "quick", "--repeats", str(repeats),
+            "--threads", "1", "--clock", "cpu", "--dtype", "bfloat16", "-o", str(path)]  # fmt: skip
+    print("$", " ".join(argv[1:]), flush=True)
+    with open(out / "profile.log", "w") as log:
+        subprocess.run(argv, cwd=REPO, env={**os.environ, **threads_env(1)}, check=True,
+                       stdout=log, stderr=log)  # fmt: skip
+    return path
+
+
+def sim_requests(reqs: list[LiveRequest]) -> list[SimRequest]:
+    """The measured requests with their real token ids (the server's template and tokenizer)."""
+    from poise.text.tokenizer import apply_chat_template, load_tokenizer
+
+    tok = load_tokenizer(None)
+    out = []
+    for r in reqs:
+        ids = tuple(apply_chat_template(tok, [{"role": "user", "content": r.prompt}]))
+        out.append(SimRequest(r.index, len(ids), r.max_tokens, arrival=r.arrival,
+                              class_name=r.class_name, prompt_key=str(r.index),
+                              token_ids=ids))  # fmt: skip
+    return out
+
+
+def way_in_s_per_token(reqs: list[LiveRequest]) -> float:
+    """poise serve's chat template + tokenizer, per prompt token, on this machine (one thread)."""
+    from poise.text.tokenizer import apply_chat_template, load_tokenizer
+
+    tok = load_tokenizer(None)
+    jobs = [lambda p=r.prompt: len(apply_chat_template(tok, [{"role": "user", "content": p}]))
+            for r in reqs[:8]]  # fmt: skip
+    return cal.time_per_token(jobs, repeats=5)
+
+
+def predict(cell: dict[str, Any], reqs: list[SimRequest], model: CostModel, way_in: float,
+            seeds: int) -> dict[str, Any]:  # fmt: skip
+    """The simulator's prediction of a measured cell, calibrated from its c=1 cell."""
+    timings = tuple(request_timing(r) for r in cell["calibration"] if not r.warmup)
+    c = cal.calibrate(model, [cal.CalibrationCell(timings, None, "c1")])
+    cost, arrival = c.apply(model, ArrivalModel(way_in_workers=1, way_in_s_per_token=way_in))
+    config = EngineConfig.from_kwargs(dtype="bfloat16", num_threads=1)
+    runs = [run(cell["replicas"], cell["policy"], reqs, config, cost, seed=s, arrival=arrival)
+            for s in range(seeds)]  # fmt: skip
+    med = {
+        m: statistics.median(r[m] for r in runs)
+        for m in ("hit", "ttft_p50_ms", "ttft_p95_ms", "tok_s")
+    }
+    med["seed_range"] = {m: [min(r[m] for r in runs), max(r[m] for r in runs)] for m in METRICS}
+    med["calibration"] = {
+        "time_scale": c.time_scale,
+        "step_jitter_cv": c.step_jitter_cv,
+        "request_overhead_s": c.request_overhead_s,
+        "way_in_s_per_token": way_in,
+    }
+    return med
+
+
+def measured_part(args: argparse.Namespace) -> bool | None:
+    out = args.out_dir / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"## measured on this CPU ({out})", flush=True)
+    model_path = args.profile or profile(out, args.profile_repeats)
+    model = load_profile(model_path)
+    cells: list[dict[str, Any]] = []
+    plan = [(1, "round_robin")] + [(2, p) for p in args.cpu_policies.split(",")]
+    for n, policy in plan:
+        reqs = cpu_workload(args, n)
+        print(f"cell: {n} replica(s), {policy}, {len(reqs)} requests", flush=True)
+        cell = measure_cell(n, policy, reqs, out, args.timeout)
+        print(f"  measured: hit {cell['hit']:.3f}, TTFT p95 {cell['ttft_p95_ms']:.0f} ms, "
+              f"{cell['tok_s']:.1f} tok/s (startup {cell['startup_s']:.0f} s, load "
+              f"{cell['loadavg'][0]:.1f}-{cell['loadavg'][1]:.1f})", flush=True)  # fmt: skip
+        cell["reqs"] = reqs
+        cells.append(cell)
+    way_in = way_in_s_per_token(cells[-1]["reqs"])
+    for cell in cells:
+        cell["sim"] = predict(cell, sim_requests(cell["reqs"]), model, way_in, args.sim_seeds)
+    return report(cells, out, args.tolerance, model_path)
+
+
+def report(cells: list[dict[str, Any]], out: Path, tolerance: float, profile_path: Path) -> bool:
+    lines = [
+        f"profile {profile_path}; simulation: median of seeds; ratio = simulated / measured",
+        "",
+        "| replicas | router | requests | prefix-cache hit real / sim | TTFT p50 ms real / sim "
+        "| TTFT p95 ms real / sim | p95 ratio | output tok/s real / sim | tok/s ratio "
+        "| calibration (time scale, overhead ms) | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    ok = True
+    for c in cells:
+        s = c["sim"]
+        p95, tps = s["ttft_p95_ms"] / c["ttft_p95_ms"], s["tok_s"] / c["tok_s"]
+        if c["replicas"] == 2:
+            ok = ok and abs(p95 - 1) <= tolerance and abs(tps - 1) <= tolerance
+        k = s["calibration"]
+        lines.append(
+            f"| {c['replicas']} | {c['policy'] if c['replicas'] > 1 else '- (plain server)'} "
+            f"| {len(c['records'])} | {c['hit']:.3f} / {s['hit']:.3f} "
+            f"| {c['ttft_p50_ms']:.0f} / {s['ttft_p50_ms']:.0f} "
+            f"| {c['ttft_p95_ms']:.0f} / {s['ttft_p95_ms']:.0f} | {p95:.2f} "
+            f"| {c['tok_s']:.1f} / {s['tok_s']:.1f} | {tps:.2f} "
+            f"| {k['time_scale']:.2f}, {1000 * k['request_overhead_s']:.0f} "
+            f"| {c['loadavg'][0]:.1f}-{c['loadavg'][1]:.1f} |"
+        )
+    rr = next((c for c in cells if c["replicas"] == 2 and c["policy"] == "round_robin"), None)
+    if rr is not None:
+        lines += ["", "| 2 replicas, router | hit | TTFT p95 / round_robin | tok/s / round_robin |",
+                  "|---|---|---|---|"]  # fmt: skip
+        for c in (c for c in cells if c["replicas"] == 2):
+            lines.append(f"| {c['policy']} | {c['hit']:.3f} | "
+                         f"{c['ttft_p95_ms'] / rr['ttft_p95_ms']:.2f} | "
+                         f"{c['tok_s'] / rr['tok_s']:.2f} |")  # fmt: skip
+    lines += ["", f"2-replica cells within ±{tolerance:.0%} (TTFT p95 and tok/s): "
+              f"**{'PASS' if ok else 'FAIL'}**"]  # fmt: skip
+    md = "\n".join(lines)
+    print(md, flush=True)
+    (out / "report.md").write_text(md + "\n")
+    dump = [{k: v for k, v in c.items() if k not in ("records", "calibration", "reqs")}
+            | {"records": [r.to_dict() for r in c["records"]],
+               "calibration": [r.to_dict() for r in c["calibration"]],
+               "workload": [dataclasses.asdict(r) for r in c["reqs"]]} for c in cells]  # fmt: skip
+    (out / "cells.json").write_text(json.dumps(dump, indent=1, default=str))
+    return ok
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=("all", "sim", "measured"), default="all")
+    g = p.add_argument_group("sim", "the simulated H100 fleet")
+    g.add_argument("--replicas", default="1,2,4,8")
+    g.add_argument("--policies", default="round_robin,least_loaded,prefix_affinity,balanced")
+    g.add_argument("--requests-per-replica", type=int, default=100)
+    g.add_argument("--rate-per-replica", type=float, default=10.0)
+    g.add_argument("--long-docs", type=int, default=4)
+    g.add_argument("--system-prompts", type=int, default=8)
+    g.add_argument("--accelerator", default="h100")
+    g.add_argument("--model-shape", default="Qwen2.5-7B-Instruct")
+    m = p.add_argument_group("measured", "1 vs 2 replicas on this CPU, and their simulation")
+    m.add_argument("--cpu-policies", default="round_robin,prefix_affinity,balanced")
+    m.add_argument("--cpu-requests-per-replica", type=int, default=40)
+    m.add_argument("--cpu-rate-per-replica", type=float, default=1.0)
+    m.add_argument("--cpu-system-prompts", type=int, default=4)
+    m.add_argument("--cpu-system-words", type=int, default=200)
+    m.add_argument("--cpu-long-docs", type=int, default=2)
+    m.add_argument("--cpu-long-repeat", type=int, default=60)
+    m.add_argument("--cpu-max-tokens", type=int, default=160)
+    m.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="A cost profile to use (default: measured now, --grid quick).",
+    )
+    m.add_argument("--profile-repeats", type=int, default=3)
+    m.add_argument("--sim-seeds", type=int, default=5)
+    m.add_argument("--tolerance", type=float, default=0.20)
+    m.add_argument("--timeout", type=float, default=600.0, help="Per request, seconds.")
+    m.add_argument("--out-dir", type=Path, default=REPO / "runs" / "scale_out")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')}, load average "
+          f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)  # fmt: skip
+    ok: bool | None = None
+    if args.part in ("all", "sim"):
+        sim_part(args)
+    if args.part in ("all", "measured"):
+        ok = measured_part(args)
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')}, load average "
+          f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)  # fmt: skip
+    return 0 if ok in (None, True) else 1
 
 
 if __name__ == "__main__":

@@ -39,6 +39,26 @@ def _error(status: int, message: str, err_type: str) -> Any:
     return JSONResponse(body, status_code=status)
 
 
+def carries_output(chunk: bytes) -> bool:
+    """Whether a response chunk holds generated output (text, a tool call, a finish): the
+    router counts a request's prefill as done from then on. A chat stream's opening chunk
+    carries only the role and comes when the engine takes the request, before any prefill."""
+    for line in chunk.splitlines():
+        line = line.strip().removeprefix(b"data:").strip()
+        if not line.startswith(b"{"):
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            return True  # not an event this reads: count it as output rather than stall
+        for choice in obj.get("choices") or []:
+            delta = choice.get("delta") or choice.get("message") or {}
+            said = (choice.get("text"), choice.get("finish_reason"), delta.get("content"))
+            if any(said) or delta.get("tool_calls"):
+                return True
+    return False
+
+
 class Ingress:
     def __init__(self, handles: Mapping[str, Any], router: Router, tokenizer_source: str | None):
         self.handles, self.router = dict(handles), router
@@ -127,11 +147,20 @@ class Ingress:
     async def _relay(
         self, rid: str, name: str, first: bytes | None, gen: Any, stream: bool
     ) -> AsyncIterator[bytes]:
+        started = False
+
+        def output(chunk: bytes) -> None:  # the router hears of the first output only
+            nonlocal started
+            if not started and carries_output(chunk):
+                started = True
+                self.router.on_tokens(rid)
+
         try:
             if first is not None:
-                self.router.on_tokens(rid)
+                output(first)
                 yield first
             async for chunk in gen:
+                output(chunk)
                 yield chunk
         except _failure_types() as exc:
             self.router.on_failure(name)

@@ -86,3 +86,16 @@ def test_bench_reads_the_replica_count_and_averages_kv_usage_over_replicas() -> 
     scrape = map_scrape(0.0, exposition(texts, router).decode(), ADAPTERS["poise"])
     assert scrape.replicas == 2
     assert scrape.kv_usage == pytest.approx(0.4)
+
+
+def test_the_router_hears_of_output_at_the_first_token_not_the_role_chunk() -> None:
+    from poise.deploy.ingress import carries_output
+
+    role = b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n'
+    token = b'data: {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}\n\n'
+    done = b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}\n\n'
+    answer = b'{"choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"}}]}'
+    assert not carries_output(role)
+    assert not carries_output(b": keep-alive\n\n")
+    assert carries_output(token) and carries_output(done) and carries_output(answer)
+    assert carries_output(role + token)  # two events in one chunk
