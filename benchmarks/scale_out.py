@@ -177,7 +177,7 @@ def server_spec(replicas: int, policy: str) -> ServerSpec:
     if replicas > 1:
         engine |= {"replicas": replicas, "router": policy}
     return ServerSpec(name=f"poise-{replicas}x-{policy}", args=engine, env=threads_env(1),
-                      startup_timeout_s=300.0)  # fmt: skip
+                      startup_timeout_s=300.0, grace_s=90.0)  # fmt: skip
 
 
 async def _warm(session: aiohttp.ClientSession, ep: Endpoint, replicas: int) -> list[str]:
@@ -424,7 +424,7 @@ def main() -> int:
     m = p.add_argument_group("measured", "1 vs 2 replicas on this CPU, and their simulation")
     m.add_argument("--cpu-policies", default="round_robin,prefix_affinity,balanced")
     m.add_argument("--cpu-requests-per-replica", type=int, default=40)
-    m.add_argument("--cpu-rate-per-replica", type=float, default=1.0)
+    m.add_argument("--cpu-rate-per-replica", type=float, default=0.75)
     m.add_argument("--cpu-system-prompts", type=int, default=4)
     m.add_argument("--cpu-system-words", type=int, default=200)
     m.add_argument("--cpu-long-docs", type=int, default=2)
