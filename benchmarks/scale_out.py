@@ -78,6 +78,8 @@ REPO = Path(__file__).resolve().parents[1]
 LONG, SHORT = 3363, 600
 METRICS = ("hit", "ttft_p95_ms", "tok_s")
 CAL_REQUESTS, CAL_TOKENS = 8, 32  # the concurrency-1 calibration cell (+1 discarded)
+WARM_TOKENS = 8
+WARM_LEAD_S = 10.0  # simulated: the warm-up burst, then the cell this much later
 _WORDS = ("token", "budget", "decode", "prefill", "queue", "batch", "cache", "block", "step",
           "stream", "latency", "throughput", "request", "schedule", "memory", "chunk")  # fmt: skip
 
@@ -100,15 +102,18 @@ def run(replicas: int, policy: str, reqs: list[SimRequest], config: EngineConfig
     res = simulate_cluster(config, cost, SimCell(reqs, open_loop=True), replicas=replicas,
                            router_config=RouterConfig(policy=policy), seed=seed,
                            arrival=arrival)  # fmt: skip
-    ok = [r for r in res.requests if r.ok]
+    measured = [r for r in res.requests if not r.warmup]
+    ok = [r for r in measured if r.ok]
     ttft = sorted(r.ttft or 0.0 for r in ok)
     tokens = sum(len(r.token_times) for r in ok)
+    span = max(r.token_times[-1] for r in ok) - min(r.sent for r in measured)
+    prompt = sum(r.num_prompt_tokens for r in ok)
     return {
-        "replicas": replicas, "policy": policy, "ok": len(ok), "n": len(res.requests),
-        "hit": res.router["prefix_cache_hit_rate"],
+        "replicas": replicas, "policy": policy, "ok": len(ok), "n": len(measured),
+        "hit": sum(r.num_cached_tokens for r in ok) / prompt if prompt else 0.0,
         "ttft_p50_ms": 1000 * (percentile(ttft, 50) or 0.0),
         "ttft_p95_ms": 1000 * (percentile(ttft, 95) or 0.0),
-        "tok_s": tokens / res.duration_s if res.duration_s else 0.0, "wall_s": res.wall_s,
+        "tok_s": tokens / span if span > 0 else 0.0, "wall_s": res.wall_s,
     }  # fmt: skip
 
 
@@ -180,28 +185,31 @@ def server_spec(replicas: int, policy: str) -> ServerSpec:
                       startup_timeout_s=300.0, grace_s=90.0)  # fmt: skip
 
 
+def warmup_prompts(replicas: int) -> list[str]:
+    """One burst that reaches every replica whatever the policy: all its prompts share the chat
+    template's header, so prefix affinity keeps them on one replica until it leads the others
+    by more than ``max_imbalance`` (8) requests."""
+    n = 1 if replicas == 1 else replicas * (RouterConfig().max_imbalance + 2)
+    return [f"warm-up {j}: {wl.SHORT_PROMPT}" for j in range(n)]
+
+
 async def _warm(session: aiohttp.ClientSession, ep: Endpoint, replicas: int) -> list[str]:
-    """Bursts of ``replicas`` concurrent short requests (unique prompts) until every replica
-    answered one: a replica loads its engine on its first request."""
-    seen: set[str] = set()
-    answered: list[str] = []
-    for burst in range(6):
+    """The warm-up burst (a replica loads its engine on its first request); every replica
+    must have answered one, so that each holds the template's header as in the simulation."""
 
-        async def one(j: int, burst: int = burst) -> None:
-            body = ep.payload(f"warm-up {burst}.{j}: {wl.SHORT_PROMPT}", 8)
-            body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
-            async with session.post(ep.chat_url, json=body) as resp:
-                text = await resp.text()
-                if resp.status != 200:
-                    raise RuntimeError(f"warm-up: HTTP {resp.status}: {text[:300]}")
-                name = resp.headers.get("x-poise-replica", "engine")
-                seen.add(name)
-                answered.append(name)
+    async def one(prompt: str) -> str:
+        body = ep.payload(prompt, WARM_TOKENS)
+        body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+        async with session.post(ep.chat_url, json=body) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                raise RuntimeError(f"warm-up: HTTP {resp.status}: {text[:300]}")
+            return resp.headers.get("x-poise-replica", "engine")
 
-        await asyncio.gather(*(one(j) for j in range(replicas)))
-        if len(seen) >= replicas and burst >= 1:
-            return answered
-    raise RuntimeError(f"warm-up: only {sorted(seen)} of {replicas} replicas answered")
+    answered = list(await asyncio.gather(*(one(p) for p in warmup_prompts(replicas))))
+    if len(set(answered)) < replicas:
+        raise RuntimeError(f"warm-up: only {sorted(set(answered))} of {replicas} replicas answered")
+    return answered
 
 
 async def _metrics(session: aiohttp.ClientSession, root: str) -> dict[str, float]:
@@ -293,18 +301,23 @@ def profile(out: Path, repeats: int) -> Path:
     return path
 
 
-def sim_requests(reqs: list[LiveRequest]) -> list[SimRequest]:
-    """The measured requests with their real token ids (the server's template and tokenizer)."""
+def sim_requests(reqs: list[LiveRequest], replicas: int) -> list[SimRequest]:
+    """The measured requests with their real token ids (the server's template and tokenizer),
+    after the same warm-up burst as the real server got."""
     from poise.text.tokenizer import apply_chat_template, load_tokenizer
 
     tok = load_tokenizer(None)
-    out = []
-    for r in reqs:
-        ids = tuple(apply_chat_template(tok, [{"role": "user", "content": r.prompt}]))
-        out.append(SimRequest(r.index, len(ids), r.max_tokens, arrival=r.arrival,
-                              class_name=r.class_name, prompt_key=str(r.index),
-                              token_ids=ids))  # fmt: skip
-    return out
+
+    def ids(prompt: str) -> tuple[int, ...]:
+        return tuple(apply_chat_template(tok, [{"role": "user", "content": prompt}]))
+
+    warm = [SimRequest(len(reqs) + j, len(w), WARM_TOKENS, arrival=0.0, class_name="warmup",
+                       prompt_key=f"warm{j}", warmup=True, token_ids=w)
+            for j, w in enumerate(map(ids, warmup_prompts(replicas)))]  # fmt: skip
+    cell = [SimRequest(r.index, len(w), r.max_tokens, arrival=WARM_LEAD_S + r.arrival,
+                       class_name=r.class_name, prompt_key=str(r.index), token_ids=w)
+            for r, w in zip(reqs, map(ids, (r.prompt for r in reqs)), strict=True)]  # fmt: skip
+    return warm + cell
 
 
 def way_in_s_per_token(reqs: list[LiveRequest]) -> float:
@@ -359,7 +372,8 @@ def measured_part(args: argparse.Namespace) -> bool | None:
         cells.append(cell)
     way_in = way_in_s_per_token(cells[-1]["reqs"])
     for cell in cells:
-        cell["sim"] = predict(cell, sim_requests(cell["reqs"]), model, way_in, args.sim_seeds)
+        replay = sim_requests(cell["reqs"], cell["replicas"])
+        cell["sim"] = predict(cell, replay, model, way_in, args.sim_seeds)
     return report(cells, out, args.tolerance, model_path)
 
 

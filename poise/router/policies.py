@@ -3,8 +3,9 @@
 - ``round_robin``: in turn, blind to load and cache. The baseline.
 - ``least_loaded``: fewest requests in flight, then fewest prompt tokens still to prefill.
 - ``prefix_affinity``: the replica already holding the longest run of the prompt's opening KV
-  blocks (repeated system prompts, shared documents), unless it is more than
-  ``max_imbalance`` requests busier than the least loaded one; then, or on a miss, least
+  blocks (repeated system prompts, shared documents) beyond what every candidate holds (a
+  chat template's header), unless it is more than ``max_imbalance`` requests busier than the
+  least loaded one; then, or on a miss (no replica holds more than the others), least
   loaded.
 - ``balanced``: the lowest predicted TTFT, from the scheduler's own forecast
   (``sched/predictor.py``) replayed over what the router sent each replica, with the prompt
@@ -26,6 +27,7 @@ class PolicyContext:
     cached_tokens: Callable[[str], int]  # replica name -> prompt tokens it is expected to hold
     turn: int  # how many requests were routed before this one (round robin)
     max_imbalance: int  # prefix_affinity: how much busier the affine replica may be
+    shared_tokens: int = 0  # the prompt's opening every candidate holds: no reason to pick one
 
 
 Policy = Callable[[RouteRequest, Sequence[ReplicaState], PolicyContext], Decision]
@@ -53,9 +55,13 @@ def prefix_affinity(
     req: RouteRequest, replicas: Sequence[ReplicaState], ctx: PolicyContext
 ) -> Decision:
     cached = {r.name: ctx.cached_tokens(r.name) for r in replicas}
-    best = max(replicas, key=lambda r: (cached[r.name], -r.load))
+    # Only what one replica holds beyond the others tells them apart: an opening all traffic
+    # shares (a chat template's header) is on every replica that served anything, and
+    # following it would send everything to whichever replica served first.
+    own = {name: max(0, n - ctx.shared_tokens) for name, n in cached.items()}
+    best = max(replicas, key=lambda r: (own[r.name], -r.load))
     least = _least(replicas)
-    if cached[best.name] == 0:
+    if own[best.name] == 0:
         return Decision(least.name, "affinity_miss", cached[least.name])
     if best.load - least.load > ctx.max_imbalance:
         return Decision(least.name, "affinity_overloaded", cached[least.name])
@@ -84,7 +90,8 @@ def balanced(req: RouteRequest, replicas: Sequence[ReplicaState], ctx: PolicyCon
         cached = ctx.cached_tokens(r.name)
         scored.append((predicted_ttft(r, prompt - cached), r.load, i, cached))
     _, _, i, cached = min(scored)
-    return Decision(replicas[i].name, "balanced_affinity" if cached else "balanced", cached)
+    reason = "balanced_affinity" if cached > ctx.shared_tokens else "balanced"
+    return Decision(replicas[i].name, reason, cached)
 
 
 POLICIES: dict[str, Policy] = {

@@ -88,8 +88,11 @@ class Router:
         candidates, lent = self.candidates(req, exclude)
         keys = [hash(k) for k in prefix_keys(req.token_ids[:-1], self.config.block_size,
                                              self.config.prefix_blocks)]  # fmt: skip
+        # What every candidate holds (a chat template's header, once each served something)
+        # tells them apart no more than nothing does.
+        floor = min(self._cached_tokens(keys, r.name) for r in candidates)
         ctx = PolicyContext(lambda name: self._cached_tokens(keys, name), self._turn,
-                            self.config.max_imbalance)  # fmt: skip
+                            self.config.max_imbalance, floor)  # fmt: skip
         decision = self.policy(req, candidates, ctx)
         if decision.replica in lent:
             decision = Decision(
@@ -99,7 +102,7 @@ class Router:
         self.decisions[decision.reason] += 1
         if keys:
             self.affinity_lookups += 1
-            self.affinity_hits += decision.cached_tokens > 0
+            self.affinity_hits += decision.cached_tokens > floor
         self._remember(keys, decision.replica)
         self.replicas[decision.replica].inflight[req.request_id] = InFlight(
             len(req.token_ids), req.max_tokens, decision.cached_tokens

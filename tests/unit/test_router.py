@@ -76,8 +76,8 @@ def test_prefix_affinity_falls_back_to_load_when_the_affine_replica_is_overloade
     # miss, hit, hit (r0 leads by 2), then r0 would lead by 3: overloaded -> r1.
     assert reasons[:3] == ["affinity_miss", "affinity_hit", "affinity_hit"]
     assert reasons[3] == "affinity_overloaded"
-    # r1 ran the prompt too, so it is affine now as well.
-    assert r.route(_req("a9", SYSTEM_A + [9])).reason == "affinity_hit"
+    # r1 ran the prompt too: both hold it, so neither is preferred; by load.
+    assert r.route(_req("a9", SYSTEM_A + [9])).reason == "affinity_miss"
 
 
 def test_prefix_keys_are_the_kv_caches_own_chain() -> None:
@@ -170,3 +170,23 @@ def test_no_healthy_replica_is_an_error_not_a_hang() -> None:
 def test_unknown_policy_is_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="round_robin"):
         RouterConfig(policy="random")
+
+
+def test_prefix_affinity_ignores_an_opening_every_replica_holds() -> None:
+    # A chat template puts the same header (here 2 blocks) before every prompt; following it
+    # would send all traffic to the replica that served first.
+    header = list(range(9000, 9032))
+    r = _router("prefix_affinity", 2, max_imbalance=0)
+    first = r.route(_req("p0", header + SYSTEM_A + [1]))
+    # The header is on r0 only, but r0 is busier: to r1, which then holds the header too.
+    assert r.route(_req("p1", header + SYSTEM_B + [1])).reason == "affinity_overloaded"
+    r.on_finish("p0")
+    r.on_finish("p1")
+    got = [r.route(_req(f"q{i}", header + [7000 + i] * 40)) for i in range(4)]
+    assert [d.reason for d in got] == ["affinity_miss"] * 4
+    assert [d.replica for d in got] == ["r0", "r1", "r0", "r1"]  # by load, not by the header
+    assert r.affinity_hits == 0
+    # A prompt's own system prompt still finds its replica; the hit counts the whole prefix.
+    d = r.route(_req("a", header + SYSTEM_A + [2]))
+    assert (d.replica, d.reason, d.cached_tokens) == (first.replica, "affinity_hit", 32 + 64)
+    assert r.affinity_hits == 1
