@@ -47,6 +47,7 @@ import dataclasses
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -457,6 +458,9 @@ def main() -> int:
     m.add_argument("--out-dir", type=Path, default=REPO / "runs" / "scale_out")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    # SIGTERM (a timeout, the lock's owner) ends the run through the finally blocks that stop
+    # the servers, Ray included, rather than leaving them behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S')}, load average "
           f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)  # fmt: skip
     ok: bool | None = None
