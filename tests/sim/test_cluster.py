@@ -142,11 +142,8 @@ def test_real_token_ids_share_only_their_common_opening() -> None:
     # tails. With real ids the second hits exactly those 4 blocks; as synthetic ids of two
     # different keys it would hit nothing.
     opening = tuple(range(100, 164))
-    reqs = [
-        SimRequest(i, 100, 4, arrival=i * 1.0, token_ids=opening + tuple(range(500 + 36 * i,
-                   536 + 36 * i)))  # fmt: skip
-        for i in range(2)
-    ]
+    tails = [tuple(range(500 + 36 * i, 536 + 36 * i)) for i in range(2)]
+    reqs = [SimRequest(i, 100, 4, arrival=float(i), token_ids=opening + tails[i]) for i in range(2)]
     res = simulate_cluster(_config(), COST, SimCell(reqs, open_loop=True), replicas=1)
     assert [r.num_cached_tokens for r in res.requests] == [0, 64]
     with pytest.raises(ValueError, match="token_ids"):
