@@ -36,7 +36,7 @@ from tests.serving.conftest import InProcessServer
 KEY = "fuzz-key"
 MAX_MODEL_LEN = 128
 # Examples per route: a few seconds in the default suite; POISE_FUZZ_EXAMPLES for a long run.
-SMALL = 3
+SMALL = 2
 LARGE = int(os.environ.get("POISE_FUZZ_EXAMPLES", "400"))
 
 
