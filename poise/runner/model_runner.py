@@ -78,6 +78,7 @@ class ModelRunner:
             generator=self.generator,
             histories=[r.token_history for r in sampled],
             eos_token_ids=self.eos_token_ids,
+            logits_writable=True,  # raw logprobs are taken; the mask already wrote in them
         )
         out = ModelRunnerOutput(
             {r.request_id: t for r, t in zip(sampled, tokens, strict=True)},

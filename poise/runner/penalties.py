@@ -3,7 +3,8 @@
 ``adjust(logits, params, output_indices, histories, eos_token_ids)`` returns the logits the
 sampler should use. Only the rows whose request asks for an adjustment are touched, and a batch
 where nobody asks returns ``logits`` itself after one pass over the params (no tensor work).
-Raw logits are never modified in place (a caller may still read them, e.g. for logprobs).
+Raw logits are modified in place only when the caller says it no longer needs them
+(``inplace``: the model runner, which took the raw logprobs before sampling).
 
 vLLM's semantics and order, all on float32 rows:
 
@@ -47,12 +48,20 @@ def adjust(
     output_indices: Sequence[int],
     histories: Sequence[TokenHistory | None] | None,
     eos_token_ids: frozenset[int] = frozenset(),
+    *,
+    inplace: bool = False,
 ) -> torch.Tensor:
-    """``logits`` [S, V] with each requested adjustment applied to its row (see the module)."""
+    """``logits`` [S, V] with each requested adjustment applied to its row (see the module).
+
+    ``inplace``: the caller no longer needs the raw logits, so float32 ``logits`` are adjusted
+    and returned themselves (no [S, V] copy); otherwise they are never modified."""
     rows = [i for i, (p, k) in enumerate(zip(params, output_indices, strict=True)) if _active(p, k)]
     if not rows:
         return logits
-    out = logits.to(torch.float32, copy=True)  # [S, V]; the caller's logits stay raw
+    if inplace and logits.dtype == torch.float32:
+        out = logits
+    else:
+        out = logits.to(torch.float32, copy=True)  # [S, V]; the caller's logits stay raw
     _add_bias(out, rows, params)
     _mask_stops(out, rows, params, output_indices, eos_token_ids)
     penalised = [i for i in rows if params[i].needs_token_history]
@@ -142,8 +151,9 @@ def _penalise(
         )
         at = torch.from_numpy(seen).to(dev)
         r = torch.from_numpy(factor).to(dev)
-        x = flat[at]
-        flat[at] = torch.where(x > 0, x / r, x * r)
+        x = flat.index_select(0, at)
+        # index_copy_ with repeated positions: every copy carries the same value.
+        flat.index_copy_(0, at, torch.where(x > 0, x / r, x * r))
     counted = [i for i in rows if params[i].frequency_penalty or params[i].presence_penalty]
     if counted:
         out_keys, lengths = _flat_keys(counted, [histories[i][1] for i in counted], vocab)
@@ -154,4 +164,4 @@ def _penalise(
             per_row[:, i] = (params[i].frequency_penalty, params[i].presence_penalty)
         delta = per_row[0, row] * counts.astype(np.float32) + per_row[1, row]
         at = torch.from_numpy(keys).to(dev)
-        flat[at] -= torch.from_numpy(delta).to(dev)
+        flat.index_add_(0, at, -torch.from_numpy(delta).to(dev))  # unique positions

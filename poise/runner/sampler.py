@@ -49,11 +49,14 @@ def sample(
     generator: torch.Generator | None = None,
     histories: Sequence[TokenHistory | None] | None = None,
     eos_token_ids: frozenset[int] = frozenset(),
+    logits_writable: bool = False,
 ) -> list[int]:
     """One token id per logits row. ``logits`` is [S, V] in any float dtype.
 
     ``histories[i]``: row ``i``'s (prompt, output) token ids, needed where its params ask for
-    a penalty; ``eos_token_ids``: what ``min_tokens`` masks besides ``stop_token_ids``."""
+    a penalty; ``eos_token_ids``: what ``min_tokens`` masks besides ``stop_token_ids``;
+    ``logits_writable``: the caller is done with ``logits``, so the penalties and the
+    temperature may work in them instead of an [S, V] copy each (else they stay untouched)."""
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(output_indices):
         raise ValueError(
             f"logits {tuple(logits.shape)} must be [S, V] with S == len(params) == "
@@ -62,7 +65,9 @@ def sample(
     if not params:
         return []
     raw = logits
-    logits = penalties.adjust(logits, params, output_indices, histories, eos_token_ids)
+    logits = penalties.adjust(
+        logits, params, output_indices, histories, eos_token_ids, inplace=logits_writable
+    )
     is_greedy = [p.temperature == 0.0 or p.top_k == 1 for p in params]
     if all(is_greedy):
         # Fast path: argmax is exact in any float dtype, no float32 copy needed.
@@ -79,11 +84,11 @@ def sample(
     rows = [i for i, g in enumerate(is_greedy) if not g]
     sub_params = [params[i] for i in rows]
     # [R, V]: no row gather when every row samples (an index op costs as much as a copy at
-    # vocabulary width). Scaled in place when it is already our own float32 copy (a gather, or
-    # the penalties' copy), else the division makes one: the caller's logits stay as they are.
+    # vocabulary width). Scaled in place where we may write (a gather, the penalties' copy, or
+    # logits the caller gave up), else the division makes the copy.
     sub = logits[torch.tensor(rows, device=dev)] if greedy_rows else logits
     temps = torch.tensor([p.temperature for p in sub_params], dtype=torch.float32, device=dev)
-    if sub is not raw and sub.dtype == torch.float32:
+    if (logits_writable or sub is not raw) and sub.dtype == torch.float32:
         scaled = sub.div_(temps.unsqueeze(1))
     else:
         scaled = sub.to(torch.float32) / temps.unsqueeze(1)

@@ -108,6 +108,29 @@ def test_rows_are_independent_and_raw_logits_untouched() -> None:
         torch.testing.assert_close(got[row : row + 1], alone)
 
 
+def test_writable_logits_give_the_same_result_without_a_copy() -> None:
+    # The runner hands over logits it no longer needs: adjusted (and temperature-scaled) in
+    # place, with exactly the values and tokens of the copying path.
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1,
+                       frequency_penalty=0.2, presence_penalty=0.2, seed=3),
+        SamplingParams(temperature=1.2, top_k=50, logit_bias={7: 3.0}, min_tokens=9, seed=4),
+        SamplingParams(temperature=0.7, seed=5),
+    ]  # fmt: skip
+    hist = [(PROMPT, OUTPUT), (PROMPT, OUTPUT), None, None]
+    logits = _logits(4, seed=6)
+    copied = adjust(logits, params, [6, 6, 2, 0], hist, frozenset({0}))
+    own = logits.clone()
+    assert adjust(own, params, [6, 6, 2, 0], hist, frozenset({0}), inplace=True) is own
+    torch.testing.assert_close(own, copied, rtol=0, atol=0)
+    for index in range(5):
+        want = sample(logits, params, [index] * 4, histories=hist, eos_token_ids=frozenset({0}))
+        got = sample(logits.clone(), params, [index] * 4, histories=hist,
+                     eos_token_ids=frozenset({0}), logits_writable=True)  # fmt: skip
+        assert got == want
+
+
 def test_greedy_rows_take_the_argmax_of_the_penalised_logits() -> None:
     logits = torch.zeros(2, V)
     logits[:, 3] = 5.0  # the favourite, repeated in the output
