@@ -88,7 +88,7 @@ class Steering:
         )
 
     def step_budget(
-        self, running: Sequence[Request], waiting: Sequence[Request] = (), now: float = 0.0
+        self, running: Sequence[Request], waiting: Sequence[Request], now: float
     ) -> int:
         self.lifted = False
         if self.controller is not None:
