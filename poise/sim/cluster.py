@@ -7,6 +7,10 @@ with) when it reaches the front end. Events run in time order: a send, a request
 router, or a replica's step boundary (where the step's results land and its next step starts).
 A replica's clock never runs behind the router's: an idle one is brought forward to the
 request it receives, a busy one is at the end of its current step.
+
+With ``shared_cpu`` the replicas share one host's cores with the traffic's relay: each step
+takes its cost over the engine's share of a core when it starts (``sim/cpu_share.py``: the
+replicas busy then, the host's request and token rates over the last window).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from poise.router import ReplicaState, Router, RouterConfig, RouteRequest
 from poise.sim.arrival import ArrivalModel, WayIn
 from poise.sim.cell import SimCell, SimResult
 from poise.sim.cost import CostModel
+from poise.sim.cpu_share import RateWindow, SharedCpu
 from poise.sim.driver import _Driver
 from poise.sim.executor import SimExecutor
 from poise.sim.simulator import sim_engine
@@ -42,15 +47,22 @@ class ClusterResult(SimResult):
     replicas: int = 1
     router: dict[str, Any] = field(default_factory=dict)
     replica_of: dict[str, str] = field(default_factory=dict)  # request id -> replica name
+    # With a SharedCpu: the mean over steps of the engine's share of a core (1 otherwise).
+    mean_engine_share: float = 1.0
 
 
 class _ClusterDriver(_Driver):
     def __init__(
         self, engines: Sequence[EngineCore], clocks: Sequence[VirtualClock], router: Router,
-        cell: SimCell, way_in: WayIn, seed: int,
+        cell: SimCell, way_in: WayIn, seed: int, sims: Sequence[SimExecutor] = (),
+        shared_cpu: SharedCpu | None = None,
     ) -> None:  # fmt: skip
         super().__init__(engines[0], clocks[0], cell, way_in, seed)
         self.engines, self.clocks, self.router = list(engines), list(clocks), router
+        self.sims, self.shared_cpu = list(sims), shared_cpu
+        window = shared_cpu.window_s if shared_cpu else 1.0
+        self.request_rate, self.token_rate = RateWindow(window), RateWindow(window)
+        self.shares: list[float] = []
         self.names = [f"replica-{i}" for i in range(len(engines))]
         self.now = 0.0
         self.pending: list[list[RequestDelta] | None] = [None] * len(engines)
@@ -68,6 +80,7 @@ class _ClusterDriver(_Driver):
             )
             i = self.names.index(decision.replica)
             self.replica_of[res.request_id] = decision.replica
+            self.request_rate.add(t_engine)
             engine, clock = self.engines[i], self.clocks[i]
             if not engine.has_unfinished_requests() and self.pending[i] is None:
                 clock.advance_to(max(clock.now(), t_engine))
@@ -91,6 +104,7 @@ class _ClusterDriver(_Driver):
         for d in deltas:
             if d.new_token_ids:
                 self.router.on_tokens(d.request_id, len(d.new_token_ids))
+                self.token_rate.add(self.now, len(d.new_token_ids))
             if d.finished:
                 self.router.on_finish(d.request_id)
                 self.prompt_tokens += d.num_prompt_tokens
@@ -102,12 +116,25 @@ class _ClusterDriver(_Driver):
         tokens = stats.num_prefill_tokens + stats.num_decode_tokens
         self.router.observe_step(self.names[i], tokens, stats.end_time - stats.start_time)
 
+    def _busy(self, i: int) -> bool:
+        return self.pending[i] is not None or (
+            self.engines[i].has_unfinished_requests() and self.stalls[i] < _STALL
+        )
+
+    def _share_cores(self, i: int) -> None:
+        """Replica ``i`` is about to step: its engine's share of a core from now on."""
+        if self.shared_cpu is None:
+            return
+        busy = sum(1 for j in range(len(self.engines)) if j == i or self._busy(j))
+        share = self.shared_cpu.engine_share(
+            busy, self.request_rate.rate(self.now), self.token_rate.rate(self.now)
+        )
+        self.sims[i].slowdown = 1.0 / share
+
     def _replica_events(self) -> list[tuple[float, int]]:
         events = []
         for i, e in enumerate(self.engines):
-            if self.pending[i] is not None or (
-                e.has_unfinished_requests() and self.stalls[i] < _STALL
-            ):
+            if self._busy(i):
                 events.append((self.clocks[i].now(), i))
             elif e.has_unfinished_requests() and (wake := e.wake_time()) is not None:
                 events.append((wake, i))  # a dynamic batch that starts at its delay
@@ -138,12 +165,15 @@ class _ClusterDriver(_Driver):
             if self.clocks[i].now() < t_rep:  # woken by its own policy (wake_time)
                 self.clocks[i].advance_to(t_rep)
                 self.stalls[i] = 0
+            self._share_cores(i)
             deltas, stats = self.engines[i].step()
             if stats is None:
                 self.apply(deltas)  # requests rejected on admission
                 self.stalls[i] += 1
                 continue
             self.stalls[i] = 0
+            if self.shared_cpu is not None:
+                self.shares.append(1.0 / self.sims[i].slowdown)
             self._observe(i, stats)
             self.pending[i] = deltas
 
@@ -158,10 +188,12 @@ def simulate_cluster(
     pools: Sequence[str | None] | None = None,
     seed: int = 0,
     arrival: ArrivalModel = ArrivalModel(),
+    shared_cpu: SharedCpu | None = None,
 ) -> ClusterResult:
     """Run ``cell`` through ``replicas`` copies of the engine behind the router.
 
-    ``pools`` names each replica's class pool (None: serves every class).
+    ``pools`` names each replica's class pool (None: serves every class); ``shared_cpu``:
+    the replicas share one host's cores (None: each has its own device).
     """
     if replicas < 1:
         raise ValueError(f"replicas: must be >= 1, got {replicas}")
@@ -186,7 +218,9 @@ def simulate_cluster(
         for i in range(replicas)
     ]
     router = Router(states, cfg)
-    driver = _ClusterDriver(engines, clocks, router, cell, WayIn(arrival, seed), seed)
+    driver = _ClusterDriver(
+        engines, clocks, router, cell, WayIn(arrival, seed), seed, sims, shared_cpu
+    )
     t0 = time.perf_counter()
     driver.run()
     wall = time.perf_counter() - t0
@@ -217,4 +251,5 @@ def simulate_cluster(
             else 0.0,
         },
         replica_of=driver.replica_of,
+        mean_engine_share=sum(driver.shares) / len(driver.shares) if driver.shares else 1.0,
     )

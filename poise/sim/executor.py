@@ -15,8 +15,11 @@ mean 1 and that coefficient of variation, drawn from ``random.Random(seed)``: a 
 steps of identical shape do not take identical times, and in a closed loop a deterministic
 simulator keeps every wave of requests in lockstep, so its TTFT p95 collapses onto its p50.
 
+``slowdown`` (1 by default) divides the engine's share of a core into the step: the cluster
+simulator sets it before each step when replicas share a host's cores (``sim/cpu_share.py``).
+
 Invariants: the clock only moves forward, by exactly ``cost_model.time_for(output)`` per step
-(times the jitter factor when jitter is on; the same factors for the same seed); the token
+(times the jitter factor when jitter is on; the same factors for the same seed), times ``slowdown``; the token
 returned is never an EOS id, so EOS never ends a simulated request.
 """
 
@@ -61,11 +64,13 @@ class SimExecutor:
         )
         self.num_steps = 0
         self.busy_s = 0.0
+        self.slowdown = 1.0
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         dt = self.cost_model.time_for(scheduler_output)
         if self._sigma > 0:
             dt *= math.exp(self._rng.gauss(-self._sigma * self._sigma / 2, self._sigma))
+        dt *= self.slowdown
         self.clock.advance(dt)
         self.num_steps += 1
         self.busy_s += dt
