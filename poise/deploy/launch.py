@@ -4,6 +4,7 @@ clean shutdown (Serve, then Ray) on SIGINT/SIGTERM."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -16,6 +17,15 @@ logger = logging.getLogger(__name__)
 # A small object store: replicas exchange only request bodies and response chunks.
 OBJECT_STORE_BYTES = 200 * 1024 * 1024
 
+# Ray Serve kills an HTTP proxy that is not ready 5 s after it starts (or misses 10 s health
+# checks) and starts another: on a small or busy machine (2 cores shared with test suites) the
+# proxy died that way inside serve.start. Generous defaults for the local instance; a value
+# already in the environment wins. Ray's workers read them from the environment they inherit.
+RAY_SERVE_PATIENCE = {
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+}
+
 
 def start_local(
     spec: DeploySpec, host: str, port: int, num_cpus: int | None = None,
@@ -27,6 +37,8 @@ def start_local(
     from ray import serve
 
     if not ray.is_initialized():
+        for key, value in RAY_SERVE_PATIENCE.items():
+            os.environ.setdefault(key, value)
         cpus = num_cpus if num_cpus is not None else max(1, int(spec.num_cpus * spec.replicas))
         ray.init(num_cpus=cpus, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False,
                  log_to_driver=False, configure_logging=False)  # fmt: skip
