@@ -35,6 +35,8 @@ a ``Policy`` value made of those functions, not a branch in the loop:
   chosen by cost: lowest priority, then most slack left after the recompute (in steps), then
   least work lost;
   requests already preempted ``preemption_thrash_limit`` times are spared while others exist.
+  With traffic classes, steps are paced for the tightest TTFT target (``pacing.py``): prefills
+  of looser classes take only what keeps a step within a quarter of that target.
 
 ``priority`` and ``slo`` do not block the queue behind a request that does not fit: a smaller
 one further back may go, unless the blocked one is overdue (past its deadline, or waiting
@@ -296,6 +298,8 @@ class Policy:
     wake: Callable[[Sequence[Request], Sequence[Request], PolicyContext], float | None] | None = (
         None
     )
+    # Whether steps are kept short for the tightest TTFT target (``pacing.py``).
+    paces: bool = False
 
 
 _REGISTRY: dict[str, Policy] = {
@@ -310,7 +314,7 @@ _REGISTRY: dict[str, Policy] = {
     ),
     "slo": Policy(
         "slo", walk_slo, victim_cost_aware, is_overdue, displace_lower_priority,
-        slo_coarse_key,
+        slo_coarse_key, paces=True,
     ),
     "lpm": Policy("lpm", walk_lpm, victim_last_admitted, always_block, never_displace, None),
     "static": Policy(

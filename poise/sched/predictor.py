@@ -41,6 +41,12 @@ class Backlog:
     ahead: Sequence[tuple[int, int, bool]]
     own_tokens: int  # its own prompt tokens left (after the prefix cache)
     other_prefill: int  # prompt tokens other classes have queued (they run alongside)
+    # Pacing (the slo policy, pacing.py): tokens a paced step holds (0: no pacing), the least a
+    # paced class always gets, and whether the request's own class / the others are paced.
+    pace_tokens: int = 0
+    pace_floor: int = 0
+    own_paced: bool = False
+    others_paced: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,9 @@ class _Replay:
         num_decodes = len(self.decodes)
         room = max(1, self.b.budget - num_decodes)
         mine = room if self.other <= 0 else max(1, int(self.b.share * room), room - self.other)
+        cap = max(self.b.pace_floor, self.b.pace_tokens - num_decodes)
+        if self.b.pace_tokens and self.b.own_paced:
+            mine = min(mine, cap)
         used = 0
         for q in self.queue:
             if not q[2]:
@@ -83,6 +92,8 @@ class _Replay:
             q[0] -= take
             used += take
         other = min(self.other, room - used)
+        if self.b.pace_tokens and self.b.others_paced:
+            other = min(other, cap)
         self.other -= other
         self.t += self.est.step_time(num_decodes + used + other)
         self.steps += 1

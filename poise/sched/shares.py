@@ -8,6 +8,9 @@ slots that queued short ones were promised.
 
 Decode tokens are not rationed (a running request's next token is never held back for a share:
 that is what TPOT targets are about); they only shrink the budget everyone shares.
+
+A class may also be capped for the step (``caps``: the slo policy's pacing, ``pacing.py``): it
+then takes, and holds reserved, no more than its cap, whatever its share.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class ShareLedger:
         running_by_class: Mapping[str, int],
         prefill_demand: Mapping[str, int],
         slot_demand: Mapping[str, int],
+        caps: Mapping[str, int] | None = None,
     ) -> None:
         self._token_reserve = {c: int(s * budget) for c, s in shares.items()}
         self._slot_reserve = {c: int(s * max_num_seqs) for c, s in shares.items()}
@@ -35,10 +39,18 @@ class ShareLedger:
         self._running = Counter(running_by_class)
         self._token_demand = Counter(prefill_demand)
         self._slot_demand = Counter(slot_demand)
+        self._caps = dict(caps or {})
         self.enabled = len(shares) > 1
+
+    def _cap_left(self, cls: str) -> int | None:
+        cap = self._caps.get(cls)
+        return None if cap is None else max(0, cap - self._tokens_used[cls])
 
     def _protected_tokens(self, cls: str) -> int:
         left = self._token_reserve.get(cls, 0) - self._tokens_used[cls]
+        cap_left = self._cap_left(cls)
+        if cap_left is not None:
+            left = min(left, cap_left)
         return max(0, min(left, self._token_demand[cls]))
 
     def _protected_slots(self, cls: str) -> int:
@@ -49,10 +61,15 @@ class ShareLedger:
         return (c for c in self._token_reserve if c != cls)
 
     def token_allowance(self, cls: str, budget_left: int) -> int:
-        """Prefill tokens ``cls`` may take now without eating another class's reservation."""
-        if not self.enabled:
-            return budget_left
-        return max(0, budget_left - sum(self._protected_tokens(c) for c in self._others(cls)))
+        """Prefill tokens ``cls`` may take now without eating another class's reservation
+        (nor more than its cap)."""
+        allowance = budget_left
+        if self.enabled:
+            allowance -= sum(self._protected_tokens(c) for c in self._others(cls))
+        cap_left = self._cap_left(cls)
+        if cap_left is not None:
+            allowance = min(allowance, cap_left)
+        return max(0, allowance)
 
     def slot_allowed(self, cls: str, free_slots: int) -> bool:
         if not self.enabled:

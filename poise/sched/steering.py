@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from poise.config import SchedulerConfig
 from poise.core.request import Request
@@ -19,7 +20,8 @@ from poise.errors import OverloadedError
 from poise.sched.classes import ClassSet, load_classes
 from poise.sched.controller import TokenBudgetController
 from poise.sched.estimator import DEFAULT_CONST_S, DEFAULT_PER_TOKEN_S, StepCostEstimator
-from poise.sched.ordering import PolicyContext, deadline, get_policy, is_partial_prefill
+from poise.sched.ordering import PolicyContext, get_policy, is_partial_prefill
+from poise.sched.pacing import deadline_missed, pacing_for
 from poise.sched.predictor import Backlog, Forecast, backlog_for, forecast, prefill_left, refusal
 from poise.sched.shares import ShareLedger
 
@@ -57,10 +59,15 @@ class Steering:
                 self.estimator, tpot_s, config.min_num_batched_tokens,
                 config.max_num_batched_tokens,
             )  # fmt: skip
+        self.pacing = (
+            pacing_for(self.classes, config.min_num_batched_tokens) if self.policy.paces else None
+        )
         self.preemptions_by_class: Counter[str] = Counter()
         self.budget = config.max_num_batched_tokens
         # The controller's budget gave way to a TTFT deadline this step (see ``step_budget``).
         self.lifted = False
+        # Prefill tokens per paced class this step (empty: no class is held back).
+        self.caps: dict[str, int] = {}
 
     # -- per step ---------------------------------------------------------------------------
 
@@ -90,38 +97,47 @@ class Steering:
     def step_budget(
         self, running: Sequence[Request], waiting: Sequence[Request], now: float
     ) -> int:
+        """This step's token budget (the controller's, else the configured one), and the
+        pacing caps of the classes with looser TTFT targets (``self.caps``)."""
         self.lifted = False
+        self.caps = {}
+        if self.controller is None and self.pacing is None:
+            return self.budget
+        num_decodes = sum(1 for r in running if not is_partial_prefill(r))
         if self.controller is not None:
-            has_decodes = any(not is_partial_prefill(r) for r in running)
-            self.budget = self.controller.budget_for_step(has_decodes)
-            if self.budget < self.controller.ceiling and self._ttft_at_risk(running, waiting, now):
-                # A TPOT target must not cost another request its TTFT target: a prefill that
-                # would miss its deadline at the controlled budget gets the whole step. Without
-                # this a closed loop starves long prompts (measured on the CPU at c=32: LONG
-                # TTFT p95 37 s against a 15 s target, 13 preemptions as they piled up).
+            self.budget = self.controller.budget_for_step(num_decodes > 0)
+        ctx = self.context(now, lambda r: 0)
+        queue: list[Request] | None = None
+        if self.controller is not None and self.budget < self.controller.ceiling:
+            # A TPOT target must not cost another request its TTFT target: a prefill that
+            # would miss its deadline at the controlled budget gets the whole step. Without
+            # this a closed loop starves long prompts (measured on the CPU at c=32: LONG TTFT
+            # p95 37 s against a 15 s target, 13 preemptions as they piled up).
+            queue = self._prefill_queue(running, waiting, ctx)
+            room = max(1, self.budget - num_decodes)
+            if deadline_missed(queue, room, self.estimator.step_time(self.budget), ctx):
                 self.budget, self.lifted = self.controller.ceiling, True
+        caps = self.pacing.caps(self.estimator, num_decodes, self.budget) if self.pacing else {}
+        if caps and self.pacing is not None:
+            # The same rule for the pacing cap: it slows a long prompt, never starves it.
+            if queue is None:
+                queue = self._prefill_queue(running, waiting, ctx)
+            paced = [r for r in queue if r.slo.class_name in caps]
+            if not deadline_missed(paced, min(caps.values()), self.pacing.step_s, ctx):
+                self.caps = caps
         return self.budget
 
-    def _ttft_at_risk(
-        self, running: Sequence[Request], waiting: Sequence[Request], now: float
-    ) -> bool:
-        """Whether a prefill (the policy's lookahead's worth, in its order) would miss its TTFT
-        deadline at the controlled budget: each finishes after the prompt tokens ahead of it
-        and its own, in steps of what the decodes leave, each step of the budget's time."""
-        ctx = self.context(now, lambda r: 0)
+    def _prefill_queue(
+        self, running: Sequence[Request], waiting: Sequence[Request], ctx: PolicyContext
+    ) -> list[Request]:
+        """The unfinished prefills and the waiting queue's head (the policy's lookahead), in
+        the policy's order: who is next to need prefill budget."""
         prefills = [r for r in running if is_partial_prefill(r)]
-        room = max(1, self.budget - (len(running) - len(prefills)))
-        step_s = self.estimator.step_time(self.budget)
         queue = [*prefills, *itertools.islice(waiting, ctx.lookahead)]
         if self.policy.waiting_key is not None:
             key = self.policy.waiting_key
             queue.sort(key=lambda r: key(r, ctx))  # type: ignore[arg-type,return-value]
-        ahead = 0
-        for r in queue:
-            ahead += prefill_left(r)
-            if r.slo.ttft_s is not None and now + -(-ahead // room) * step_s > deadline(r, ctx):
-                return True
-        return False
+        return queue
 
     def ledger(
         self, candidates: Sequence[Request], running: Sequence[Request], chunk_cap: int
@@ -137,8 +153,9 @@ class Steering:
                 slots[cls] += 1
         by_class = Counter(r.slo.class_name for r in running)
         return ShareLedger(
-            self.shares, self.budget, self.config.max_num_seqs, by_class, demand, slots
-        )
+            self.shares, self.budget, self.config.max_num_seqs, by_class, demand, slots,
+            self.caps,
+        )  # fmt: skip
 
     def observe_step(self, num_tokens: int, duration_s: float, had_decodes: bool) -> None:
         self.estimator.observe(num_tokens, duration_s)
@@ -154,9 +171,18 @@ class Steering:
         waiting: Sequence[Request],
         ctx: PolicyContext,
     ) -> Backlog:
-        return backlog_for(
+        backlog = backlog_for(
             request, running, waiting, self.policy, ctx, self.shares, self.budget,
             self.config.max_num_seqs,
+        )  # fmt: skip
+        if self.pacing is None:
+            return backlog
+        tokens = int(self.estimator.tokens_for(self.pacing.step_s))
+        others = {c for c in self.shares if c != request.slo.class_name}
+        return replace(
+            backlog, pace_tokens=max(1, tokens), pace_floor=self.pacing.floor,
+            own_paced=request.slo.class_name in self.pacing.paced,
+            others_paced=bool(others) and others <= self.pacing.paced,
         )  # fmt: skip
 
     def forecast(

@@ -280,7 +280,7 @@ def test_slo_ties_go_to_the_longest_cached_prefix() -> None:
 def test_controller_gives_way_to_ttft_deadlines(monkeypatch: pytest.MonkeyPatch) -> None:
     """The TPOT target does not starve prompts: a prefill that would miss its TTFT target at
     the controlled budget gets the whole step (without that, the queue of long prompts grows)."""
-    from poise.sched.steering import Steering
+    from poise.sched import steering
 
     spec = "short:tpot_p50_ms=100,share=0.7;long:prompt_tokens>=200,ttft_p95_ms=3000,share=0.3"
     decoders = [Arrival(0.0, f"d{i}", toks(8, i), params(600)) for i in range(4)]
@@ -290,7 +290,7 @@ def test_controller_gives_way_to_ttft_deadlines(monkeypatch: pytest.MonkeyPatch)
     ttft, tpot = {}, {}
     for lift in (False, True):
         if not lift:
-            monkeypatch.setattr(Steering, "_ttft_at_risk", lambda *a: False)
+            monkeypatch.setattr(steering, "deadline_missed", lambda *a: False)
         else:
             monkeypatch.undo()
         engine, _, _ = make_engine(

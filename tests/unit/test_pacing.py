@@ -1,0 +1,106 @@
+"""The slo policy's pacing (sched/pacing.py) on a synthetic step cost a + b x tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from poise.core.timing import percentile
+from poise.sched import steering
+from poise.sched.classes import load_classes
+from poise.sched.estimator import StepCostEstimator
+from poise.sched.pacing import pacing_for
+from tests.unit.test_policies import toks
+from tests.unit.timed import Arrival, drive, make_engine, params
+
+SPEC = "short:ttft_p95_ms=1000,share=0.7;long:prompt_tokens>=1024,ttft_p95_ms={long},share=0.3"
+
+
+def open_loop(seconds: float) -> list[Arrival]:
+    """Short prompts (Poisson, ~2.5/s) among long ones every 4 s, beside 4 decodes."""
+    rng = random.Random(0)
+    arrivals = [Arrival(0.0, f"d{i}", toks(8, i), params(int(seconds * 10))) for i in range(4)]
+    t, i = 0.0, 0
+    while t < seconds:
+        t += rng.expovariate(2.5)
+        arrivals.append(Arrival(t, f"s{i}", toks(100, 100 + i), params(8)))
+        i += 1
+    longs = int(seconds / 4)
+    arrivals += [
+        Arrival(4.0 * k + 0.5, f"l{k}", toks(3000, 900 + k), params(8)) for k in range(longs)
+    ]
+    return arrivals
+
+
+def run(
+    monkeypatch: pytest.MonkeyPatch,
+    paced: bool,
+    long_ms: int,
+    a: float = 0.02,
+    seconds: float = 40.0,
+) -> dict[str, float]:
+    monkeypatch.undo()
+    if not paced:
+        monkeypatch.setattr(steering, "pacing_for", lambda *args: None)
+    engine, _, clock = make_engine(
+        a=a, b=0.0005, num_kv_blocks=8192, scheduling_policy="slo",
+        traffic_classes=SPEC.format(long=long_ms), max_num_batched_tokens=2048,
+    )  # fmt: skip
+    out = drive(engine, open_loop(seconds))
+    ttft = {k: v.metrics.ttft for k, v in out.items()}
+    assert all(v is not None for v in ttft.values())
+    assert engine.scheduler.kv_cache_usage == 0.0
+    return {
+        "short": percentile([v for k, v in ttft.items() if k[0] == "s"], 95),  # type: ignore[misc]
+        "long": percentile([v for k, v in ttft.items() if k[0] == "l"], 95),  # type: ignore[misc]
+        # When the last short or long request finished: the same work, paced or not.
+        "end": max(v.times.finished for k, v in out.items() if k[0] != "d"),  # type: ignore[union-attr,type-var]
+    }
+
+
+def test_pacing_holds_short_ttft_when_steps_are_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 2,048-token step lasts ~1 s here: unpaced, a short prompt arriving during a long one's
+    chunk waits for it; paced, steps stay near 250 ms and the short ones meet 1 s."""
+    plain = run(monkeypatch, paced=False, long_ms=15000)
+    paced = run(monkeypatch, paced=True, long_ms=15000)
+    assert plain["short"] > 1.0  # the chunk in progress holds them past their target
+    assert paced["short"] < 0.75 and paced["short"] < plain["short"] / 2
+    assert paced["long"] < 15.0  # slowed, within its own target
+    assert paced["end"] < plain["end"] * 1.05  # the same work in about the same time
+
+
+def test_pacing_gives_way_to_a_long_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a costly step (a = 0.2 s) a paced step holds ~90 prefill tokens: a 3,000-token
+    prompt would take ~8 s, so against a 4 s target the cap is lifted for it."""
+    lifted = run(monkeypatch, paced=True, long_ms=4000, a=0.2, seconds=8.0)
+    monkeypatch.setattr(steering, "deadline_missed", lambda *args: False)
+    engine, _, _ = make_engine(
+        a=0.2, b=0.0005, num_kv_blocks=8192, scheduling_policy="slo",
+        traffic_classes=SPEC.format(long=4000), max_num_batched_tokens=2048,
+    )  # fmt: skip
+    out = drive(engine, open_loop(8.0))
+    never = percentile([v.metrics.ttft for k, v in out.items() if k[0] == "l"], 95)  # type: ignore[misc]
+    assert never > 6.0
+    assert lifted["long"] < 4.0 * 1.25
+
+
+def test_pacing_only_where_targets_differ() -> None:
+    assert pacing_for(load_classes("none"), 64) is None
+    assert pacing_for(load_classes("a:ttft_p95_ms=500;b:ttft_p95_ms=500"), 64) is None
+    pacing = pacing_for(load_classes(SPEC.format(long=15000)), 64)
+    assert pacing is not None and pacing.paced == {"long"} and pacing.step_s == 0.25
+    fast = StepCostEstimator(const_s=0.005, per_token_s=1e-5)  # an accelerator: no cap
+    assert pacing.caps(fast, num_decodes=32, budget=2048) == {}
+    slow = StepCostEstimator(const_s=0.02, per_token_s=5e-4)
+    assert pacing.caps(slow, num_decodes=32, budget=2048) == {"long": 460 - 32}
+    crawl = StepCostEstimator(const_s=0.3, per_token_s=5e-4)  # a step alone exceeds 250 ms
+    assert pacing.caps(crawl, num_decodes=32, budget=2048) == {"long": 64}
+
+
+def test_other_policies_are_not_paced() -> None:
+    for policy in ("fifo", "priority", "prefill_first"):
+        engine, _, _ = make_engine(
+            scheduling_policy=policy, traffic_classes=SPEC.format(long=15000)
+        )
+        assert engine.scheduler.steer.pacing is None
