@@ -36,7 +36,7 @@ a ``Policy`` value made of those functions, not a branch in the loop:
   least work lost;
   requests already preempted ``preemption_thrash_limit`` times are spared while others exist.
   With traffic classes, steps are paced for the tightest TTFT target (``pacing.py``): prefills
-  of looser classes take only what keeps a step within a quarter of that target.
+  of looser classes take only what keeps a step within 15 % of that target.
 
 ``priority`` and ``slo`` do not block the queue behind a request that does not fit: a smaller
 one further back may go, unless the blocked one is overdue (past its deadline, or waiting

@@ -61,18 +61,18 @@ def run(
 
 def test_pacing_holds_short_ttft_when_steps_are_long(monkeypatch: pytest.MonkeyPatch) -> None:
     """A 2,048-token step lasts ~1 s here: unpaced, a short prompt arriving during a long one's
-    chunk waits for it; paced, steps stay near 250 ms and the short ones meet 1 s."""
+    chunk waits for it; paced, steps stay near 150 ms and the short ones meet 1 s."""
     plain = run(monkeypatch, paced=False, long_ms=15000)
     paced = run(monkeypatch, paced=True, long_ms=15000)
     assert plain["short"] > 1.0  # the chunk in progress holds them past their target
-    assert paced["short"] < 0.75 and paced["short"] < plain["short"] / 2
+    assert paced["short"] < 0.6 and paced["short"] < plain["short"] / 2
     assert paced["long"] < 15.0  # slowed, within its own target
     assert paced["end"] < plain["end"] * 1.05  # the same work in about the same time
 
 
 def test_pacing_gives_way_to_a_long_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With a costly step (a = 0.2 s) a paced step holds ~90 prefill tokens: a 3,000-token
-    prompt would take ~8 s, so against a 4 s target the cap is lifted for it."""
+    """With a costly step (a = 0.2 s) a paced step holds only the floor of 64 prefill tokens: a
+    3,000-token prompt would take ~10 s, so against a 4 s target the cap is lifted for it."""
     lifted = run(monkeypatch, paced=True, long_ms=4000, a=0.2, seconds=8.0)
     monkeypatch.setattr(steering, "deadline_missed", lambda *args: False)
     engine, _, _ = make_engine(
@@ -89,12 +89,12 @@ def test_pacing_only_where_targets_differ() -> None:
     assert pacing_for(load_classes("none"), 64) is None
     assert pacing_for(load_classes("a:ttft_p95_ms=500;b:ttft_p95_ms=500"), 64) is None
     pacing = pacing_for(load_classes(SPEC.format(long=15000)), 64)
-    assert pacing is not None and pacing.paced == {"long"} and pacing.step_s == 0.25
+    assert pacing is not None and pacing.paced == {"long"} and pacing.step_s == 0.15
     fast = StepCostEstimator(const_s=0.005, per_token_s=1e-5)  # an accelerator: no cap
     assert pacing.caps(fast, num_decodes=32, budget=2048) == {}
     slow = StepCostEstimator(const_s=0.02, per_token_s=5e-4)
-    assert pacing.caps(slow, num_decodes=32, budget=2048) == {"long": 460 - 32}
-    crawl = StepCostEstimator(const_s=0.3, per_token_s=5e-4)  # a step alone exceeds 250 ms
+    assert pacing.caps(slow, num_decodes=32, budget=2048) == {"long": 260 - 32}
+    crawl = StepCostEstimator(const_s=0.3, per_token_s=5e-4)  # a step alone exceeds 150 ms
     assert pacing.caps(crawl, num_decodes=32, budget=2048) == {"long": 64}
 
 
