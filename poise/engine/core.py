@@ -301,6 +301,7 @@ class EngineCore:
             num_waiting=sched.num_waiting,
             kv_cache_usage=self.kv.usage,
             token_budget=sched.steer.budget,
+            paced_prefill_tokens=MappingProxyType(sched.steer.paced_prefill_tokens()),
             num_preemptions=sched.num_preemptions_total,
             preemptions_by_class=MappingProxyType(dict(sched.steer.preemptions_by_class)),
             queue_full=self.queue_is_full(),

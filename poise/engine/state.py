@@ -20,6 +20,9 @@ class EngineState:
     kv_cache_usage: float = 0.0
     # The per-step token budget now (moves with the token-budget controller).
     token_budget: int = 0
+    # Prefill tokens per step each paced class may take now (the slo policy's pacing; the
+    # whole budget when the cap is lifted or above it). Empty without pacing.
+    paced_prefill_tokens: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     # Totals since start: preemptions (recompute), and the same per traffic class.
     num_preemptions: int = 0
     preemptions_by_class: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))

@@ -127,6 +127,12 @@ class Steering:
                 self.caps = caps
         return self.budget
 
+    def paced_prefill_tokens(self) -> dict[str, int]:
+        """Per paced class, the prefill tokens it may take per step now (for the gauge)."""
+        if self.pacing is None:
+            return {}
+        return {c: self.caps.get(c, self.budget) for c in sorted(self.pacing.paced)}
+
     def _prefill_queue(
         self, running: Sequence[Request], waiting: Sequence[Request], ctx: PolicyContext
     ) -> list[Request]:

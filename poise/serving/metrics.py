@@ -318,6 +318,15 @@ class _EngineStateCollector(Collector):
         for cls, n in sorted(s.preemptions_by_class.items()):
             by_class.add_metric([m, cls], n)
         yield by_class
+        paced = GaugeMetricFamily(
+            P + "paced_prefill_tokens",
+            "Prefill tokens per step a paced traffic class may take now (slo policy: steps kept "
+            "short for the tightest TTFT target; the whole budget when the cap is lifted).",
+            labels=["model_name", "class"],
+        )
+        for cls, n in s.paced_prefill_tokens.items():
+            paced.add_metric([m, cls], n)
+        yield paced
         for name, doc, value in (
             ("prefix_cache_queries", "Prompt tokens of admitted requests looked up in the "
              "prefix cache (vLLM's meaning; hits: prefix_cache_hits).", s.prefix_cache_query_tokens),

@@ -81,12 +81,14 @@ def test_class_preemptions_and_token_budget_metrics() -> None:
         num_preemptions=4,
         preemptions_by_class=MappingProxyType({"short": 3, "long": 1}),
         token_budget=512,
+        paced_prefill_tokens=MappingProxyType({"long": 220}),
     )
     text = m.render().decode()
     assert metric_value(text, "poise:class_preemptions_total", **{"class": "short"}) == 3
     assert metric_value(text, "poise:class_preemptions_total", **{"class": "long"}) == 1
     assert metric_value(text, "poise:num_preemptions_total") == 4
     assert metric_value(text, "poise:token_budget") == 512
+    assert metric_value(text, "poise:paced_prefill_tokens", **{"class": "long"}) == 220
 
 
 def test_dynamic_batching_serves_after_its_delay_without_spinning(smol_tokenizer: Any) -> None:

@@ -98,6 +98,22 @@ def test_pacing_only_where_targets_differ() -> None:
     assert pacing.caps(crawl, num_decodes=32, budget=2048) == {"long": 64}
 
 
+def test_the_engine_reports_its_pacing() -> None:
+    """The gauge's source: a paced class's cap while it holds, the whole budget when lifted."""
+    engine, _, _ = make_engine(
+        a=0.02, b=0.0005, num_kv_blocks=8192, scheduling_policy="slo",
+        traffic_classes=SPEC.format(long=15000), max_num_batched_tokens=2048,
+    )  # fmt: skip
+    seen = []
+    for i, (rid, n) in enumerate([("d", 8), ("l", 3000)]):
+        engine.add_request(rid, toks(n, i), params(50))
+    for _ in range(6):
+        engine.step()
+        seen.append(dict(engine.snapshot().paced_prefill_tokens))
+    assert all(set(s) == {"long"} for s in seen)
+    assert min(s["long"] for s in seen) < 2048  # capped while the long prompt is prefilled
+
+
 def test_other_policies_are_not_paced() -> None:
     for policy in ("fifo", "priority", "prefill_first"):
         engine, _, _ = make_engine(
