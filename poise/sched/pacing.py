@@ -6,19 +6,22 @@ long prompt takes about a second, so in an open loop at 80 % load the short requ
 was 1.4 s against a 1 s target under every queue order (measured, benchmarks/RESULTS.md): the
 queue is short there, and only shorter steps help. So under ``slo`` the prefills of classes
 whose TTFT target is looser than the tightest one take at most so many tokens per step that
-the step lasts ``STEP_FRACTION`` of the tightest target (by the online step-cost estimate):
-a short arrival then waits at most that long for the step in progress. The cap gives way, for
-one step, when a request of a paced class would miss its own TTFT deadline at the paced rate
-(as the token-budget controller's budget does), so a long prompt is slowed, never starved. On
-hardware where a full step is short against the target (an H100 computes 2,048 tokens in tens
-of milliseconds) the cap lies above the budget and changes nothing.
+they add ``STEP_FRACTION`` of the tightest target to the step (by the online estimate of a
+token's cost): a short arrival then waits at most that long, plus the decodes' part that no
+order can shorten, for the step in progress. (A cap on the whole step would fall to the
+floor whenever the decodes alone fill it: a closed loop at c=32 here runs ~140 ms decode
+steps.) The cap gives way, for one step, when a request of a paced class would miss its own
+TTFT deadline at the paced rate (as the token-budget controller's budget does), so a long
+prompt is slowed, never starved. On hardware where a token costs little against the target
+(an H100 computes 2,048 tokens in tens of milliseconds) the cap lies above the budget and
+changes nothing.
 
 Pure Python and clock-free.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from poise.core.request import Request
@@ -27,24 +30,24 @@ from poise.sched.estimator import StepCostEstimator
 from poise.sched.ordering import PolicyContext, deadline
 from poise.sched.predictor import prefill_left
 
-# A step may last this fraction of the tightest TTFT target. A short request's TTFT is the rest
-# of the step in progress, its own step (as long again) and its queueing behind other short
-# ones. Chosen by measurement (CPU, seed mix, default classes, open loop at 80 % of capacity):
-# 0.25 left SHORT TTFT p95 at 0.57 s, 0.41x fifo's, measured and simulated alike; 0.15 gives
-# 0.34 s (0.22x) in the simulator from a fresh profile, at the same throughput in both loops.
+# Paced prefill may add this fraction of the tightest TTFT target to a step. A short request's
+# TTFT is the rest of the step in progress, its own step (as long again) and its queueing
+# behind other short ones. Chosen by measurement (CPU, seed mix, default classes, open loop at
+# 80 % of capacity): with 0.25 of the whole step, SHORT TTFT p95 was 0.57 s (0.41x fifo's),
+# measured and simulated alike; 0.15 of the prefill part gives 0.46 s (0.31x) simulated.
 STEP_FRACTION = 0.15
 
 
 @dataclass(frozen=True)
 class Pacing:
-    step_s: float  # the longest step the tightest TTFT target allows
+    prefill_s: float  # prefill time a step may carry beside its decodes (the tightest target's)
     paced: frozenset[str]  # classes whose prefills are capped (looser or no TTFT target)
     floor: int  # tokens a paced class may always take per step (progress on slow hardware)
 
     def caps(self, estimator: StepCostEstimator, num_decodes: int, budget: int) -> dict[str, int]:
         """Prefill tokens each paced class may take this step (empty: nothing to cap)."""
-        tokens = max(self.floor, int(estimator.tokens_for(self.step_s)) - num_decodes)
-        if tokens >= budget:
+        tokens = max(self.floor, int(self.prefill_s / estimator.per_token_s))
+        if tokens >= budget - num_decodes:
             return {}
         return dict.fromkeys(self.paced, tokens)
 
@@ -59,7 +62,7 @@ def pacing_for(classes: ClassSet, floor: int) -> Pacing | None:
     paced = frozenset(c.name for c in classes.classes if c.ttft_ms is None or c.ttft_ms > tight)
     if not paced:
         return None
-    return Pacing(step_s=tight / 1000.0 * STEP_FRACTION, paced=paced, floor=floor)
+    return Pacing(prefill_s=tight / 1000.0 * STEP_FRACTION, paced=paced, floor=floor)
 
 
 def deadline_missed(queue: Sequence[Request], room: int, step_s: float, ctx: PolicyContext) -> bool:
@@ -71,10 +74,3 @@ def deadline_missed(queue: Sequence[Request], room: int, step_s: float, ctx: Pol
         if r.slo.ttft_s is not None and ctx.now + -(-ahead // room) * step_s > deadline(r, ctx):
             return True
     return False
-
-
-def paced_queue(
-    caps: Mapping[str, int], prefills: Sequence[Request], waiting: Sequence[Request]
-) -> list[Request]:
-    """The prefills (running first, then waiting, in the order given) a cap would slow."""
-    return [r for r in [*prefills, *waiting] if r.slo.class_name in caps]

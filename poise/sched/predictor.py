@@ -41,8 +41,8 @@ class Backlog:
     ahead: Sequence[tuple[int, int, bool]]
     own_tokens: int  # its own prompt tokens left (after the prefix cache)
     other_prefill: int  # prompt tokens other classes have queued (they run alongside)
-    # Pacing (the slo policy, pacing.py): tokens a paced step holds (0: no pacing), the least a
-    # paced class always gets, and whether the request's own class / the others are paced.
+    # Pacing (the slo policy, pacing.py): prefill tokens a paced class takes per step (0: no
+    # pacing), the least it always gets, and whether the request's own class / the others are.
     pace_tokens: int = 0
     pace_floor: int = 0
     own_paced: bool = False
@@ -76,7 +76,7 @@ class _Replay:
         num_decodes = len(self.decodes)
         room = max(1, self.b.budget - num_decodes)
         mine = room if self.other <= 0 else max(1, int(self.b.share * room), room - self.other)
-        cap = max(self.b.pace_floor, self.b.pace_tokens - num_decodes)
+        cap = max(self.b.pace_floor, self.b.pace_tokens)
         if self.b.pace_tokens and self.b.own_paced:
             mine = min(mine, cap)
         used = 0

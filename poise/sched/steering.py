@@ -123,7 +123,9 @@ class Steering:
             if queue is None:
                 queue = self._prefill_queue(running, waiting, ctx)
             paced = [r for r in queue if r.slo.class_name in caps]
-            if not deadline_missed(paced, min(caps.values()), self.pacing.step_s, ctx):
+            cap = min(caps.values())
+            step_s = self.estimator.step_time(num_decodes + cap)
+            if not deadline_missed(paced, cap, step_s, ctx):
                 self.caps = caps
         return self.budget
 
@@ -183,7 +185,7 @@ class Steering:
         )  # fmt: skip
         if self.pacing is None:
             return backlog
-        tokens = int(self.estimator.tokens_for(self.pacing.step_s))
+        tokens = int(self.pacing.prefill_s / self.estimator.per_token_s)
         others = {c for c in self.shares if c != request.slo.class_name}
         return replace(
             backlog, pace_tokens=max(1, tokens), pace_floor=self.pacing.floor,
