@@ -38,7 +38,10 @@ router, the replicas' event loops, the client): the prediction runs them on shar
 core), with the relay measured per server before its compared cell, from the CPU time of the
 server's process tree and of this client (``poise.lab.cpu_accounting``): the background of an
 idle window (``IDLE_S``), then per request of the c=1 cell, whose requests alternate two
-lengths so that the cost per request and per token separate. Nothing is read from the compared
+lengths so that the cost per request and per token separate, then the cost per token again
+from a window of ``RELAY_STREAMS`` streams per replica at once (net of the background and the
+per-request cost): at c=1 each token wakes the whole relay alone, and the per-token cost read
+there modelled about twice the relay CPU the cells used (RESULTS.md). Nothing is read from the compared
 cell but what the report checks the relay model with (its measured relay CPU). A prediction
 with a core per replica is printed next to it for comparison.
 
@@ -96,6 +99,7 @@ METRICS = ("hit", "ttft_p95_ms", "tok_s")
 # that the relay's CPU per request and per token separate (sim/cpu_share.fit_relay).
 CAL_TOKENS = (32, 128) * 4
 IDLE_S = 3.0  # the idle window: the server's background CPU
+RELAY_STREAMS, RELAY_TOKENS = 3, 96  # the relay window: streams per replica, tokens each
 WARM_TOKENS = 8
 WARM_LEAD_S = 10.0  # simulated: the warm-up burst, then the cell this much later
 _WORDS = ("token", "budget", "decode", "prefill", "queue", "batch", "cache", "block", "step",
@@ -293,6 +297,18 @@ async def _cell(base_url: str, replicas: int, reqs: list[LiveRequest], timeout_s
             cal_recs.append(rec)
             if i:  # the background runs on whatever the requests do: not theirs
                 relay.append((derive(rec).n_out, used.other_s - background * used.wall_s))
+        per_request, per_token_c1 = fit_relay(relay)
+        # The relay per token with several streams per replica (its cost per token falls as
+        # streams share the relay's wake-ups): RELAY_STREAMS at once per replica.
+        busy = [RequestRecord(100 + j, "short", now(), max_tokens=RELAY_TOKENS)
+                for j in range(RELAY_STREAMS * replicas)]  # fmt: skip
+        a = acc.read(server_pid, engines)
+        await asyncio.gather(*(send_one(session, ep, f"relay {r.index}: {wl.SHORT_PROMPT}", r,
+                                        timeout_s) for r in busy))  # fmt: skip
+        used = acc.split(a, acc.read(server_pid, engines))
+        tokens = sum(derive(r).n_out for r in busy)
+        rest = used.other_s - background * used.wall_s - per_request * len(busy)
+        per_token = max(0.0, rest) / tokens
         before = await _metrics(session, root)
         load0 = os.getloadavg()[0]
         cpu0 = acc.read(server_pid, engines)
@@ -310,11 +326,10 @@ async def _cell(base_url: str, replicas: int, reqs: list[LiveRequest], timeout_s
         await asyncio.gather(*tasks)
         used = acc.split(cpu0, acc.read(server_pid, engines))
         after = await _metrics(session, root)
-    bad = [r for r in recs + cal_recs if not r.ok]
+    bad = [r for r in recs + cal_recs + busy if not r.ok]
     if bad:
         raise RuntimeError(f"{len(bad)} requests failed, e.g. {bad[0].error}")
     queries = after["queries"] - before["queries"]
-    per_request, per_token = fit_relay(relay)
     return {"records": recs, "calibration": cal_recs, "warm_replicas": warm,
             "hit": (after["hits"] - before["hits"]) / queries if queries else 0.0,
             "loadavg": [load0, os.getloadavg()[0]], "nice": nice,
@@ -322,7 +337,7 @@ async def _cell(base_url: str, replicas: int, reqs: list[LiveRequest], timeout_s
             "shared_cpu": SharedCpu(cores=len(os.sched_getaffinity(0)),
                                     background_cores=background,
                                     relay_s_per_request=per_request, relay_s_per_token=per_token),
-            "relay_samples": relay,
+            "relay_samples": relay, "relay_s_per_token_c1": per_token_c1,
             "cell_cpu": dataclasses.asdict(used)}  # fmt: skip
 
 
@@ -479,16 +494,18 @@ def report(cells: list[dict[str, Any]], out: Path, tolerance: float, profile_pat
     lines += ["", "The relay (measured before each cell: idle window, c=1 cell) and, as a check of "
               "its model, the relay CPU measured over the cell against the model at the cell's "
               "measured request and token rates:", "",
-              "| replicas | router | background cores | relay ms / request | relay ms / token "
+              "| replicas | router | background cores | relay ms / request "
+              "| relay ms / token (c=1) | relay ms / token (used) "
               "| cell: relay cores measured / modelled | cell: engine CPU s |",
-              "|---|---|---|---|---|---|---|"]  # fmt: skip
+              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for c in cells:
         cpu, used = c["shared_cpu"], c["cell_cpu"]
         span = summarize(c["records"])["span_s"]
         modelled = cpu.relay_cores(len(c["records"]) / span, c["tok_s"])
         lines.append(
             f"| {c['replicas']} | {c['policy']} | {cpu.background_cores:.3f} "
-            f"| {1000 * cpu.relay_s_per_request:.1f} | {1000 * cpu.relay_s_per_token:.2f} "
+            f"| {1000 * cpu.relay_s_per_request:.1f} | {1000 * c['relay_s_per_token_c1']:.2f} "
+            f"| {1000 * cpu.relay_s_per_token:.2f} "
             f"| {used['other_s'] / used['wall_s']:.2f} / {modelled:.2f} "
             f"| {used['engine_s']:.1f} |"
         )

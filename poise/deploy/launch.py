@@ -21,10 +21,31 @@ OBJECT_STORE_BYTES = 200 * 1024 * 1024
 # checks) and starts another: on a small or busy machine (2 cores shared with test suites) the
 # proxy died that way inside serve.start. Generous defaults for the local instance; a value
 # already in the environment wins. Ray's workers read them from the environment they inherit.
+RAY_START_ATTEMPTS = 3
+
 RAY_SERVE_PATIENCE = {
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120",
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
 }
+
+
+def _init_ray(cpus: int) -> None:
+    """``ray.init`` of a local instance. Ray gives its raylet a fixed 30 s to register with the
+    GCS; on a busy small machine it missed that (``The current node timed out during
+    startup``): the instance is shut down and started again, ``RAY_START_ATTEMPTS`` in all."""
+    import ray
+
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            ray.init(num_cpus=cpus, object_store_memory=OBJECT_STORE_BYTES,
+                     include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)  # fmt: skip
+            return
+        except Exception as exc:  # Ray raises a bare Exception for this one
+            if "timed out during startup" not in str(exc) or attempt == RAY_START_ATTEMPTS:
+                raise
+            logger.warning("Ray's local node did not start in time (attempt %d): again", attempt)
+            ray.shutdown()
 
 
 def start_local(
@@ -40,8 +61,7 @@ def start_local(
         for key, value in RAY_SERVE_PATIENCE.items():
             os.environ.setdefault(key, value)
         cpus = num_cpus if num_cpus is not None else max(1, int(spec.num_cpus * spec.replicas))
-        ray.init(num_cpus=cpus, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)  # fmt: skip
+        _init_ray(cpus)
     if on_signal is not None:
         # ray.init puts its own SIGTERM handler in place (exit at once), under which a stopped
         # server died before Serve and Ray were shut down and left Ray's agents running.
