@@ -13,6 +13,7 @@ Pure Python and clock-free: durations come in from the caller.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 # Rough CPU defaults (the embedded 135M model in bf16 on a few cores): 20 ms per step plus
 # 0.15 ms per token. Only a starting point; ``poise profile`` gives real ones.
@@ -23,6 +24,12 @@ DEFAULT_PER_TOKEN_S = 1.5e-4
 PRIOR_WEIGHT = 4.0
 PRIOR_FADE = 0.9
 DECAY = 0.995
+
+
+class StepCost(Protocol):
+    """What a forecast needs of a step cost: the duration of a step of so many tokens."""
+
+    def step_time(self, num_tokens: int) -> float: ...
 
 
 @dataclass

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from poise.core.request import Request
-from poise.sched.estimator import StepCostEstimator
+from poise.sched.estimator import StepCost
 from poise.sched.ordering import Policy, PolicyContext, is_partial_prefill
 
 # A replay longer than this many steps means "far beyond any target": stop counting.
@@ -56,7 +56,7 @@ class Forecast:
 
 
 class _Replay:
-    def __init__(self, est: StepCostEstimator, b: Backlog) -> None:
+    def __init__(self, est: StepCost, b: Backlog) -> None:
         self.est, self.b = est, b
         self.t = 0.0
         self.steps = 0
@@ -116,7 +116,7 @@ class _Replay:
         return r.t - start if mark not in r.queue else float("inf")
 
 
-def forecast(est: StepCostEstimator, backlog: Backlog, waited_s: float = 0.0) -> Forecast:
+def forecast(est: StepCost, backlog: Backlog, waited_s: float = 0.0) -> Forecast:
     replay = _Replay(est, backlog)
     ttft = replay.ttft(backlog.own_tokens)
     busy = min(backlog.budget, len(backlog.decodes) + backlog.own_tokens + backlog.other_prefill
@@ -124,7 +124,7 @@ def forecast(est: StepCostEstimator, backlog: Backlog, waited_s: float = 0.0) ->
     return Forecast(ttft_s=waited_s + ttft, step_s=est.step_time(busy))
 
 
-def retry_after(est: StepCostEstimator, backlog: Backlog, target_s: float) -> float:
+def retry_after(est: StepCost, backlog: Backlog, target_s: float) -> float:
     """Seconds until a request like this one, arriving then, would meet ``target_s``."""
     replay = _Replay(est, backlog)
     states = [replay.copy()]
@@ -145,7 +145,7 @@ def retry_after(est: StepCostEstimator, backlog: Backlog, target_s: float) -> fl
 
 
 def refusal(
-    est: StepCostEstimator, backlog: Backlog, fc: Forecast, target_s: float | None, margin: float
+    est: StepCost, backlog: Backlog, fc: Forecast, target_s: float | None, margin: float
 ) -> float | None:
     """None to admit; else the Retry-After (s) of a request that would miss its target by more
     than ``margin`` (a fraction of the target)."""

@@ -390,10 +390,8 @@ class Scheduler:
             delta = self._finish(request, status, now, [token])
             deltas.append(annotate_token_delta(delta, request, result, first))
         budget = self.steer.budget  # the one this step was scheduled under
-        if output.scheduled:
-            self.steer.observe_step(
-                output.total_num_scheduled_tokens, now - output.schedule_time, self._had_decodes
-            )
+        self.steer.observe_step(output.total_num_scheduled_tokens, output.schedule_time, now,
+                                self._had_decodes, bool(self.running or self.waiting))  # fmt: skip
         finished = sum(1 for d in deltas if d.finished)
         stats = StepStats.of(output, now, running=len(self.running), waiting=len(self.waiting),
                              kv_cache_usage=self.kv.usage, finished=finished, budget=budget)  # fmt: skip

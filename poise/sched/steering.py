@@ -24,6 +24,7 @@ from poise.sched.ordering import PolicyContext, get_policy, is_partial_prefill
 from poise.sched.pacing import deadline_missed, pacing_for
 from poise.sched.predictor import Backlog, Forecast, backlog_for, forecast, prefill_left, refusal
 from poise.sched.shares import ShareLedger
+from poise.sched.slowdown import Slowdown, SlowedCost
 
 # TTFT target of requests without one, when no class names any (the slo policy's deadline).
 FALLBACK_TTFT_S = 10.0
@@ -63,6 +64,7 @@ class Steering:
             pacing_for(self.classes, config.min_num_batched_tokens) if self.policy.paces else None
         )
         self.preemptions_by_class: Counter[str] = Counter()
+        self.slowdown = Slowdown()  # admission's forecasts: how much slower than the fit, lately
         self.budget = config.max_num_batched_tokens
         # The controller's budget gave way to a TTFT deadline this step (see ``step_budget``).
         self.lifted = False
@@ -165,10 +167,18 @@ class Steering:
             self.caps,
         )  # fmt: skip
 
-    def observe_step(self, num_tokens: int, duration_s: float, had_decodes: bool) -> None:
-        self.estimator.observe(num_tokens, duration_s)
+    def observe_step(
+        self, num_tokens: int, start: float, end: float, had_decodes: bool, busy_after: bool
+    ) -> None:
+        """A step of ``num_tokens`` (0: it computed nothing) scheduled at ``start``, updated at
+        ``end``; ``busy_after``: it left requests to serve."""
+        if num_tokens <= 0:
+            self.slowdown.idle()
+            return
+        self.slowdown.observe(num_tokens, start, end, busy_after)
+        self.estimator.observe(num_tokens, end - start)
         if self.controller is not None and not self.lifted:  # a lifted step says nothing
-            self.controller.observe(num_tokens, duration_s, had_decodes, self.budget)
+            self.controller.observe(num_tokens, end - start, had_decodes, self.budget)
 
     # -- forecasts --------------------------------------------------------------------------
 
@@ -214,24 +224,31 @@ class Steering:
         if self.config.admission_control != "predictive":
             return
         backlog = self.backlog(request, running, waiting, ctx)
-        fc = forecast(self.estimator, backlog, max(0.0, ctx.now - request.arrival_time))
-        wait = refusal(
-            self.estimator, backlog, fc, request.slo.ttft_s, self.config.admission_margin
-        )
+        # The slowed cost (sched/slowdown.py), for the forecast and its Retry-After alike: a
+        # request retried then meets the target at the same slowdown.
+        cost = self.admission_cost()
+        fc = forecast(cost, backlog, max(0.0, ctx.now - request.arrival_time))
+        wait = refusal(cost, backlog, fc, request.slo.ttft_s, self.config.admission_margin)
         if wait is not None:
+            slow = f" (steps {cost.factor:.2f}x the fit lately)" if cost.factor > 1 else ""
             raise OverloadedError(
-                f"predicted time to first token {fc.ttft_s:.2f} s misses the "
+                f"predicted time to first token {fc.ttft_s:.2f} s{slow} misses the "
                 f"{request.slo.class_name!r} target of {request.slo.ttft_s:.2f} s; retry in "
                 f"{wait:.1f} s",
                 retry_after_s=wait,
                 reason="slo",
             )
 
+    def admission_cost(self) -> SlowedCost:
+        """The step cost admission forecasts with: the fit at the recent slowdown."""
+        return SlowedCost(self.estimator, self.slowdown.factor(self.estimator))
+
     def queue_wait_s(self, running: Sequence[Request], waiting: Sequence[Request]) -> float:
         """Predicted seconds until the head of the waiting queue is admitted (Retry-After of a
         request refused because the queue is at its bound)."""
+        cost = self.admission_cost()
         if not waiting:
-            return self.estimator.step_time(self.budget)
+            return cost.step_time(self.budget)
         head = waiting[0]
         backlog = Backlog(
             budget=self.budget,
@@ -245,4 +262,4 @@ class Steering:
             own_tokens=prefill_left(head),
             other_prefill=0,
         )  # fmt: skip
-        return forecast(self.estimator, backlog).ttft_s
+        return forecast(cost, backlog).ttft_s

@@ -1,0 +1,145 @@
+"""Admission's slowed step cost (sched/slowdown.py): the slowdown factor from fake step times, and
+predictive admission on an engine loop that spends as long between steps as in them."""
+
+from __future__ import annotations
+
+import pytest
+
+from poise.engine import EngineCore, VirtualClock
+from poise.errors import OverloadedError
+from poise.sched.estimator import StepCostEstimator
+from poise.sched.slowdown import HISTORY, Slowdown, SlowedCost
+from tests.unit.timed import make_engine, params
+
+
+class Fit:
+    """A step-cost fit that prices every step at 10 ms."""
+
+    def step_time(self, num_tokens: int) -> float:
+        return 0.01
+
+
+FIT = Fit()
+
+
+def _steps(slowdown: Slowdown, taken: list[float], gap: float = 0.0, busy: bool = True,
+           t: float = 0.0) -> float:  # fmt: skip
+    """Steps that computed for ``taken[i]``, ``gap`` apart; returns the time."""
+    for d in taken:
+        t += gap
+        slowdown.observe(16, t, t + d, busy)
+        t += d
+    return t
+
+
+def test_steps_as_fitted_give_factor_one() -> None:
+    slowdown = Slowdown()
+    assert slowdown.factor(FIT) == 1.0  # nothing seen: the plain forecast
+    _steps(slowdown, [0.01] * 100)
+    assert slowdown.factor(FIT) == pytest.approx(1.0)
+    _steps(slowdown, [0.005] * 100)  # faster than the fit: never loosens admission
+    assert slowdown.factor(FIT) == 1.0
+
+
+def test_time_between_busy_steps_counts_and_idle_time_does_not() -> None:
+    slowdown = Slowdown()
+    _steps(slowdown, [0.01] * 50, gap=0.01)  # the loop spends as long between steps as in them
+    assert slowdown.factor(FIT) == pytest.approx(2.0)
+    idle = Slowdown()
+    _steps(idle, [0.01] * 50, gap=0.5, busy=False)  # nothing left to do: waiting, not work
+    assert idle.factor(FIT) == pytest.approx(1.0)
+    cut = Slowdown()
+    t = 0.0
+    for _ in range(50):
+        t = _steps(cut, [0.01], t=t)
+        cut.idle()  # a step that computed nothing: the time after it is not a step's
+        t += 0.5
+    assert cut.factor(FIT) == pytest.approx(1.0)
+
+
+def test_a_slow_spell_counts_while_it_is_recent() -> None:
+    slowdown = Slowdown()
+    # 3 slow steps in a row among 60: 6 of the 53 windows of 8 hold all three (11 %).
+    t = _steps(slowdown, [0.01] * 30 + [0.05] * 3 + [0.01] * 27)
+    assert slowdown.factor(FIT) == pytest.approx((5 * 0.01 + 3 * 0.05) / (8 * 0.01))
+    _steps(slowdown, [0.01] * HISTORY, t=t)  # the spell leaves the history
+    assert slowdown.factor(FIT) == pytest.approx(1.0)
+
+
+def test_paced_cost_scales_the_fit() -> None:
+    est = StepCostEstimator(0.02, 0.001)
+    assert SlowedCost(est, 1.5).step_time(10) == pytest.approx(1.5 * 0.03)
+
+
+# ---- admission on an engine loop with overhead between steps --------------------------------
+
+LATE = list(range(500, 560))
+
+
+def _loop_step(engine: EngineCore, clock: VirtualClock, overhead: float) -> None:
+    """One engine step, then ``overhead`` x its time in the loop (admitting, publishing)."""
+    before = clock.now()
+    engine.step()
+    clock.advance(overhead * (clock.now() - before))
+
+
+def _backlogged(admission: str, overhead: float) -> tuple[EngineCore, VirtualClock]:
+    """An engine that learned the step cost and the loop's slowdown, with a backlog queued."""
+    engine, _, clock = make_engine(
+        a=0.02, b=0.0005, admission_control=admission, admission_margin=0.0,
+        max_num_batched_tokens=128, traffic_classes="none",
+    )  # fmt: skip
+    for i in range(8):
+        engine.add_request(f"w{i}", list(range(10, 30 + 30 * i)), params(3))
+    while engine.has_unfinished_requests():
+        _loop_step(engine, clock, overhead)
+    for i in range(10):  # lax targets: admitted
+        engine.add_request(f"q{i}", list(range(100 + i, 200 + i)), params(4, ttft_slo_ms=1e6))
+    for _ in range(2):
+        _loop_step(engine, clock, overhead)
+    return engine, clock
+
+
+def _first_token_s(engine: EngineCore, clock: VirtualClock, overhead: float) -> float:
+    request = engine.scheduler.requests["late"]
+    while request.times.first_token is None:
+        _loop_step(engine, clock, overhead)
+    return request.times.first_token - request.times.arrival
+
+
+def test_admission_paces_its_forecast_and_retry_after_keeps_its_promise() -> None:
+    # No admission: what the plain (compute-time) forecast says and what really happens.
+    engine, clock = _backlogged("none", overhead=1.0)
+    # The loop doubles every step (the fit is still within a few % of the true cost).
+    assert engine.scheduler.steer.admission_cost().factor == pytest.approx(2.0, rel=0.05)
+    plain = engine.predict_ttft("late", LATE, params(4))
+    engine.add_request("late", LATE, params(4))
+    actual = _first_token_s(engine, clock, 1.0)
+    assert actual > 1.6 * plain
+    # A target the plain forecast meets and the real loop misses.
+    target_ms = (plain + actual) / 2 * 1000
+    late = params(4, ttft_slo_ms=target_ms)
+
+    engine, clock = _backlogged("predictive", overhead=1.0)
+    with pytest.raises(OverloadedError) as info:
+        engine.add_request("late", LATE, late)
+    assert info.value.reason == "slo" and "x the fit lately" in str(info.value)
+    retry_at = clock.now() + info.value.retry_after_s
+    while clock.now() < retry_at:
+        if not engine.has_unfinished_requests():
+            clock.advance_to(retry_at)
+            break
+        _loop_step(engine, clock, 1.0)
+    engine.add_request("late", LATE, late)  # retried after its Retry-After: admitted
+    assert _first_token_s(engine, clock, 1.0) <= target_ms / 1000  # and it meets the target
+
+
+def test_without_overhead_admission_is_the_plain_forecasts() -> None:
+    """Steps that take what the fit says (the simulator): slowdown ~1 (what is left is the fit's
+    own learning from its prior in the first steps), so admission answers as before."""
+    engine, _ = _backlogged("predictive", overhead=0.0)
+    assert engine.scheduler.steer.admission_cost().factor == pytest.approx(1.0, abs=0.1)
+    plain = engine.predict_ttft("late", LATE, params(4))
+    with pytest.raises(OverloadedError):
+        engine.add_request("late", LATE, params(4, ttft_slo_ms=plain * 1000 * 0.95))
+    engine.add_request("late", LATE, params(4, ttft_slo_ms=plain * 1000 * 1.15))
