@@ -34,6 +34,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -44,9 +45,6 @@ import aiohttp
 
 from poise.core.timing import percentile
 from poise.lab.server import ManagedServer, ServerSpec
-
-REPO = Path(__file__).resolve().parents[1]
-
 
 # ---- the client process ------------------------------------------------------------------
 
@@ -276,7 +274,7 @@ def main() -> None:
         key, _, value = kv.partition("=")
         server_args[key] = value
     spec = ServerSpec("poise", model=args.model, args=server_args)
-    log = REPO / "benchmarks" / "logs" / "overload_server.log"
+    log = Path(tempfile.gettempdir()) / f"poise_overload_server_{os.getpid()}.log"
     load_before = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     with ManagedServer(spec, log) as server:
