@@ -44,9 +44,13 @@ class Pacing:
     paced: frozenset[str]  # classes whose prefills are capped (looser or no TTFT target)
     floor: int  # tokens a paced class may always take per step (progress on slow hardware)
 
+    def tokens(self, estimator: StepCostEstimator) -> int:
+        """Prefill tokens a paced class takes per step, at the estimated per-token cost."""
+        return max(self.floor, int(self.prefill_s / estimator.per_token_s))
+
     def caps(self, estimator: StepCostEstimator, num_decodes: int, budget: int) -> dict[str, int]:
         """Prefill tokens each paced class may take this step (empty: nothing to cap)."""
-        tokens = max(self.floor, int(self.prefill_s / estimator.per_token_s))
+        tokens = self.tokens(estimator)
         if tokens >= budget - num_decodes:
             return {}
         return dict.fromkeys(self.paced, tokens)

@@ -42,9 +42,8 @@ class Backlog:
     own_tokens: int  # its own prompt tokens left (after the prefix cache)
     other_prefill: int  # prompt tokens other classes have queued (they run alongside)
     # Pacing (the slo policy, pacing.py): prefill tokens a paced class takes per step (0: no
-    # pacing), the least it always gets, and whether the request's own class / the others are.
+    # pacing), and whether the request's own class / the other classes are paced.
     pace_tokens: int = 0
-    pace_floor: int = 0
     own_paced: bool = False
     others_paced: bool = False
 
@@ -76,8 +75,8 @@ class _Replay:
         num_decodes = len(self.decodes)
         room = max(1, self.b.budget - num_decodes)
         mine = room if self.other <= 0 else max(1, int(self.b.share * room), room - self.other)
-        cap = max(self.b.pace_floor, self.b.pace_tokens)
-        if self.b.pace_tokens and self.b.own_paced:
+        cap = self.b.pace_tokens
+        if cap and self.b.own_paced:
             mine = min(mine, cap)
         used = 0
         for q in self.queue:
@@ -92,7 +91,7 @@ class _Replay:
             q[0] -= take
             used += take
         other = min(self.other, room - used)
-        if self.b.pace_tokens and self.b.others_paced:
+        if cap and self.b.others_paced:
             other = min(other, cap)
         self.other -= other
         self.t += self.est.step_time(num_decodes + used + other)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 
 from poise.config import SchedulerConfig
@@ -120,14 +120,15 @@ class Steering:
             if deadline_missed(queue, room, self.estimator.step_time(self.budget), ctx):
                 self.budget, self.lifted = self.controller.ceiling, True
         caps = self.pacing.caps(self.estimator, num_decodes, self.budget) if self.pacing else {}
-        if caps and self.pacing is not None:
-            # The same rule for the pacing cap: it slows a long prompt, never starves it.
+        if caps:
+            # The same rule for the pacing cap: it slows a long prompt, never starves it. Only
+            # the paced classes' prefills are ordered (the same relative order as in the whole
+            # queue: the sort is by key and stable), usually none or one.
             if queue is None:
-                queue = self._prefill_queue(running, waiting, ctx)
+                queue = self._prefill_queue(running, waiting, ctx, only=caps.keys())
             paced = [r for r in queue if r.slo.class_name in caps]
             cap = min(caps.values())
-            step_s = self.estimator.step_time(num_decodes + cap)
-            if not deadline_missed(paced, cap, step_s, ctx):
+            if not deadline_missed(paced, cap, self.estimator.step_time(num_decodes + cap), ctx):
                 self.caps = caps
         return self.budget
 
@@ -138,12 +139,18 @@ class Steering:
         return {c: self.caps.get(c, self.budget) for c in sorted(self.pacing.paced)}
 
     def _prefill_queue(
-        self, running: Sequence[Request], waiting: Sequence[Request], ctx: PolicyContext
+        self,
+        running: Sequence[Request],
+        waiting: Sequence[Request],
+        ctx: PolicyContext,
+        only: Collection[str] | None = None,
     ) -> list[Request]:
         """The unfinished prefills and the waiting queue's head (the policy's lookahead), in
-        the policy's order: who is next to need prefill budget."""
+        the policy's order: who is next to need prefill budget (of the classes ``only``)."""
         prefills = [r for r in running if is_partial_prefill(r)]
         queue = [*prefills, *itertools.islice(waiting, ctx.lookahead)]
+        if only is not None:
+            queue = [r for r in queue if r.slo.class_name in only]
         if self.policy.waiting_key is not None:
             key = self.policy.waiting_key
             queue.sort(key=lambda r: key(r, ctx))  # type: ignore[arg-type,return-value]
@@ -195,10 +202,9 @@ class Steering:
         )  # fmt: skip
         if self.pacing is None:
             return backlog
-        tokens = int(self.pacing.prefill_s / self.estimator.per_token_s)
         others = {c for c in self.shares if c != request.slo.class_name}
         return replace(
-            backlog, pace_tokens=max(1, tokens), pace_floor=self.pacing.floor,
+            backlog, pace_tokens=self.pacing.tokens(self.estimator),
             own_paced=request.slo.class_name in self.pacing.paced,
             others_paced=bool(others) and others <= self.pacing.paced,
         )  # fmt: skip
