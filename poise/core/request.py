@@ -104,6 +104,9 @@ class Request:
     # The structured-output matcher (sampling_params.structured_outputs), advanced with each
     # accepted token by the stop rules; None when unconstrained.
     grammar: GrammarState | None = None
+    # Predictive admission, when its forecast came near the target: (when it was admitted, the
+    # forecast's seconds from then to the first token), to learn how late first tokens come.
+    admission_forecast: tuple[float, float] | None = None
     times: RequestTimes = field(init=False)
     # Per prompt position, once computed (SamplingParams.prompt_logprobs; position 0: None).
     prompt_logprobs: list[TokenLogprob | None] | None = field(init=False)

@@ -380,6 +380,7 @@ class Scheduler:
             first = request.times.first_token is None
             if first:
                 request.times.first_token = now
+                self.steer.first_token(request, now)
             request.times.token_times.append(now)
             status = check_stop(request, token, self.max_len)
             if status is None:

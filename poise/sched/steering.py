@@ -24,7 +24,7 @@ from poise.sched.ordering import PolicyContext, get_policy, is_partial_prefill
 from poise.sched.pacing import deadline_missed, pacing_for
 from poise.sched.predictor import Backlog, Forecast, backlog_for, forecast, prefill_left, refusal
 from poise.sched.shares import ShareLedger
-from poise.sched.slowdown import Slowdown, SlowedCost
+from poise.sched.slowdown import NEAR_TARGET, ForecastTail, Slowdown, SlowedCost
 
 # TTFT target of requests without one, when no class names any (the slo policy's deadline).
 FALLBACK_TTFT_S = 10.0
@@ -65,6 +65,7 @@ class Steering:
         )
         self.preemptions_by_class: Counter[str] = Counter()
         self.slowdown = Slowdown()  # admission's forecasts: how much slower than the fit, lately
+        self.tail = ForecastTail()  # ... and how much later than those forecasts, lately
         self.budget = config.max_num_batched_tokens
         # The controller's budget gave way to a TTFT deadline this step (see ``step_budget``).
         self.lifted = False
@@ -233,21 +234,38 @@ class Steering:
         # The slowed cost (sched/slowdown.py), for the forecast and its Retry-After alike: a
         # request retried then meets the target at the same slowdown.
         cost = self.admission_cost()
-        fc = forecast(cost, backlog, max(0.0, ctx.now - request.arrival_time))
-        wait = refusal(cost, backlog, fc, request.slo.ttft_s, self.config.admission_margin)
-        if wait is not None:
-            slow = f" (steps {cost.factor:.2f}x the fit lately)" if cost.factor > 1 else ""
-            raise OverloadedError(
-                f"predicted time to first token {fc.ttft_s:.2f} s{slow} misses the "
-                f"{request.slo.class_name!r} target of {request.slo.ttft_s:.2f} s; retry in "
-                f"{wait:.1f} s",
-                retry_after_s=wait,
-                reason="slo",
-            )
+        waited = max(0.0, ctx.now - request.arrival_time)
+        fc = forecast(cost, backlog, waited)
+        target = request.slo.ttft_s
+        wait = refusal(cost, backlog, fc, target, self.config.admission_margin)
+        if wait is None:
+            if target is not None and fc.ttft_s >= NEAR_TARGET * target:
+                # What the first token is judged against: the forecast without the tail
+                # factor (the replay's time is linear in the step cost), else the factor
+                # would learn its own correction and swing.
+                replay_s = (fc.ttft_s - waited) / self.tail.factor()
+                request.admission_forecast = (ctx.now, replay_s)
+            return
+        slow = f" (steps {cost.factor:.2f}x the fit lately)" if cost.factor > 1 else ""
+        raise OverloadedError(
+            f"predicted time to first token {fc.ttft_s:.2f} s{slow} misses the "
+            f"{request.slo.class_name!r} target of {target:.2f} s; retry in {wait:.1f} s",
+            retry_after_s=wait,
+            reason="slo",
+        )
+
+    def first_token(self, request: Request, now: float) -> None:
+        """``request`` sampled its first token at ``now``: how late against its admission."""
+        if request.admission_forecast is not None:
+            admitted, replay_s = request.admission_forecast
+            self.tail.observe(now - admitted, replay_s)
+            request.admission_forecast = None
 
     def admission_cost(self) -> SlowedCost:
-        """The step cost admission forecasts with: the fit at the recent slowdown."""
-        return SlowedCost(self.estimator, self.slowdown.factor(self.estimator))
+        """The step cost admission forecasts with: the fit at the recent slowdown, times how
+        late first tokens lately came against such forecasts."""
+        factor = self.slowdown.factor(self.estimator) * self.tail.factor()
+        return SlowedCost(self.estimator, factor)
 
     def queue_wait_s(self, running: Sequence[Request], waiting: Sequence[Request]) -> float:
         """Predicted seconds until the head of the waiting queue is admitted (Retry-After of a
