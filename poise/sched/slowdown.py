@@ -26,8 +26,8 @@ under the bound, so the bound holds only if the forecast's own 95th percentile e
 what the step history does not see (requests admitted later sharing the steps before a first
 token, slow spells longer than a window) is in that error. So ``ForecastTail`` learns it from
 the outcome: for requests admitted with a forecast near their target, how long their first
-token really took over the slowed forecast, and admission scales the slowed cost by the 95th
-percentile of that (the 98th: see TAIL_QUANTILE; never below 1).
+token really took over the slowed forecast, and admission scales the slowed cost by a high
+percentile of that (the 98th, TAIL_QUANTILE; never below 1).
 
 The refusal's ``Retry-After`` is computed from the same slowed cost, so a request retried then
 meets the target if the slowdown holds. Where steps take exactly what the fit says (the simulator,
