@@ -10,9 +10,13 @@ they add ``STEP_FRACTION`` of the tightest target to the step (by the online est
 token's cost): a short arrival then waits at most that long, plus the decodes' part that no
 order can shorten, for the step in progress. (A cap on the whole step would fall to the
 floor whenever the decodes alone fill it: a closed loop at c=32 here runs ~140 ms decode
-steps.) The cap gives way, for one step, when a request of a paced class would miss its own
-TTFT deadline at the paced rate (as the token-budget controller's budget does), so a long
-prompt is slowed, never starved. On hardware where a token costs little against the target
+steps.) The cap rises, for one step, when a request of a paced class would miss its own TTFT
+deadline at the paced rate (as the token-budget controller's budget gives way), so a long
+prompt is slowed, never starved; it rises by half at a time to the least cap that meets every
+paced deadline, not straight to the whole budget, since a whole-budget step is the ~1 s that a
+short arrival then waits (measured, closed loop at c=32 with long prompts queued behind a full
+KV pool: runs of lifted 2,048-token steps of 0.9-1.5 s were the short class's TTFT tail). On
+hardware where a token costs little against the target
 (an H100 computes 2,048 tokens in tens of milliseconds) the cap lies above the budget and
 changes nothing.
 
@@ -67,6 +71,29 @@ def pacing_for(classes: ClassSet, floor: int) -> Pacing | None:
     if not paced:
         return None
     return Pacing(prefill_s=tight / 1000.0 * STEP_FRACTION, paced=paced, floor=floor)
+
+
+# Each rise of a cap that would miss a paced deadline multiplies it by this (see above).
+LIFT_STEP = 1.5
+
+
+def lift_cap(
+    paced: Sequence[Request],
+    cap: int,
+    num_decodes: int,
+    budget: int,
+    estimator: StepCostEstimator,
+    ctx: PolicyContext,
+) -> int | None:
+    """The least of ``cap``, ``cap x LIFT_STEP``, ... that lets every paced prefill in
+    ``paced`` (in order) meet its TTFT deadline; None when only the whole step would (or not
+    even that: then the step is as big as it gets)."""
+    room = budget - num_decodes
+    while cap < room:
+        if not deadline_missed(paced, cap, estimator.step_time(num_decodes + cap), ctx):
+            return cap
+        cap = int(cap * LIFT_STEP) + 1
+    return None
 
 
 def deadline_missed(queue: Sequence[Request], room: int, step_s: float, ctx: PolicyContext) -> bool:

@@ -1,13 +1,17 @@
-"""The step plan: what one step will compute, built up while the scheduler walks its candidates.
+"""The step plan: what one step will compute, built up while the scheduler walks its candidates,
+and the ``SchedulerOutput`` it becomes.
 
 The policies that order those candidates are in ``ordering.py``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from poise.core.outputs import ScheduledRequest, SchedulerOutput
 from poise.core.request import Request
+from poise.kv.manager import KVCacheManager
 
 
 @dataclass
@@ -19,6 +23,9 @@ class StepPlan:
     preempted_ids: list[str] = field(default_factory=list)
     # Per request admitted in this step: prompt tokens it took from the prefix cache.
     cached_tokens: dict[str, int] = field(default_factory=dict)
+    # KV blocks the running prefills still need to finish their prompts (``owed_prompt_blocks``;
+    # None: not counted yet this step, or stale after a preemption).
+    owed_blocks: int | None = None
     _ids: set[str] = field(default_factory=set)
 
     def add(self, request: Request, num_tokens: int, cached_tokens: int = 0) -> None:
@@ -42,3 +49,40 @@ class StepPlan:
                 del self.items[i]
                 self.budget += n
                 return
+
+
+def owed_prompt_blocks(running: Iterable[Request], kv: KVCacheManager) -> int:
+    """KV blocks the unfinished prefills among ``running`` need beyond those they hold."""
+    return sum(
+        max(0, kv.blocks_for(r.num_tokens) - len(kv.get_block_ids(r.request_id)))
+        for r in running
+        if not r.is_decoding
+    )
+
+
+def build_output(plan: StepPlan, step_id: int, now: float, kv: KVCacheManager) -> SchedulerOutput:
+    """The step as the executor sees it: per request its tokens, positions and block table."""
+    out = SchedulerOutput(step_id=step_id, schedule_time=now)
+    for request, n in plan.items:
+        start = request.num_computed_tokens
+        sample = start + n == request.num_tokens
+        out.scheduled.append(
+            ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=request.token_ids_slice(start, start + n),
+                start_position=start,
+                block_ids=list(kv.get_block_ids(request.request_id)),
+                sample=sample,
+                sampling_params=request.sampling_params,
+                output_index=request.num_output_tokens,
+                num_prompt_tokens=request.num_prompt_tokens,
+                token_history=(request.prompt_token_ids, request.output_token_ids)
+                if sample and request.sampling_params.needs_token_history
+                else None,
+                prompt_logprobs=request.prompt_logprob_span(start, n),
+                grammar=request.grammar,
+            )
+        )
+    out.preempted_request_ids = plan.preempted_ids
+    out.num_prefix_cache_hit_tokens = sum(plan.cached_tokens.values())
+    return out

@@ -35,7 +35,6 @@ from poise.config import SchedulerConfig
 from poise.core.outputs import (
     ModelRunnerOutput,
     RequestDelta,
-    ScheduledRequest,
     SchedulerOutput,
     StepStats,
     annotate_token_delta,
@@ -45,7 +44,7 @@ from poise.core.request import Request, RequestStatus
 from poise.kv.manager import KVCacheManager
 from poise.sched.limits import rejection_reason
 from poise.sched.ordering import PolicyContext, is_partial_prefill
-from poise.sched.policies import StepPlan
+from poise.sched.policies import StepPlan, build_output, owed_prompt_blocks
 from poise.sched.predictor import Forecast, prefill_left
 from poise.sched.shares import ShareLedger
 from poise.sched.siblings import leader_blocks
@@ -193,7 +192,7 @@ class Scheduler:
                     self._schedule_running(plan, request, ledger, ctx)
             elif admitting:
                 admitting = self._admit(plan, request, ledger, ctx, now)
-        return self._build_output(plan, now)
+        return build_output(plan, self._step_id, now, self.kv)
 
     def context(self, now: float) -> PolicyContext:
         memo: dict[str, int] = {}  # one prefix lookup per request per step
@@ -255,6 +254,7 @@ class Scheduler:
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Recompute preemption: free the blocks, forget progress, back to the queue's front."""
         plan.remove(request)  # a request displaced after it was scheduled gives its tokens back
+        plan.owed_blocks = None  # it may have owed blocks: count again
         self.running.remove(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -302,7 +302,16 @@ class Scheduler:
             return n <= 0 or remaining <= plan.budget or not self.policy.blocks_queue(request, ctx)
         if victim is not None:  # only now that this surely goes in (else two displace each other)
             self._preempt(victim, plan)
-        reserve = self._reserve_blocks if self.running else 0
+        # Blocks that must stay free: the safety margin, and under a policy that reserves
+        # prompts what the running prefills and this one's own prompt still need.
+        reserve = owed = 0
+        if self.running:
+            reserve = self._reserve_blocks
+            if self.policy.reserves_prompts:
+                if plan.owed_blocks is None:
+                    plan.owed_blocks = owed_prompt_blocks(self.running, self.kv)
+                owed = self.kv.blocks_for(request.num_tokens) - self.kv.blocks_for(start + n)
+                reserve += plan.owed_blocks + owed
         if self.kv.allocate_slots(
             request.request_id, num_computed_tokens=start, num_new_tokens=n,
             cached_blocks=cached, reserve_blocks=reserve,
@@ -321,33 +330,9 @@ class Scheduler:
         self.kv.record_admission(request.num_tokens, start)
         ledger.admitted(cls)
         ledger.took_prefill(cls, n)
+        if plan.owed_blocks is not None:
+            plan.owed_blocks += owed
         return True
-
-    def _build_output(self, plan: StepPlan, now: float) -> SchedulerOutput:
-        out = SchedulerOutput(step_id=self._step_id, schedule_time=now)
-        for request, n in plan.items:
-            start = request.num_computed_tokens
-            sample = start + n == request.num_tokens
-            out.scheduled.append(
-                ScheduledRequest(
-                    request_id=request.request_id,
-                    token_ids=request.token_ids_slice(start, start + n),
-                    start_position=start,
-                    block_ids=list(self.kv.get_block_ids(request.request_id)),
-                    sample=sample,
-                    sampling_params=request.sampling_params,
-                    output_index=request.num_output_tokens,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    token_history=(request.prompt_token_ids, request.output_token_ids)
-                    if sample and request.sampling_params.needs_token_history
-                    else None,
-                    prompt_logprobs=request.prompt_logprob_span(start, n),
-                    grammar=request.grammar,
-                )
-            )
-        out.preempted_request_ids = plan.preempted_ids
-        out.num_prefix_cache_hit_tokens = sum(plan.cached_tokens.values())
-        return out
 
     # -- applying results ---------------------------------------------------------------------
 

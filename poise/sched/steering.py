@@ -21,7 +21,7 @@ from poise.sched.classes import ClassSet, load_classes
 from poise.sched.controller import TokenBudgetController
 from poise.sched.estimator import DEFAULT_CONST_S, DEFAULT_PER_TOKEN_S, StepCostEstimator
 from poise.sched.ordering import PolicyContext, get_policy, is_partial_prefill
-from poise.sched.pacing import deadline_missed, pacing_for
+from poise.sched.pacing import deadline_missed, lift_cap, pacing_for
 from poise.sched.predictor import Backlog, Forecast, backlog_for, forecast, prefill_left, refusal
 from poise.sched.shares import ShareLedger
 from poise.sched.slowdown import NEAR_TARGET, ForecastTail, Slowdown, SlowedCost
@@ -128,9 +128,9 @@ class Steering:
             if queue is None:
                 queue = self._prefill_queue(running, waiting, ctx, only=caps.keys())
             paced = [r for r in queue if r.slo.class_name in caps]
-            cap = min(caps.values())
-            if not deadline_missed(paced, cap, self.estimator.step_time(num_decodes + cap), ctx):
-                self.caps = caps
+            cap = lift_cap(paced, min(caps.values()), num_decodes, self.budget, self.estimator, ctx)
+            if cap is not None:
+                self.caps = dict.fromkeys(caps, cap)
         return self.budget
 
     def paced_prefill_tokens(self) -> dict[str, int]:

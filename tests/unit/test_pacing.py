@@ -6,11 +6,13 @@ import random
 
 import pytest
 
+from poise.core.request import Request, SloTargets
 from poise.core.timing import percentile
 from poise.sched import steering
 from poise.sched.classes import load_classes
 from poise.sched.estimator import StepCostEstimator
-from poise.sched.pacing import pacing_for
+from poise.sched.ordering import PolicyContext
+from poise.sched.pacing import LIFT_STEP, deadline_missed, lift_cap, pacing_for
 from tests.unit.test_policies import toks
 from tests.unit.timed import Arrival, drive, make_engine, params
 
@@ -74,7 +76,7 @@ def test_pacing_gives_way_to_a_long_deadline(monkeypatch: pytest.MonkeyPatch) ->
     """With a costly step (a = 0.2 s) a paced step of ~0.35 s carries 300 prefill tokens: a
     3,000-token prompt would take ~4 s, so against a 2.5 s target the cap is lifted for it."""
     lifted = run(monkeypatch, paced=True, long_ms=2500, a=0.2, seconds=8.0)
-    monkeypatch.setattr(steering, "deadline_missed", lambda *args: False)
+    monkeypatch.setattr(steering, "lift_cap", lambda paced, cap, *args: cap)  # never lifts
     engine, _, _ = make_engine(
         a=0.2, b=0.0005, num_kv_blocks=8192, scheduling_policy="slo",
         traffic_classes=SPEC.format(long=2500), max_num_batched_tokens=2048,
@@ -121,3 +123,27 @@ def test_other_policies_are_not_paced() -> None:
             scheduling_policy=policy, traffic_classes=SPEC.format(long=15000)
         )
         assert engine.scheduler.steer.pacing is None
+
+
+def test_a_lifted_cap_rises_only_as_far_as_the_deadline_needs() -> None:
+    """A long prefill that misses its deadline at the paced rate gets the least cap on the
+    x1.5 ladder that meets it, not the whole step; none when even the whole step is too slow."""
+    cost = StepCostEstimator(const_s=0.05, per_token_s=5e-4)
+    ctx = PolicyContext(now=0.0, aging_s=0.0, prefill_time=lambda n: n * 5e-4,
+                        cached_tokens=lambda r: 0, step_s=0.1, default_ttft_s=10.0)  # fmt: skip
+
+    def long_prompt(target_s: float) -> Request:
+        r = Request("l", toks(3000, 1), params(8), arrival_time=0.0)
+        r.slo = SloTargets(class_name="long", ttft_s=target_s)
+        return r
+
+    # At 300 tokens a step (0.22 s) the prompt needs 10 steps, 2.2 s: a 2.5 s target holds.
+    assert lift_cap([long_prompt(2.5)], 300, 32, 2048, cost, ctx) == 300
+    lifted = lift_cap([long_prompt(1.8)], 300, 32, 2048, cost, ctx)
+    assert lifted is not None and 300 < lifted < 2048 - 32
+    r = long_prompt(1.8)
+    step = lambda c: cost.step_time(32 + c)  # noqa: E731
+    assert not deadline_missed([r], lifted, step(lifted), ctx)
+    below = int((lifted - 1) / LIFT_STEP)  # the rung under it misses
+    assert deadline_missed([r], below, step(below), ctx)
+    assert lift_cap([long_prompt(0.5)], 300, 32, 2048, cost, ctx) is None

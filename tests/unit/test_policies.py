@@ -220,7 +220,14 @@ def test_queue_bound_retry_after_is_a_prediction() -> None:
         dict(scheduling_policy="priority"),
         dict(scheduling_policy="priority", priority_aging_s=0.0, max_num_seqs=3),
         dict(scheduling_policy="slo", traffic_classes=CLASSES),
-        dict(scheduling_policy="slo", traffic_classes="default", long_prefill_token_threshold=16),
+        # (slo reserves the blocks of the prompts it admitted: only decodes outgrow a pool this
+        # small, so it is smaller still for a preemption to happen.)
+        dict(
+            scheduling_policy="slo",
+            traffic_classes="default",
+            long_prefill_token_threshold=16,
+            num_kv_blocks=100,
+        ),
         dict(scheduling_policy="fifo", traffic_classes=CLASSES, max_num_seqs=4),
         dict(scheduling_policy="prefill_first", traffic_classes=CLASSES),
         dict(scheduling_policy="slo", traffic_classes=CLASSES, token_budget_controller=True),
@@ -243,10 +250,10 @@ def test_outputs_identical_under_every_policy(config: dict[str, object]) -> None
         arrivals.append(Arrival(rng.uniform(0, 0.5), f"r{i}", prompt, p))
     reference, _, _ = make_engine(num_kv_blocks=4096)
     expected = {k: v.tokens for k, v in drive(reference, arrivals).items()}
-    engine, _, _ = make_engine(
-        num_kv_blocks=160, safety_margin=0.0, max_num_batched_tokens=96,
-        enable_prefix_caching=True, **config,
-    )  # fmt: skip
+    engine, _, _ = make_engine(**{
+        "num_kv_blocks": 160, "safety_margin": 0.0, "max_num_batched_tokens": 96,
+        "enable_prefix_caching": True, **config,
+    })  # fmt: skip
     out = drive(engine, arrivals)
     admitted = {k: v.tokens for k, v in out.items() if v.retry_after_s is None}
     assert admitted == {k: expected[k] for k in admitted}
