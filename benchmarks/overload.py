@@ -220,6 +220,12 @@ def _summary(phase: dict[str, Any]) -> dict[str, Any]:
         "engine_ttft_s": {q: percentile(engine, q) for q in (50, 95, 100)} if engine else {},
         "num_engine_ttft": len(engine),
         "refusal_samples": [r.get("message") for r in refused[:: max(1, len(refused) // 5)]],
+        # Per accepted request: when it was sent (seconds into the phase) and its engine TTFT,
+        # to see where in the phase the slow ones were (a transient at the start, or steady).
+        "accepted_timeline": [
+            (round(r["sent"] - phase["start"], 3), round(r["engine_ttft"], 3))
+            for r in ok if "engine_ttft" in r
+        ],  # fmt: skip
     }
 
 
