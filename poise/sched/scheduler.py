@@ -237,6 +237,7 @@ class Scheduler:
         plan.add(request, n)
         if prefill:
             ledger.took_prefill(cls, n)
+            plan.owed_blocks = None  # it took some of the blocks it owed: count again
 
     def _make_room(self, request: Request, n: int, plan: StepPlan, ctx: PolicyContext) -> bool:
         """Get KV blocks for a running request's next ``n`` tokens, preempting the policy's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -147,3 +148,31 @@ def test_a_lifted_cap_rises_only_as_far_as_the_deadline_needs() -> None:
     below = int((lifted - 1) / LIFT_STEP)  # the rung under it misses
     assert deadline_missed([r], below, step(below), ctx)
     assert lift_cap([long_prompt(0.5)], 300, 32, 2048, cost, ctx) is None
+
+
+@pytest.mark.parametrize("reserves", [True, False])
+def test_admission_reserves_the_rest_of_admitted_prompts(reserves: bool) -> None:
+    """Two 3,000-token prompts beside eight decodes in a pool that holds one and a half of
+    them: paced, each would be admitted on its first small chunk and the two would outgrow the
+    pool together (preemptions); reserving the rest of every admitted prompt, the second waits
+    for the first to finish, and nothing is preempted."""
+    engine, _, _ = make_engine(
+        a=0.02, b=0.0005, num_kv_blocks=1200, scheduling_policy="slo",
+        traffic_classes=SPEC.format(long=15000), max_num_batched_tokens=2048,
+    )  # fmt: skip
+    sched = engine.scheduler
+    if not reserves:
+        sched.policy = replace(sched.policy, reserves_prompts=False)
+    arrivals = [Arrival(0.0, f"d{i}", toks(8, i), params(40)) for i in range(8)]
+    arrivals += [Arrival(0.01 * k, f"l{k}", toks(3000, 900 + k), params(8)) for k in range(2)]
+    out = drive(engine, arrivals)
+    assert len(out) == 10 and sched.kv_cache_usage == 0.0
+    if reserves:
+        assert sched.num_preemptions_total == 0
+        # The second long prompt started only once the first had its whole prompt computed.
+        first, second = out["l0"].times, out["l1"].times
+        assert first is not None and second is not None
+        assert second.first_scheduled is not None and first.first_token is not None
+        assert second.first_scheduled >= first.first_token
+    else:
+        assert sched.num_preemptions_total > 0
