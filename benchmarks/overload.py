@@ -224,7 +224,8 @@ def _summary(phase: dict[str, Any]) -> dict[str, Any]:
         # to see where in the phase the slow ones were (a transient at the start, or steady).
         "accepted_timeline": [
             (round(r["sent"] - phase["start"], 3), round(r["engine_ttft"], 3))
-            for r in ok if "engine_ttft" in r
+            for r in ok
+            if "engine_ttft" in r
         ],  # fmt: skip
     }
 
