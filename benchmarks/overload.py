@@ -226,7 +226,7 @@ def _summary(phase: dict[str, Any]) -> dict[str, Any]:
             (round(r["sent"] - phase["start"], 3), round(r["engine_ttft"], 3))
             for r in ok
             if "engine_ttft" in r
-        ],  # fmt: skip
+        ],
     }
 
 
