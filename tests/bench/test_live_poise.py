@@ -124,10 +124,13 @@ def test_live_matrix_record(server: str, tmp_path: Path) -> None:
         assert m["p50_tpot_ms"] > 0 and m["output_tokens_per_s"] > 0
         # Short cells may finish between two scrapes; long ones cannot hide ~210 blocks each
         # (held for >= 13 steps; scrapes every 20 ms: the CPU kernel made steps fast enough
-        # that 100 ms scrapes could miss a whole long request).
+        # that 100 ms scrapes could miss a whole long request). A scrape may land between a
+        # long prompt's first 2,048-token chunk and its second, so the floor is that chunk's
+        # 128 blocks (0.43 of 300; CI saw exactly that once against an earlier 0.5), far
+        # above what four short requests hold (~0.05).
         assert 0 <= m["kv_cache_usage"]["peak"] <= 1
         if m["long_prompt_ratio"]:
-            assert m["kv_cache_usage"]["peak"] > 0.5 and m["running_waiting"]["running_max"] >= 1
+            assert m["kv_cache_usage"]["peak"] > 0.4 and m["running_waiting"]["running_max"] >= 1
         assert isinstance(m["preemption_count"], int) and m["preemption_count"] >= 0
     for cell in rec.cells:
         ov = cell.metrics["overall"]
