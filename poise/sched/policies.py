@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from poise.core.outputs import ScheduledRequest, SchedulerOutput
 from poise.core.request import Request
 from poise.kv.manager import KVCacheManager
+from poise.sched.ordering import is_partial_prefill
 
 
 @dataclass
@@ -56,7 +57,7 @@ def owed_prompt_blocks(running: Iterable[Request], kv: KVCacheManager) -> int:
     return sum(
         max(0, kv.blocks_for(r.num_tokens) - len(kv.get_block_ids(r.request_id)))
         for r in running
-        if not r.is_decoding
+        if is_partial_prefill(r)
     )
 
 
