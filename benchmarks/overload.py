@@ -207,6 +207,8 @@ def _summary(phase: dict[str, Any]) -> dict[str, Any]:
     return {
         "requests": len(recs),
         "seconds": phase["end"] - phase["start"],
+        # CLOCK_MONOTONIC, the same in every process here: to line the phase up with a server log.
+        "start_monotonic": phase["start"],
         "send_span_s": span,
         "actual_rate": (len(sends) - 1) / span if len(sends) > 1 else float("nan"),
         "accepted": len(ok),

@@ -29,6 +29,15 @@ the outcome: for requests admitted with a forecast near their target, how long t
 token really took over the slowed forecast, and admission scales the slowed cost by a high
 percentile of that (the 98th, TAIL_QUANTILE; never below 1).
 
+Until TAIL_MIN such first tokens have come, the tail is not known and ``ForecastTail`` answers
+its ``prior``: the steering passes ``1 + admission_margin``, so a server's first overload admits
+only what the slowed forecast puts within the target itself, and a forecast as much as the
+margin late still keeps the bound. Without it the first second of a flood was admitted on the
+calm phase's step history at a factor of 1 (the queue fills within a few steps, long before
+its first tokens can inform the tail), and in every run at 10x on this CPU the last wave it
+queued came 4-8 % over the bound: 2-9 of the ~240 accepted requests, most of the 12 the p95
+allows (benchmarks/overload.py).
+
 The refusal's ``Retry-After`` is computed from the same slowed cost, so a request retried then
 meets the target if the slowdown holds. Where steps take exactly what the fit says (the simulator,
 once the fit has converged) the factor is 1 and admission is the plain forecast's.
@@ -92,11 +101,13 @@ class Slowdown:
 
 
 class ForecastTail:
-    """How late first tokens came against the slowed forecasts that admitted them."""
+    """How late first tokens came against the slowed forecasts that admitted them;
+    ``prior`` until TAIL_MIN have come."""
 
-    def __init__(self) -> None:
+    def __init__(self, prior: float = 1.0) -> None:
+        self._prior = max(1.0, prior)
         self._ratios: deque[float] = deque(maxlen=TAIL_HISTORY)
-        self._factor: float | None = 1.0  # None: recompute
+        self._factor: float | None = None  # None: recompute
 
     def observe(self, taken_s: float, forecast_s: float) -> None:
         if forecast_s > 0:
@@ -104,11 +115,15 @@ class ForecastTail:
             self._factor = None
 
     def factor(self) -> float:
-        """The TAIL_QUANTILE of taken / forecast, at least 1 (1 until TAIL_MIN are seen)."""
+        """The TAIL_QUANTILE of taken / forecast, at least 1 (the prior until TAIL_MIN are
+        seen)."""
         if self._factor is None:
             ratios = sorted(self._ratios)
-            tail = ratios[min(len(ratios) - 1, int(TAIL_QUANTILE * len(ratios)))]
-            self._factor = max(1.0, tail) if len(ratios) >= TAIL_MIN else 1.0
+            if len(ratios) < TAIL_MIN:
+                self._factor = self._prior
+            else:
+                tail = ratios[min(len(ratios) - 1, int(TAIL_QUANTILE * len(ratios)))]
+                self._factor = max(1.0, tail)
         return self._factor
 
 

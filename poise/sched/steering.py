@@ -65,7 +65,11 @@ class Steering:
         )
         self.preemptions_by_class: Counter[str] = Counter()
         self.slowdown = Slowdown()  # admission's forecasts: how much slower than the fit, lately
-        self.tail = ForecastTail()  # ... and how much later than those forecasts, lately
+        # ... and how much later than those forecasts, lately (until that is known under
+        # predictive admission: as late as the margin allows, so that a first overload keeps
+        # the bound; sched/slowdown.py)
+        predictive = config.admission_control == "predictive"
+        self.tail = ForecastTail(prior=1.0 + config.admission_margin if predictive else 1.0)
         self.budget = config.max_num_batched_tokens
         # The controller's budget gave way to a TTFT deadline this step (see ``step_budget``).
         self.lifted = False
@@ -246,7 +250,8 @@ class Steering:
                 replay_s = (fc.ttft_s - waited) / self.tail.factor()
                 request.admission_forecast = (ctx.now, replay_s)
             return
-        slow = f" (steps {cost.factor:.2f}x the fit lately)" if cost.factor > 1 else ""
+        steps = self.slowdown.factor(self.estimator)  # what the steps did (not the tail's part)
+        slow = f" (steps {steps:.2f}x the fit lately)" if steps > 1 else ""
         raise OverloadedError(
             f"predicted time to first token {fc.ttft_s:.2f} s{slow} misses the "
             f"{request.slo.class_name!r} target of {target:.2f} s; retry in {wait:.1f} s",
