@@ -214,7 +214,11 @@ class SchedulerConfig:
         default="none",
     )
     admission_margin: float = _help(
-        "Predictive admission: refuse when predicted TTFT > target x (1 + margin).", default=0.25
+        "Predictive admission holds the accepted requests' TTFT p95 within target x (1 + margin): "
+        "it aims at the target and keeps the margin for the forecast's error (refusing when the "
+        "TTFT predicted at max(1 + margin, how late first tokens lately came) exceeds "
+        "target x (1 + margin)).",
+        default=0.25,
     )
     preemption_thrash_limit: int = _help(
         "The slo policy spares requests already preempted this many times while other "

@@ -65,11 +65,11 @@ class Steering:
         )
         self.preemptions_by_class: Counter[str] = Counter()
         self.slowdown = Slowdown()  # admission's forecasts: how much slower than the fit, lately
-        # ... and how much later than those forecasts, lately (until that is known under
-        # predictive admission: as late as the margin allows, so that a first overload keeps
-        # the bound; sched/slowdown.py)
+        # ... and how much later than those forecasts, lately; under predictive admission at
+        # least 1 + margin: admission aims at the target and keeps the margin for the
+        # forecast's error (sched/slowdown.py)
         predictive = config.admission_control == "predictive"
-        self.tail = ForecastTail(prior=1.0 + config.admission_margin if predictive else 1.0)
+        self.tail = ForecastTail(floor=1.0 + config.admission_margin if predictive else 1.0)
         self.budget = config.max_num_batched_tokens
         # The controller's budget gave way to a TTFT deadline this step (see ``step_budget``).
         self.lifted = False

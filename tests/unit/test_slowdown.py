@@ -166,27 +166,28 @@ def test_forecast_tail_is_the_high_quantile_of_late_first_tokens() -> None:
     assert tail.factor() == 1.0
 
 
-def test_an_unmeasured_tail_is_the_prior() -> None:
-    tail = ForecastTail(prior=1.25)
-    assert tail.factor() == 1.25  # nothing seen: as late as the margin allows
-    for _ in range(sd.TAIL_MIN - 1):
+def test_the_tail_never_goes_below_its_floor() -> None:
+    tail = ForecastTail(floor=1.25)
+    assert tail.factor() == 1.25  # nothing seen
+    for _ in range(sd.TAIL_MIN):
         tail.observe(1.0, 1.0)
-    assert tail.factor() == 1.25
-    tail.observe(1.0, 1.0)
-    assert tail.factor() == 1.0  # measured: forecasts on time, the prior is gone
+    assert tail.factor() == 1.25  # on time: the floor
+    for _ in range(sd.TAIL_HISTORY):
+        tail.observe(1.5, 1.0)
+    assert tail.factor() == pytest.approx(1.5)  # later than the floor: the tail
 
 
-def _admitted_until_refused(calibrated: bool) -> int:
+def _admitted_until_refused(margin: float, late: float | None = None) -> int:
     """Requests a fresh engine (one slot, each forecast ~165 ms more than the one before,
-    target 1 s, margin 0.25) admits at once before the first refusal; ``calibrated``: its tail
-    has seen forecasts on time."""
+    target 1 s) admits at once before the first refusal; ``late``: its first tokens have
+    lately come that many times the forecast."""
     engine, _, _ = make_engine(
-        a=0.01, b=0.0005, admission_control="predictive", admission_margin=0.25, max_num_seqs=1,
-        max_num_batched_tokens=64, traffic_classes="none",
+        a=0.01, b=0.0005, admission_control="predictive", admission_margin=margin,
+        max_num_seqs=1, max_num_batched_tokens=64, traffic_classes="none",
     )  # fmt: skip
-    if calibrated:
+    if late is not None:
         for _ in range(sd.TAIL_MIN):
-            engine.scheduler.steer.tail.observe(1.0, 1.0)
+            engine.scheduler.steer.tail.observe(late, 1.0)
     n = 0
     while True:
         try:
@@ -196,12 +197,16 @@ def _admitted_until_refused(calibrated: bool) -> int:
         n += 1
 
 
-def test_a_first_overload_admits_within_the_target_itself() -> None:
-    # The eighth is forecast 1.16 s: within the bound (1.25 s), not within the target. Before
-    # any first token has measured the forecast's error, the margin is kept for it.
-    first, later = _admitted_until_refused(False), _admitted_until_refused(True)
-    assert first == 7
-    assert later == 8
+def test_admission_aims_at_the_target_and_keeps_the_margin_for_error() -> None:
+    # The eighth request is forecast 1.16 s: within target x (1 + 0.25), not within the target.
+    # With forecasts on time, a margin changes nothing: both admit up to the target.
+    assert _admitted_until_refused(0.0) == 7
+    assert _admitted_until_refused(0.25) == 7
+    assert _admitted_until_refused(0.25, late=1.0) == 7
+    # First tokens lately 1.3x their forecast, more than the margin: admission aims lower, at
+    # 1.25 s / 1.3 = 0.96 s; without a margin at 1 s / 1.3 = 0.77 s.
+    assert _admitted_until_refused(0.25, late=1.3) == 6
+    assert _admitted_until_refused(0.0, late=1.3) == 5
 
 
 def _overload(pause_every: int, tail: bool) -> tuple[list[float], int]:
