@@ -42,9 +42,9 @@ that no history foresees:
   CPU use and every other process's unchanged in ``/proc``; the one or two waves admitted in
   the 1.2 s before a spell came over, 8-16 requests.
 With the floor only until the tail is measured, the first second was fixed and the spells still
-put the p95 over in 3 runs of 12 (1,108-1,270 ms against 1,250). With the floor, the same
+put the p95 over in 3 runs of 12 (1,105-1,270 ms against 1,250). With the floor, the same
 benchmark accepted as many requests (the queue still holds the next wave whenever one
-finishes) with the p95 at the target (~1,000 ms, 0 requests over the bound).
+finishes) with the p95 near the target: 974-1,163 ms in nine runs, 0 requests over the bound.
 
 The refusal's ``Retry-After`` is computed from the same slowed cost, so a request retried then
 meets the target if the slowdown holds. Where steps take exactly what the fit says (the simulator,
