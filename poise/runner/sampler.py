@@ -40,6 +40,8 @@ from poise.runner.penalties import TokenHistory
 
 _MASK64 = (1 << 64) - 1
 
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
 
 def sample(
     logits: torch.Tensor,
@@ -87,7 +89,12 @@ def sample(
     # vocabulary width). Scaled in place where we may write (a gather, the penalties' copy, or
     # logits the caller gave up), else the division makes the copy.
     sub = logits[torch.tensor(rows, device=dev)] if greedy_rows else logits
-    temps = torch.tensor([p.temperature for p in sub_params], dtype=torch.float32, device=dev)
+    # At most float32's largest value: a larger temperature (JSON allows 1e305) became inf,
+    # and a grammar's masked -inf / inf is NaN, which sampled forbidden tokens (the API fuzzer
+    # found it). Any temperature past ~1e30 already makes every finite logit 0 (uniform), so
+    # the bound does not change the distribution.
+    temps = torch.tensor([min(p.temperature, _F32_MAX) for p in sub_params], dtype=torch.float32,
+                         device=dev)  # fmt: skip
     if (logits_writable or sub is not raw) and sub.dtype == torch.float32:
         scaled = sub.div_(temps.unsqueeze(1))
     else:

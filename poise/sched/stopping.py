@@ -21,8 +21,14 @@ def check_stop(request: Request, token: int, max_len: int) -> RequestStatus | No
         return RequestStatus.FINISHED_STOPPED
     grammar = request.grammar
     if grammar is not None:
-        if not grammar.accept_token(token):  # the mask allowed it, so this is a bug, not input
-            request.error_message = f"structured output: token {token} broke the grammar"
+        if not grammar.accept_token(token):
+            # The mask allowed it: the grammar needs bytes the vocabulary cannot spell, and
+            # llguidance's mask and matcher disagree there (its issue 366); not the input's fault
+            # that can be told before generating (choices are checked: text/grammar.py).
+            request.error_message = (
+                f"structured output: token {token} broke the grammar (the grammar may need "
+                "bytes no token of this model produces)"
+            )
             return RequestStatus.FINISHED_ERROR
         if grammar.is_terminated():  # complete: end now rather than sample the forced EOS
             return RequestStatus.FINISHED_STOPPED

@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.convertors import PathConvertor, register_url_convertor
 
 from poise.serving import streams
 from poise.serving.async_engine import AsyncEngine
@@ -193,6 +194,17 @@ def _document_vocabulary(models: dict[str, Any], vocab_size: int | None) -> None
                 bound(models[model]["properties"][name])
 
 
+class _AnyPathConvertor(PathConvertor):
+    """Starlette's ``:path``, newlines included: its ``.*`` stops at one, so a model id holding
+    a newline got the unknown-route 404 instead of ``model_not_found`` (the API fuzzer's large
+    run found it)."""
+
+    regex = "(?s:.*)"
+
+
+register_url_convertor("anypath", _AnyPathConvertor())
+
+
 def _add_info_routes(app: FastAPI, state: ServingState) -> None:
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -201,8 +213,8 @@ def _add_info_routes(app: FastAPI, state: ServingState) -> None:
         ]
         return ModelList(data=cards)
 
-    # ``:path``: a served name may hold slashes (a Hub id such as Qwen/Qwen2.5-7B-Instruct).
-    @app.get("/v1/models/{model_id:path}", responses={404: ERRORS[400] | {
+    # A path: a served name may hold slashes (a Hub id such as Qwen/Qwen2.5-7B-Instruct).
+    @app.get("/v1/models/{model_id:anypath}", responses={404: ERRORS[400] | {
         "description": "Not a served model name (model_not_found)."}})  # fmt: skip
     async def model(model_id: str) -> Response:
         if model_id not in state.served_model_names:

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from poise.core.logprobs import MAX_LOGPROBS
 from poise.serving.protocol import NonEmptyStr, _SamplingRequest
@@ -33,12 +33,19 @@ class CompletionRequest(_SamplingRequest):
         description="Logprobs of each token and this many alternatives (of the prompt's "
         "tokens too with echo).",
     )  # fmt: skip
-    suffix: str | None = None
+    # Refused, not ignored: text after the insertion needs a fill-in-the-middle model. The
+    # schema says so (at most 0 characters) and the message names the reason.
+    suffix: str | None = Field(None, max_length=0, description="Not supported: empty or null.")
+
+    @field_validator("suffix", mode="before")
+    @classmethod
+    def _no_suffix(cls, v: Any) -> Any:
+        if isinstance(v, str) and v:
+            raise ValueError("suffix is not supported")
+        return v
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
-        if self.suffix:
-            raise ValueError("suffix is not supported")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens 0 generates nothing: only allowed with echo")
         if self.echo and self.logprobs is not None and self.n > 1:

@@ -17,19 +17,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from poise.core.structured import StructuredOutputsParams
 from poise.errors import InvalidRequestError
 
 _LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}  # fmt: skip
-# guided_decoding_backend values that name what poise runs (vLLM's "guidance" is llguidance).
-_BACKENDS = ("auto", "guidance", "llguidance")
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True, strict=True)
 
     name: str = "response"
     description: str | None = None
@@ -38,32 +36,59 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(BaseModel):
+    """``structured_outputs`` as a request carries it: vLLM's ``StructuredOutputsParams``
+    fields, typed, so that the published schema says what is taken (it said "any object", and
+    the fuzzer's objects were refused). Exactly one constraint is a rule across fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_schema: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = Field(None, min_length=1)
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, min_length=1)
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_structural_tag(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "structural_tag" in data:  # vLLM's; refused by name
+            raise ValueError("structural_tag is not supported by poise; use json, regex, "
+                             "choice or grammar")  # fmt: skip
+        return data
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams.of(self.model_dump(by_alias=True, exclude_unset=True))
 
 
 class StructuredOutputFields(BaseModel):
     """The request fields, shared by chat and completions (``protocol._SamplingRequest``)."""
 
     response_format: ResponseFormat | None = None
-    structured_outputs: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsBody | None = None
     guided_json: str | dict[str, Any] | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_regex: str | None = Field(None, min_length=1)
+    # At least one choice: the published schema says so (an empty list was schema-valid and
+    # then refused by the grammar compiler).
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = Field(None, min_length=1)
     guided_whitespace_pattern: str | None = None
-    guided_decoding_backend: str | None = None
+    # What poise runs: vLLM's "guidance" is llguidance.
+    guided_decoding_backend: Literal["auto", "guidance", "llguidance"] | None = None
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """What the request constrains its output to, or None. InvalidRequestError (400)
         naming the field when the fields conflict or are malformed."""
-        backend = self.guided_decoding_backend
-        if backend is not None and backend not in _BACKENDS:
-            raise InvalidRequestError(
-                f"guided_decoding_backend {backend!r}: poise compiles grammars with llguidance "
-                f"only ({', '.join(_BACKENDS)})",
-                "guided_decoding_backend",
-            )
         found: list[StructuredOutputsParams] = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
@@ -77,7 +102,7 @@ class StructuredOutputFields(BaseModel):
                 else StructuredOutputsParams(json_object=True, source_field="response_format")
             )
         if self.structured_outputs is not None:
-            found.append(StructuredOutputsParams.of(self.structured_outputs))
+            found.append(self.structured_outputs.params())
         for name, kind in _LEGACY.items():
             value = getattr(self, name)
             if value is not None:

@@ -93,6 +93,8 @@ class LLGuidanceCompiler:
 
         tokenizer = self.ll_tokenizer()
         where = params.source_field
+        if params.kind() == "choice":
+            _check_producible(tokenizer, params.choice or [], where)
         try:
             grammar = grammar_text(params)
         except (ValueError, TypeError) as exc:  # llguidance's parse errors
@@ -104,6 +106,20 @@ class LLGuidanceCompiler:
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {params.kind()}: {matcher.get_error()}", where)
         return matcher
+
+
+def _check_producible(tokenizer: Any, choices: list[str], where: str) -> None:
+    """Each choice must be text some tokens of this model spell: a vocabulary may lack a byte
+    (SmolLM2's has no token for 0x04, 0x06, 0x13, 0x14, 0x16, 0x1d or the lead bytes of
+    U+40000-U+BFFFF), and a choice holding one cannot be generated. llguidance 1.9.1 does not
+    refuse such a grammar: its mask then offers a token its matcher rejects (llguidance issue
+    366), which failed the request mid-generation with a 500 (found by the API fuzzer)."""
+    for i, choice in enumerate(choices):
+        text = choice.encode("utf-8", "surrogatepass")
+        if tokenizer.decode_bytes(tokenizer.tokenize_bytes(text)) != text:
+            raise InvalidRequestError(
+                f"choice {i} holds bytes that no token of this model produces", where
+            )
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:

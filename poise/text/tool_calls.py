@@ -194,6 +194,12 @@ def _template_call(call: Any, index: int) -> dict[str, Any]:
             f"messages[{index}].tool_calls: each call needs function.name", "messages"
         )
     args = fn.get("arguments", {})
+    if not isinstance(args, str | Mapping):  # the schema's type: an object or JSON text
+        raise InvalidRequestError(
+            f"messages[{index}].tool_calls: arguments must be an object or JSON text, not "
+            f"{type(args).__name__}",
+            "messages",
+        )
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}

@@ -56,13 +56,23 @@ def openai_error_shape(ctx: Any, response: Any, case: Any) -> bool | None:
 # What a schema cannot say: a request's prompt, counted in tokens, must fit the window (with
 # its max_tokens) and the KV pool, and must have one (a lone control character has none); a
 # logit_bias key is a token id written as a string, which a
-# schema cannot bound by the vocabulary; and rules across fields (max_tokens and
-# max_completion_tokens agree, stream_options only with stream, min_tokens <= max_tokens;
-# a tool call's arguments given as text must be JSON text). A schema-valid request may be
-# refused only for these.
+# schema cannot bound by the vocabulary; a choice the vocabulary cannot spell (a byte no token
+# holds); text that must be JSON (a tool call's arguments, a JSON schema given as text); a JSON
+# schema, regex or grammar that must compile; "auto" tool choice (the default with tools) on a
+# server started without a tool-call parser; and rules
+# across fields (max_tokens and max_completion_tokens agree, stream_options only with stream,
+# min_tokens <= max_tokens, max_tokens 0 only with echo, top_logprobs only with logprobs,
+# tool_choice only with tools, exactly one structured output constraint,
+# guided_whitespace_pattern only with guided_json). A
+# schema-valid request may be refused only for these.
 _WINDOW = ("max_model_len", "KV cache", "prompt is empty", "logit_bias: token id",
+           "no token of this model produces", "needs the server started with",
+           "arguments are not JSON", "json schema is not valid JSON", "invalid json:",
+           "invalid regex:", "invalid grammar:",
            "differ; give one", "only allowed when stream is true",
-           "min_tokens must be in [0, max_tokens", "arguments are not JSON")  # fmt: skip
+           "min_tokens must be in [0, max_tokens", "only allowed with echo",
+           "top_logprobs needs logprobs", "tool_choice needs tools", "exactly one of",
+           "give one structured output constraint", "needs guided_json")  # fmt: skip
 
 
 @schemathesis.check

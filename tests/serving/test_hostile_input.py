@@ -306,6 +306,35 @@ def test_unknown_routes_and_wrong_methods_answer_in_openai_shape(server: InProce
     _error(httpx.post(server.base_url + "/health"), 405)
 
 
+def test_any_model_id_in_the_path_is_model_not_found(server: InProcessServer) -> None:
+    # Starlette's :path stops at a newline: such an id was the unknown-route 404 (found by the
+    # large API fuzz run); slashes are allowed (Hub ids).
+    for model_id in ("nope", "org/nope", ",kZ%0Ap", "%0A"):
+        err = _error(httpx.get(server.base_url + "/v1/models/" + model_id), 404)
+        assert err["code"] == "model_not_found", (model_id, err)
+
+
+def test_a_suffix_is_400_naming_it_and_the_schema_says_so(server: InProcessServer) -> None:
+    body = {"prompt": "hi", "max_tokens": 2}
+    r = httpx.post(server.base_url + "/v1/completions", json={**body, "suffix": "x"})
+    err = _error(r, 400)
+    assert err["param"] == "suffix" and "not supported" in err["message"], err
+    ok = httpx.post(server.base_url + "/v1/completions", json={**body, "suffix": ""})
+    assert ok.status_code == 200, ok.text
+    schemas = httpx.get(server.base_url + "/openapi.json").json()["components"]["schemas"]
+    suffix = schemas["CompletionRequest"]["properties"]["suffix"]["anyOf"][0]
+    assert suffix["maxLength"] == 0, suffix  # the large API fuzz run: "x" was schema-valid
+
+
+def test_an_empty_guided_choice_is_400_naming_it(server: InProcessServer) -> None:
+    # The schema allowed [] and the grammar compiler then refused it; now both say minItems 1.
+    err = _error(_chat(server, guided_choice=[]), 400)
+    assert err["param"] == "guided_choice", err
+    schemas = httpx.get(server.base_url + "/openapi.json").json()["components"]["schemas"]
+    choice = schemas["ChatCompletionRequest"]["properties"]["guided_choice"]["anyOf"][0]
+    assert choice["minItems"] == 1, choice
+
+
 # ---- 9. the published schema -------------------------------------------------------------
 
 

@@ -88,7 +88,11 @@ def test_regex_choice_grammar_and_vllm_dict_form(llm: LLM) -> None:
     [({"json": {"type": "objec"}}, "objec"), ({"regex": "[a-z"}, "unclosed"),
      ({"grammar": "start: nope"}, "nope"), ({"json": "{not json"}, "not valid JSON"),
      ({"choice": []}, "choice"), ({"regex": "a", "choice": ["b"]}, "exactly one"),
-     ({"structural_tag": "x"}, "structural_tag"), ({"jsn": {}}, "unknown field")],
+     ({"structural_tag": "x"}, "structural_tag"), ({"jsn": {}}, "unknown field"),
+     # No token of SmolLM2's vocabulary spells byte 0x04 or the lead byte of U+534D8: such a
+     # choice cannot be generated (it used to fail mid-generation: llguidance issue 366).
+     ({"choice": ["yes", "a\x04b"]}, "choice 1 holds bytes"),
+     ({"choice": ["N-\U000534d8"]}, "choice 0 holds bytes")],
 )  # fmt: skip
 def test_invalid_specs_are_refused_naming_the_field(llm: LLM, spec: dict, match: str) -> None:
     with pytest.raises(InvalidRequestError, match=match) as info:

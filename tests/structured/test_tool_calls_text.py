@@ -9,6 +9,7 @@ import json
 import jsonschema
 import pytest
 
+from poise.errors import InvalidRequestError
 from poise.text.tokenizer import load_tokenizer, render_chat
 from poise.text.tool_calls import (
     HermesToolParser,
@@ -16,6 +17,7 @@ from poise.text.tool_calls import (
     for_template,
     forced_calls,
     forced_schema,
+    tool_fields,
 )
 
 TOOLS = [
@@ -127,3 +129,17 @@ def test_a_template_with_tools_gets_the_fields_with_arguments_as_objects() -> No
                     "(call get_weather Paris)[tool]18 C, sunny(for call_1)")  # fmt: skip
     assert for_template(TOOL_TEMPLATE, [{"role": "user", "content": "x"}], TOOLS) == [
         {"role": "user", "content": "x"}]  # fmt: skip
+
+
+@pytest.mark.parametrize("arguments", [7, [1, 2], True, None])
+def test_tool_call_arguments_other_than_an_object_or_json_text_are_refused(
+    arguments: object,
+) -> None:
+    # The published schema says object or string; an integer was rendered as it came (the large
+    # API fuzz run found /tokenize accepting it).
+    message = {"role": "assistant", "content": None,
+               "tool_calls": [{"function": {"name": "add", "arguments": arguments}}]}  # fmt: skip
+    with pytest.raises(InvalidRequestError, match="arguments must be an object or JSON text"):
+        tool_fields(message, 0)
+    ok = {**message, "tool_calls": [{"function": {"name": "add", "arguments": '{"a": 1}'}}]}
+    assert tool_fields(ok, 0)["tool_calls"][0]["function"]["arguments"] == {"a": 1}

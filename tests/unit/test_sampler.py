@@ -101,6 +101,17 @@ def test_temperature_sharpens_and_flattens() -> None:
     assert abs(cold / 3000 - 0.82) < 0.05
 
 
+@pytest.mark.parametrize("temperature", [1e30, 6.6e305])
+def test_a_huge_temperature_is_uniform_over_what_a_mask_allows(temperature: float) -> None:
+    # A grammar masks with -inf; a temperature past float32's range used to become inf, and
+    # -inf / inf = NaN sampled masked tokens (the API fuzzer's large run found it).
+    logits = LOGITS.clone()
+    logits[[1, 3, 5]] = float("-inf")
+    counts = _draw(SamplingParams(temperature=temperature), logits=logits)
+    assert set(counts) == {0, 2, 4, 6, 7}
+    assert min(counts.values()) > 3000 / 5 * 0.8  # uniform over the five allowed
+
+
 def test_top_p_on_large_vocab_needs_many_candidates() -> None:
     # A slowly decaying distribution over 5000 tokens: p_i ~ exp(-i / 5000). The top-p 0.5
     # nucleus ends where (1 - e^-x) / (1 - e^-1) = 0.5, x ~ 0.380, i.e. ~1900 tokens, far past
