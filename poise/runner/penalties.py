@@ -37,6 +37,11 @@ from poise.core.sampling_params import SamplingParams
 # (prompt token ids, output token ids so far) of one sampled request; None when not needed.
 TokenHistory = tuple[Sequence[int], Sequence[int]]
 
+# The largest float32: a larger factor (JSON allows 1e300) would become inf in float32, and a
+# logit of exactly 0 times inf is NaN. Any factor past ~1e30 already sends every seen token's
+# logit to 0 or -inf, so the bound changes nothing else.
+F32_MAX = float(np.finfo(np.float32).max)
+
 
 def _active(params: SamplingParams, output_index: int) -> bool:
     return bool(params.logit_bias) or output_index < params.min_tokens or params.needs_token_history
@@ -146,7 +151,9 @@ def _penalise(
         seqs = [histories[i][0] for i in rep_rows] + [histories[i][1] for i in rep_rows]
         seen, lengths = _flat_keys(rep_rows + rep_rows, seqs, vocab)
         factor = np.repeat(
-            np.asarray([params[i].repetition_penalty for i in rep_rows * 2], dtype=np.float32),
+            np.asarray(
+                [min(params[i].repetition_penalty, F32_MAX) for i in rep_rows * 2], dtype=np.float32
+            ),  # fmt: skip
             lengths,
         )
         at = torch.from_numpy(seen).to(dev)

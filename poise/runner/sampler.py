@@ -36,11 +36,9 @@ import torch
 from poise.core.sampling_params import SamplingParams
 from poise.runner import penalties
 from poise.runner.candidates import inverse_cdf, sample_filtered
-from poise.runner.penalties import TokenHistory
+from poise.runner.penalties import F32_MAX, TokenHistory
 
 _MASK64 = (1 << 64) - 1
-
-_F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def sample(
@@ -93,7 +91,7 @@ def sample(
     # and a grammar's masked -inf / inf is NaN, which sampled forbidden tokens (the API fuzzer
     # found it). Any temperature past ~1e30 already makes every finite logit 0 (uniform), so
     # the bound does not change the distribution.
-    temps = torch.tensor([min(p.temperature, _F32_MAX) for p in sub_params], dtype=torch.float32,
+    temps = torch.tensor([min(p.temperature, F32_MAX) for p in sub_params], dtype=torch.float32,
                          device=dev)  # fmt: skip
     if (logits_writable or sub is not raw) and sub.dtype == torch.float32:
         scaled = sub.div_(temps.unsqueeze(1))

@@ -105,7 +105,13 @@ class LLGuidanceCompiler:
         matcher = llguidance.LLMatcher(tokenizer, grammar)
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {params.kind()}: {matcher.get_error()}", where)
+        _check_forced_bytes(matcher, tokenizer, params.kind(), where)
         return matcher
+
+
+def _spelled(tokenizer: Any, text: bytes) -> bool:
+    """Whether tokens of this model spell ``text`` (its tokenization decodes back to it)."""
+    return bool(tokenizer.decode_bytes(tokenizer.tokenize_bytes(text)) == text)
 
 
 def _check_producible(tokenizer: Any, choices: list[str], where: str) -> None:
@@ -115,11 +121,23 @@ def _check_producible(tokenizer: Any, choices: list[str], where: str) -> None:
     refuse such a grammar: its mask then offers a token its matcher rejects (llguidance issue
     366), which failed the request mid-generation with a 500 (found by the API fuzzer)."""
     for i, choice in enumerate(choices):
-        text = choice.encode("utf-8", "surrogatepass")
-        if tokenizer.decode_bytes(tokenizer.tokenize_bytes(text)) != text:
+        if not _spelled(tokenizer, choice.encode("utf-8", "surrogatepass")):
             raise InvalidRequestError(
                 f"choice {i} holds bytes that no token of this model produces", where
             )
+
+
+def _check_forced_bytes(matcher: Any, tokenizer: Any, kind: str, where: str) -> None:
+    """The bytes the grammar forces from its start (a literal regex, a single choice, a JSON
+    schema's opening) must each be spelled by some token, for the same reason as choices (a
+    regex forcing byte 0xF2 failed every request mid-generation). Alternatives further on are
+    not checked: the mask leaves out what cannot be spelled, unless nothing else is left."""
+    for byte in sorted(set(bytes(matcher.compute_ff_bytes()))):
+        if not _spelled(tokenizer, bytes([byte])):
+            raise InvalidRequestError(
+                f"invalid {kind}: it requires byte 0x{byte:02x}, which no token of this model "
+                "produces", where
+            )  # fmt: skip
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:

@@ -92,7 +92,8 @@ def test_regex_choice_grammar_and_vllm_dict_form(llm: LLM) -> None:
      # No token of SmolLM2's vocabulary spells byte 0x04 or the lead byte of U+534D8: such a
      # choice cannot be generated (it used to fail mid-generation: llguidance issue 366).
      ({"choice": ["yes", "a\x04b"]}, "choice 1 holds bytes"),
-     ({"choice": ["N-\U000534d8"]}, "choice 0 holds bytes")],
+     ({"choice": ["N-\U000534d8"]}, "choice 0 holds bytes"),
+     ({"regex": "\U00090fd0x"}, "requires byte 0xf2")],
 )  # fmt: skip
 def test_invalid_specs_are_refused_naming_the_field(llm: LLM, spec: dict, match: str) -> None:
     with pytest.raises(InvalidRequestError, match=match) as info:

@@ -52,6 +52,17 @@ def test_repetition_penalty_equals_transformers() -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_a_huge_repetition_penalty_gives_no_nan() -> None:
+    # 1e300 became inf in float32, and a seen token's logit of exactly 0 times inf is NaN (the
+    # API fuzzer's large run warned of the overflow).
+    logits = _logits(1)
+    logits[0, PROMPT[0]] = 0.0
+    got = adjust(logits, [SamplingParams(repetition_penalty=1e300)], [len(OUTPUT)],
+                 [(PROMPT, OUTPUT)])  # fmt: skip
+    assert not got.isnan().any()
+    assert got[0, PROMPT[0]] == 0.0
+
+
 def test_frequency_and_presence_count_output_tokens_only() -> None:
     logits = _logits(1, seed=1)
     params = SamplingParams(frequency_penalty=0.5, presence_penalty=1.25)
