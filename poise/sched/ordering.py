@@ -230,37 +230,26 @@ def wake_dynamic(
 
 # -- victims: who loses its blocks when a request cannot grow ---------------------------------
 
-# ``candidates``: the running requests not scheduled yet this step, in admission order, with
-# ``current`` (the one that needs blocks) among them; the victim may be ``current`` itself.
 Victim = Callable[[Sequence[Request], Request, PolicyContext], Request]
 
 
 def victim_last_admitted(
     candidates: Sequence[Request], current: Request, _: PolicyContext
 ) -> Request:
-    """The last admitted, which may be ``current``: a request never preempts one admitted
-    before it, so the longest-running request always makes progress. (Choosing among the
-    others only, a ``prefill_first`` prefill, walked before the older decodes, preempted one;
-    its blocks admitted a waiting request, which did the same the next step: three requests
-    preempted each other for ever in tests/unit/test_core_stateful.py's large run.)"""
-    return candidates[-1]
-
-
-def _others_then(candidates: Sequence[Request], current: Request) -> list[Request]:
-    """The other candidates, then ``current``: among equal victims, another goes first."""
-    return [*(r for r in candidates if r is not current), current]
+    """``candidates``: running requests not scheduled yet this step, in admission order."""
+    return candidates[-1] if candidates else current
 
 
 def victim_lowest_priority(
     candidates: Sequence[Request], current: Request, ctx: PolicyContext
 ) -> Request:
-    return max(_others_then(candidates, current), key=lambda r: priority_key(r, ctx))
+    return max([*candidates, current], key=lambda r: priority_key(r, ctx))
 
 
 def victim_cost_aware(
     candidates: Sequence[Request], current: Request, ctx: PolicyContext
 ) -> Request:
-    pool = _others_then(candidates, current)
+    pool = [*candidates, current]
     spared = [r for r in pool if r.num_preemptions < ctx.preemption_thrash_limit]
     pool = spared or pool
 

@@ -14,8 +14,8 @@ One step, as ``schedule`` walks it:
    may use, and at most ``long_prefill_token_threshold`` for a prefill unless the request is
    alone in the engine.
 3. Make room (running candidates, ``_make_room``): when one cannot get a KV block, the policy's
-   victim among the running requests not yet in this step, the request itself included, is
-   preempted (recompute: blocks freed, back to the front of the queue).
+   victim among the running requests not yet in this step is preempted (recompute: blocks
+   freed, back to the front of the queue); if there is none, the request preempts itself.
 4. Admit (waiting candidates, ``_admit``): needs a ``max_num_seqs`` slot (the policy may
    displace a running request for it), token budget, and KV blocks that leave ``safety_margin``
    of the pool free (ignored when nothing runs, so a big prompt cannot block the queue
@@ -245,9 +245,8 @@ class Scheduler:
         had to preempt itself."""
         rid, start = request.request_id, request.num_computed_tokens
         while self.kv.allocate_slots(rid, num_computed_tokens=start, num_new_tokens=n) is None:
-            # Not in this step yet, in admission order (``request`` among them).
-            candidates = [r for r in self.running if not plan.contains(r)]
-            victim = self.policy.victim(candidates, request, ctx)
+            others = [r for r in self.running if r is not request and not plan.contains(r)]
+            victim = self.policy.victim(others, request, ctx)
             self._preempt(victim, plan)
             if victim is request:
                 return False

@@ -284,33 +284,3 @@ def test_long_prefill_cap_without_chunked_prefill_does_not_stall_admission() -> 
     assert not engine.has_unfinished_requests()
     first = executor.steps[0].scheduled
     assert [(s.request_id, s.num_tokens) for s in first] == [("a", 30), ("b", 30)]
-
-
-@pytest.mark.parametrize("policy", ["fifo", "prefill_first", "priority", "slo", "lpm"])
-def test_a_prefill_never_preempts_an_older_request_for_ever(policy: str) -> None:
-    """Seven blocks of 4 hold one of these requests at its end. ``prefill_first`` walks chunked
-    prefills before decodes, and a prefill that could not grow used to preempt the older decode
-    (a recompute one token from done counts as a decode); the freed blocks admitted the next
-    waiting request, and the three preempted each other for ever (found by the large run of
-    tests/unit/test_core_stateful.py). The victim now is the last admitted, the prefill itself
-    included: the oldest running request always progresses."""
-    engine, executor = make_engine(
-        num_kv_blocks=7, max_model_len=64, scheduling_policy=policy, enable_chunked_prefill=True,
-        enable_prefix_caching=False, max_num_seqs=4, max_num_batched_tokens=34,
-        long_prefill_token_threshold=8,
-    )  # fmt: skip
-    for i, (prompt, max_tokens) in enumerate([(5, 15), (9, 10), (12, 8)]):
-        engine.add_request(f"r{i}", [(i * 31 + k) % 997 + 1 for k in range(prompt)],
-                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))  # fmt: skip
-    clock = engine.clock
-    assert isinstance(clock, VirtualClock)
-    for _ in range(200):
-        if not engine.has_unfinished_requests():
-            break
-        engine.step()
-        clock.advance(0.01)
-        engine.kv.check_invariants()
-    assert not engine.has_unfinished_requests(), [
-        o.preempted_request_ids for o in executor.steps[-6:]
-    ]
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
