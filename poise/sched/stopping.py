@@ -23,8 +23,8 @@ def check_stop(request: Request, token: int, max_len: int) -> RequestStatus | No
     if grammar is not None:
         if not grammar.accept_token(token):
             # The mask allowed it: the grammar needs bytes the vocabulary cannot spell, and
-            # llguidance's mask and matcher disagree there (its issue 366); not the input's fault
-            # that can be told before generating (choices are checked: text/grammar.py).
+            # llguidance's mask and matcher disagree there (its issue 366). Choices and the bytes
+            # a grammar forces from its start are checked before generating (text/grammar.py).
             request.error_message = (
                 f"structured output: token {token} broke the grammar (the grammar may need "
                 "bytes no token of this model produces)"
