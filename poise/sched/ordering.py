@@ -230,26 +230,40 @@ def wake_dynamic(
 
 # -- victims: who loses its blocks when a request cannot grow ---------------------------------
 
+# ``candidates``: the running requests in admission order, ``current`` (the one that needs
+# blocks) among them; the victim may be ``current`` itself, or one already in this step.
 Victim = Callable[[Sequence[Request], Request, PolicyContext], Request]
 
 
 def victim_last_admitted(
     candidates: Sequence[Request], current: Request, _: PolicyContext
 ) -> Request:
-    """``candidates``: running requests not scheduled yet this step, in admission order."""
-    return candidates[-1] if candidates else current
+    """The last admitted, which may be ``current``: a request never preempts one admitted
+    before it, so the longest-running request keeps its blocks. (``prefill_first`` walks
+    prefills and admissions before decodes. When a prefill chose among the others not yet in
+    the step, it preempted an older decode, whose blocks admitted a waiting request, and three
+    requests preempted each other for ever; when an older decode could not take the blocks of
+    a request admitted earlier in its step, two recomputes preempted each other for ever. Both
+    found by tests/unit/test_core_stateful.py's large run.)"""
+    return candidates[-1]
+
+
+def _worst(candidates: Sequence[Request], key: Callable[[Request], tuple[float, ...]]) -> Request:
+    """The candidate with the largest ``key``, ties to the last admitted (as above: with the
+    virtual clock's equal arrival times, ties to the first preempted the oldest for ever)."""
+    return max(enumerate(candidates), key=lambda ir: (*key(ir[1]), ir[0]))[1]
 
 
 def victim_lowest_priority(
     candidates: Sequence[Request], current: Request, ctx: PolicyContext
 ) -> Request:
-    return max([*candidates, current], key=lambda r: priority_key(r, ctx))
+    return _worst(candidates, lambda r: priority_key(r, ctx))
 
 
 def victim_cost_aware(
     candidates: Sequence[Request], current: Request, ctx: PolicyContext
 ) -> Request:
-    pool = [*candidates, current]
+    pool = list(candidates)
     spared = [r for r in pool if r.num_preemptions < ctx.preemption_thrash_limit]
     pool = spared or pool
 
@@ -264,7 +278,7 @@ def victim_cost_aware(
             after = math.floor(left / ctx.step_s) if ctx.step_s > 0 else left
         return (priority_key(r, ctx)[0], after, -r.num_computed_tokens)
 
-    return max(pool, key=cost)
+    return _worst(pool, cost)
 
 
 def displace_lower_priority(

@@ -27,6 +27,10 @@ class StepPlan:
     # KV blocks the running prefills still need to finish their prompts (``owed_prompt_blocks``;
     # None: not counted yet this step, or stale after a preemption).
     owed_blocks: int | None = None
+    # A running request lost its blocks for another's growth this step: admission stops, so the
+    # freed blocks go to the running requests (as in vLLM); admitting onto them is what made
+    # requests preempt each other for ever (docs/reliability.md).
+    made_room: bool = False
     _ids: set[str] = field(default_factory=set)
 
     def add(self, request: Request, num_tokens: int, cached_tokens: int = 0) -> None:

@@ -14,8 +14,9 @@ One step, as ``schedule`` walks it:
    may use, and at most ``long_prefill_token_threshold`` for a prefill unless the request is
    alone in the engine.
 3. Make room (running candidates, ``_make_room``): when one cannot get a KV block, the policy's
-   victim among the running requests not yet in this step is preempted (recompute: blocks
-   freed, back to the front of the queue); if there is none, the request preempts itself.
+   victim among all running requests, the request itself included, is preempted (recompute:
+   blocks freed, back to the front of the queue), and no request is admitted for the rest of
+   the step: the freed blocks are for the running ones.
 4. Admit (waiting candidates, ``_admit``): needs a ``max_num_seqs`` slot (the policy may
    displace a running request for it), token budget, and KV blocks that leave ``safety_margin``
    of the pool free (ignored when nothing runs, so a big prompt cannot block the queue
@@ -190,7 +191,7 @@ class Scheduler:
             if request.request_id in was_running:
                 if request.status is RequestStatus.RUNNING:  # not preempted earlier this step
                     self._schedule_running(plan, request, ledger, ctx)
-            elif admitting:
+            elif admitting and not plan.made_room:
                 admitting = self._admit(plan, request, ledger, ctx, now)
         return build_output(plan, self._step_id, now, self.kv)
 
@@ -241,13 +242,13 @@ class Scheduler:
 
     def _make_room(self, request: Request, n: int, plan: StepPlan, ctx: PolicyContext) -> bool:
         """Get KV blocks for a running request's next ``n`` tokens, preempting the policy's
-        victims (running requests not yet in this step) until they fit. False when the request
-        had to preempt itself."""
+        victims among all running requests (itself included; one already in this step gives
+        its tokens back) until they fit. False when the request had to preempt itself."""
         rid, start = request.request_id, request.num_computed_tokens
         while self.kv.allocate_slots(rid, num_computed_tokens=start, num_new_tokens=n) is None:
-            others = [r for r in self.running if r is not request and not plan.contains(r)]
-            victim = self.policy.victim(others, request, ctx)
+            victim = self.policy.victim(self.running, request, ctx)
             self._preempt(victim, plan)
+            plan.made_room = True
             if victim is request:
                 return False
         return True

@@ -284,3 +284,58 @@ def test_long_prefill_cap_without_chunked_prefill_does_not_stall_admission() -> 
     assert not engine.has_unfinished_requests()
     first = executor.steps[0].scheduled
     assert [(s.request_id, s.num_tokens) for s in first] == [("a", 30), ("b", 30)]
+
+
+# Pools that hold one of these requests at its end, not all. Found as livelocks under
+# ``prefill_first`` (which walks prefills and admissions before decodes) by the large run of
+# tests/unit/test_core_stateful.py: (1) a prefill that could not grow preempted the older decode
+# (a recompute one token from its sample), the freed blocks admitted the next waiting request,
+# and three requests preempted each other for ever; (2) an older decode could not take the block
+# of a request admitted earlier in its step and preempted itself, and the two recomputes
+# preempted each other for ever; (3) under ``priority`` equal keys (the virtual clock's equal
+# arrival times) went to the first admitted, and the oldest was preempted for ever. The victim
+# is now the policy's among all running requests (the requester and those already in the step
+# included), ties to the last admitted, and a step that preempted for room admits no one.
+LIVELOCKS = [
+    (7, 34, 8, [(5, 15), (9, 10), (12, 8)]),
+    (8, 43, 4, [(2, 16), (28, 3), (19, 9)]),
+    (5, 22, 4, [(15, 5), (13, 2), (15, 3)]),
+]
+
+
+@pytest.mark.parametrize(
+    "case", LIVELOCKS, ids=["prefill-preempts-decode", "decode-vs-admitted", "equal-keys"]
+)
+@pytest.mark.parametrize("policy", ["fifo", "prefill_first", "priority", "slo", "lpm"])
+def test_requests_never_preempt_each_other_for_ever(
+    policy: str, case: tuple[int, int, int, list[tuple[int, int]]]
+) -> None:
+    blocks, budget, cap, requests = case
+    engine, executor = make_engine(
+        num_kv_blocks=blocks, max_model_len=4 * blocks, scheduling_policy=policy,
+        enable_chunked_prefill=True, enable_prefix_caching=False, max_num_seqs=4,
+        max_num_batched_tokens=budget, long_prefill_token_threshold=cap,
+    )  # fmt: skip
+    for i, (prompt, max_tokens) in enumerate(requests):
+        engine.add_request(f"r{i}", [(i * 31 + k) % 997 + 1 for k in range(prompt)],
+                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))  # fmt: skip
+    clock = engine.clock
+    assert isinstance(clock, VirtualClock)
+    preempting_steps = 0
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        was_running = {r.request_id for r in engine.scheduler.running}
+        engine.step()
+        clock.advance(0.01)
+        engine.kv.check_invariants()
+        out = executor.steps[-1]
+        if out.preempted_request_ids:  # no displacement here: every preemption made room
+            preempting_steps += 1
+            assert {s.request_id for s in out.scheduled} <= was_running, "admitted after preempting"
+    assert not engine.has_unfinished_requests(), [
+        o.preempted_request_ids for o in executor.steps[-6:]
+    ]
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    # The pool is small enough to preempt (``slo`` keeps admitted prompts' blocks free: not always).
+    assert preempting_steps > 0 or policy == "slo"
