@@ -286,16 +286,17 @@ def test_long_prefill_cap_without_chunked_prefill_does_not_stall_admission() -> 
     assert [(s.request_id, s.num_tokens) for s in first] == [("a", 30), ("b", 30)]
 
 
-# Pools that hold one of these requests at its end, not all. Found as livelocks under
+# Pools that hold one of these requests at its end, not all. Livelocks found under
 # ``prefill_first`` (which walks prefills and admissions before decodes) by the large run of
-# tests/unit/test_core_stateful.py: (1) a prefill that could not grow preempted the older decode
-# (a recompute one token from its sample), the freed blocks admitted the next waiting request,
-# and three requests preempted each other for ever; (2) an older decode could not take the block
-# of a request admitted earlier in its step and preempted itself, and the two recomputes
-# preempted each other for ever; (3) under ``priority`` equal keys (the virtual clock's equal
-# arrival times) went to the first admitted, and the oldest was preempted for ever. The victim
-# is now the policy's among all running requests (the requester and those already in the step
-# included), ties to the last admitted, and a step that preempted for room admits no one.
+# tests/unit/test_core_stateful.py, (1) and (2), and by a search of random small pools, (3):
+# (1) a prefill that could not grow preempted the older decode (a recompute one token from its
+# sample), the freed blocks admitted the next waiting request, and three requests preempted
+# each other for ever; (2) an older decode could not take the block of a request admitted
+# earlier in its step and preempted itself, and the two recomputes preempted each other for
+# ever; (3) under ``priority`` equal keys (the virtual clock's equal arrival times) went to the
+# first admitted, and the oldest was preempted for ever. The victim is now the policy's among
+# all running requests (the requester and those already in the step included), ties to the
+# last admitted, and a step that preempted for room admits no one.
 LIVELOCKS = [
     (7, 34, 8, [(5, 15), (9, 10), (12, 8)]),
     (8, 43, 4, [(2, 16), (28, 3), (19, 9)]),
