@@ -126,6 +126,7 @@ class RequestDelta:
     # The stop token id that ended it, if any.
     stop_reason: str | int | None = None
     error_message: str | None = None
+    error_param: str | None = None  # Request.error_param
     # Set on the finishing delta only (num_cached_tokens on token deltas too): what metrics
     # and responses need about the request.
     num_prompt_tokens: int = 0
@@ -152,6 +153,7 @@ def finishing_delta(request: Request, new_token_ids: Sequence[int] = ()) -> Requ
         finish_reason=request.status.finish_reason,
         stop_reason=request.stop_reason,
         error_message=request.error_message,
+        error_param=request.error_param,
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=request.num_cached_tokens,
         num_preemptions=request.num_preemptions,

@@ -95,6 +95,9 @@ class Request:
     stop_reason: str | int | None = None
     # Why a request was rejected or failed, for the client.
     error_message: str | None = None
+    # The request field at fault when a failure is the request's own (the server answers 400
+    # naming it, not 500): a grammar this model's vocabulary cannot complete.
+    error_param: str | None = None
     # Scheduling inputs: lower priority values go first (vLLM); class and targets set on entry.
     priority: int = 0
     slo: SloTargets = field(default_factory=SloTargets)

@@ -136,6 +136,10 @@ class GrammarState(Protocol):
         """The grammar is complete: nothing but the end may follow."""
         ...
 
+    def is_failed(self) -> bool:
+        """The output can go no further in the grammar (found when the mask was computed)."""
+        ...
+
 
 class GrammarCompiler(Protocol):
     def new_state(self, params: StructuredOutputsParams) -> GrammarState:

@@ -11,7 +11,8 @@ the request in the engine (``AsyncEngine.finish``), and a handler that stops ite
 (client gone) aborts it.
 
 Errors: InvalidRequestError (400), OverloadedError (429), EngineDeadError (503) at admission;
-``GenerationFailed`` (500) when the engine fails the request after it started.
+``GenerationFailed`` (500) when the engine fails the request after it started, unless the
+failure names a field of the request (a grammar the vocabulary cannot complete): then a 400.
 """
 
 from __future__ import annotations
@@ -259,6 +260,8 @@ class Generator:
                     done = True
                     if self.engine.error is not None:  # the engine died: 503, as new requests
                         raise EngineDeadError(delta.error_message or self.engine.error)
+                    if delta.error_param is not None:  # the request's own fault (its grammar)
+                        raise InvalidRequestError(delta.error_message or "", delta.error_param)
                     raise GenerationFailed(delta.error_message or "the engine failed")
                 if delta.finish_reason == "abort":  # only a shutdown aborts a request still read
                     done = True

@@ -115,14 +115,14 @@ def _usage_chunk(rid: str, model: str, created: int, chat: bool, usage: UsageInf
 
 
 def _error_event(exc: Exception) -> str:
-    status, kind = 500, "internal_error"
+    status, kind, param = 500, "internal_error", None
     if isinstance(exc, InvalidRequestError):
-        status, kind = 400, "invalid_request_error"
+        status, kind, param = 400, "invalid_request_error", exc.param
     elif isinstance(exc, ShuttingDownError):
         status, kind = 503, "service_unavailable"
     elif isinstance(exc, EngineDeadError):
         status, kind = 503, "engine_dead"
-    body = ErrorResponse(error=ErrorInfo(message=str(exc), type=kind, code=status))
+    body = ErrorResponse(error=ErrorInfo(message=str(exc), type=kind, param=param, code=status))
     return _event(body.model_dump_json())
 
 

@@ -36,11 +36,17 @@ class LLGuidanceGrammar:
         self.matcher = matcher
 
     def accept_token(self, token: int) -> bool:
-        return bool(self.matcher.consume_token(token))
+        return bool(self.matcher.consume_token(token)) and not self.matcher.is_error()
 
     def is_terminated(self) -> bool:
         # llguidance's "stopped": only the end can follow (or the matcher is in error).
         return bool(self.matcher.is_stopped())
+
+    def is_failed(self) -> bool:
+        # After ``[ab]`` in ``(a|b)\x04`` only a byte no SmolLM2 token spells may follow: the
+        # mask's computation puts the matcher in error and offers only the end, which would
+        # otherwise finish the request as a success that breaks the grammar.
+        return bool(self.matcher.is_error())
 
 
 class LLGuidanceCompiler:

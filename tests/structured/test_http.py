@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -111,6 +112,26 @@ def test_invalid_constraints_are_400_naming_the_field(tiny: ServerProcess, body:
     assert isinstance(err, dict) and err.get("param") == param, err
     # The server keeps serving.
     assert _chat(_client(tiny), False, max_tokens=2)[1] is not None
+
+
+def test_a_grammar_the_vocabulary_cannot_complete_is_400(tiny: ServerProcess) -> None:
+    """No token of SmolLM2's vocabulary spells 0x04; here it comes after alternatives, so it
+    is found while generating: a 400 naming the field, or in a stream that had started an
+    error event with code 400 (was a 500, or a "stop" whose text broke the grammar)."""
+    body = {"model": "m", "messages": MSG, "max_tokens": 8, "temperature": 0,
+            "guided_regex": "(a|b)\x04"}  # fmt: skip
+    r = httpx.post(tiny.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "guided_regex" and err["type"] == "invalid_request_error", err
+    assert "no token of this model produces" in err["message"]
+    with httpx.stream("POST", tiny.base_url + "/v1/chat/completions",
+                      json={**body, "stream": True}, timeout=60) as r:  # fmt: skip
+        events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "[DONE]", events
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == 400 and err["param"] == "guided_regex", err
+    assert _chat(_client(tiny), False, max_tokens=2)[1] is not None  # still serving
 
 
 @pytest.fixture(scope="module")

@@ -103,6 +103,24 @@ def test_invalid_specs_are_refused_naming_the_field(llm: LLM, spec: dict, match:
     assert not llm.engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("regex", ["(a|b)\x04", "[ab]c\x04d"])
+def test_a_grammar_the_vocabulary_cannot_complete_ends_in_error(llm: LLM, regex: str) -> None:
+    """The byte SmolLM2 cannot spell comes after alternatives, so it is not refused up front.
+    ``(a|b)\x04``: after the letter the mask offered only the end, which finished as "stop"
+    with text breaking the grammar; ``[ab]c\x04d``: the mask offered "d" and the matcher
+    refused it (llguidance issue 366). Both end in an error naming the field, and the request
+    beside them is served as if alone."""
+    spec = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs={"regex": regex})  # type: ignore[arg-type]
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    alone = llm.generate("b", plain, use_tqdm=False)[0].outputs[0].token_ids
+    bad, ok = llm.generate(["a", "b"], [spec, plain], use_tqdm=False)
+    assert bad.outputs[0].finish_reason == "error", bad.outputs[0]
+    assert "no token of this model produces" in (bad.error_message or "")
+    assert ok.outputs[0].token_ids == alone
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
 def test_compiled_grammars_are_cached_by_spec(llm: LLM) -> None:
     compiler = llm.engine.grammars
     a = StructuredOutputsParams(json=SCHEMAS["person"])
