@@ -15,7 +15,7 @@ def check_stop(request: Request, token: int, max_len: int) -> RequestStatus | No
     params = request.sampling_params
     grammar = request.grammar
     if grammar is not None and grammar.is_failed():  # before the end token it may have offered
-        return _grammar_failed(request, token)
+        return _grammar_failed(request)
     if not params.ignore_eos and token in request.eos_token_ids:
         request.stop_reason = token
         return RequestStatus.FINISHED_STOPPED
@@ -24,7 +24,7 @@ def check_stop(request: Request, token: int, max_len: int) -> RequestStatus | No
         return RequestStatus.FINISHED_STOPPED
     if grammar is not None:
         if not grammar.accept_token(token):
-            return _grammar_failed(request, token)
+            return _grammar_failed(request)
         if grammar.is_terminated():  # complete: end now rather than sample the forced EOS
             return RequestStatus.FINISHED_STOPPED
     if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_len:
@@ -32,15 +32,16 @@ def check_stop(request: Request, token: int, max_len: int) -> RequestStatus | No
     return None
 
 
-def _grammar_failed(request: Request, token: int) -> RequestStatus:
-    """The mask allowed ``token``, or the output reached a dead end: the grammar needs bytes the
+def _grammar_failed(request: Request) -> RequestStatus:
+    """The mask allowed a token the grammar refuses, or offered only the end at a dead end (the
+    sampled token then says nothing, so the message names none): the grammar needs bytes the
     vocabulary cannot spell, and llguidance's mask and matcher disagree there (its issue 366).
     Choices and the bytes a grammar forces from its start are refused before generating
     (text/grammar.py); this is the rest, the request's own fault: a 400 naming the field."""
     spec = request.sampling_params.structured_outputs
     request.error_param = spec.source_field if spec is not None else None
     request.error_message = (
-        f"structured output: the grammar cannot go on after token {token}: it needs bytes no "
-        "token of this model produces"
+        "structured output: the grammar cannot go on from the text generated so far: it needs "
+        "bytes no token of this model produces"
     )
     return RequestStatus.FINISHED_ERROR
