@@ -263,9 +263,8 @@ def victim_lowest_priority(
 def victim_cost_aware(
     candidates: Sequence[Request], current: Request, ctx: PolicyContext
 ) -> Request:
-    pool = list(candidates)
-    spared = [r for r in pool if r.num_preemptions < ctx.preemption_thrash_limit]
-    pool = spared or pool
+    spared = [r for r in candidates if r.num_preemptions < ctx.preemption_thrash_limit]
+    pool = spared or candidates
 
     def cost(r: Request) -> tuple[float, float, int]:
         # Higher is a better victim: lowest priority (largest key), then the most slack it

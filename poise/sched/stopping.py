@@ -1,8 +1,10 @@
 """Token-level stop conditions, checked after each sampled token.
 
-A structured-output request's matcher advances here with each token that is not an end token,
-and a complete grammar stops the request. Stop *strings* need text, so they are checked by the detokenizer, which then finishes the
-request through the engine; only token ids and lengths are decided here.
+A structured-output request's matcher advances here with each token that is not an end token;
+a complete grammar stops the request, and one that cannot go on (a dead end the mask found, or a
+token it refuses) fails it naming the field. Stop *strings* need text, so they are checked by
+the detokenizer, which then finishes the request through the engine; only token ids and lengths
+are decided here.
 """
 
 from __future__ import annotations
