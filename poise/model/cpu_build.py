@@ -1,5 +1,5 @@
 """Build a C++ CPU kernel library once, just in time, and cache it (attention/cpu_kernel.py,
-quant_kernel.py).
+linear_kernel.py, elementwise.py).
 
 Why just in time: the kernels are compiled with ``-march=native`` for the machine they run on
 (AVX-512 where there is AVX-512), which a prebuilt wheel cannot do, and they need only a C++

@@ -21,6 +21,7 @@ from gguf.quants import quantize
 from poise.cli.options import add_engine_args, engine_config_from_args
 from poise.config import EngineConfig
 from poise.model.gguf_dequant import _dequant_torch
+from poise.model.linear_kernel import load_linear_kernel
 from poise.model.llama import Linear
 from poise.model.loader import load_model
 from poise.model.quant import (
@@ -31,10 +32,9 @@ from poise.model.quant import (
     quantize_int4,
     quantize_int8,
 )
-from poise.model.quant_kernel import load_int8_kernel
 from poise.runner.factory import create_model_runner
 from tests.model.harness import PagedHarness
-from tests.model.test_gguf import CHAT_IDS, GREEDY, _greedy
+from tests.model.test_gguf import CHAT_IDS, GREEDY
 
 
 def _layer(cls: type[QuantLinear], w: torch.Tensor, dtype: torch.dtype) -> QuantLinear:
@@ -49,17 +49,22 @@ def _layer(cls: type[QuantLinear], w: torch.Tensor, dtype: torch.dtype) -> Quant
     return layer
 
 
-@pytest.mark.skipif(load_int8_kernel() is None, reason="no AVX512-BF16 or no C++ compiler")
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 6, 7, 13, 32])
-@pytest.mark.parametrize(("n", "k"), [(64, 96), (48, 160), (112, 64)])
+NO_KERNEL = "no AVX512-BF16 / VNNI or no C++ compiler"
+
+
+@pytest.mark.skipif(load_linear_kernel() is None, reason=NO_KERNEL)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 17, 32, 40, 150])
+@pytest.mark.parametrize(("n", "k"), [(64, 96), (48, 160), (112, 64), (96, 576)])
 def test_int8_kernel_matches_torch_kernel(m: int, n: int, k: int) -> None:
-    """Our kernel (bf16, packed weights) against torch's _weight_int8pack_mm on the same int8
-    weights and bf16 scales: row counts through the streamed (<= 4) and buffered paths and
-    every register block height, channel groups of 1-4 vectors (48, 64, 112)."""
+    """Our kernel (bf16 activations as 16-bit integers, packed int8 weights) against torch's
+    _weight_int8pack_mm on the same int8 weights and bf16 scales: row counts through the
+    streamed and tiled paths (every register block height, partial 16-row tiles, more than one
+    128-row chunk), channel groups of 1, 2 and 4 tiles (48, 96, 64 / 112), widths padded to the
+    64-input block (96, 160)."""
     torch.manual_seed(m * 1000 + n + k)
     w = torch.randn(n, k) * torch.linspace(0.01, 1.0, n)[:, None]
     layer = _layer(Int8Linear, w, torch.bfloat16)
-    assert layer.packed
+    assert isinstance(layer, Int8Linear) and layer.kernel is not None
     x = torch.randn(m, k).bfloat16()
     q, scale = quantize_int8(w)
     want = torch.ops.aten._weight_int8pack_mm(x, q, scale.bfloat16())
@@ -70,7 +75,7 @@ def test_int8_kernel_matches_torch_kernel(m: int, n: int, k: int) -> None:
     )
 
 
-@pytest.mark.skipif(load_int8_kernel() is None, reason="no AVX512-BF16 or no C++ compiler")
+@pytest.mark.skipif(load_linear_kernel() is None, reason=NO_KERNEL)
 def test_int8_kernel_any_even_width() -> None:
     """in_features 130: torch's bf16 int8 kernel returns garbage unless in_features % 16 == 0
     (torch 2.13); ours takes any even width."""
@@ -202,16 +207,27 @@ def test_embedded_int4_is_the_gguf_model(smollm2_float: torch.Tensor) -> None:
 def test_embedded_bfloat16_quantized_close_to_float(
     smollm2_float: torch.Tensor, quantization: str
 ) -> None:
-    """Logit closeness to the float32 model and greedy tokens equal to transformers' (float32,
-    same GGUF). Measured (bf16): max |diff| 2.39 (int8) / 1.33 (int4) / 1.56 (unquantized
-    bf16) on logits spread over ~40; 35 / 36 / 36 of 37 argmaxes equal."""
+    """Logit closeness to the float32 model, and transformers' greedy tokens (float32, same
+    GGUF) followed up to bf16 ties. Measured (bf16): max |diff| 2.39 (int8) / 1.33 (int4) /
+    1.56 (unquantized bf16) on logits spread over ~40; 35 / 36 / 36 of 37 argmaxes equal.
+
+    Why ties: the answer's first token is a near tie (504 over 60 by 0.125 in float32 int8,
+    one bf16 step at 25): int4 in bf16 picks 60 with torch's kernel as with ours on an
+    AVX512-AMX CPU, 504 on an AVX512-BF16 AMD one. So along the reference's tokens (teacher
+    forced) each step's argmax is the reference's token or within two bf16 steps of it."""
     cfg = EngineConfig.from_kwargs(num_kv_blocks=32, dtype="bfloat16", quantization=quantization)
     runner, _ = create_model_runner(cfg)
     got = PagedHarness(runner.model, block_size=16, num_blocks=32).step([("a", CHAT_IDS, 0)])["a"]
     assert (got - smollm2_float).abs().max() < 4.0
     agree = (got.argmax(-1) == smollm2_float.argmax(-1)).float().mean().item()
     assert agree >= 0.85
-    assert _greedy(runner.model, len(GREEDY)) == GREEDY
+    forced = PagedHarness(runner.model, block_size=16, num_blocks=32).step(
+        [("a", [*CHAT_IDS, *GREEDY[:-1]], 0)]
+    )["a"][len(CHAT_IDS) - 1 :]
+    chosen = forced.gather(1, torch.tensor(GREEDY)[:, None])[:, 0]
+    gaps = forced.max(dim=1).values - chosen
+    assert (gaps <= 0.25).all(), gaps.tolist()
+    assert (gaps == 0).float().mean().item() >= 0.75  # int4 measured 7 / 8
 
 
 def test_simulate_refuses_quantization_its_cost_model_does_not_price(

@@ -1,0 +1,194 @@
+// Linear layers for CPU: y[M,N] = x[M,K] . W[N,K]^T, x and y bf16. Built by linear_kernel.py;
+// measured by benchmarks/linear_kernels.py (RESULTS.md "Linear kernels").
+//
+// Weights:
+// - bf16, as the checkpoint stores them, for 1-2 rows (cpu_linear_bf16.h; more rows: torch);
+// - int8: q in [-127, 127], w = q * scale[n], with 16-bit integer activations on VNNI / AMX
+//   int8 (cpu_linear_int8.h);
+// - int4: q in [0, 15], w = q * d + m per channel and group of 32 inputs (cpu_linear_int4.h).
+// Quantized weights are packed once at load (linear_kernel.py): output channels in tiles of
+// 16, tiles in groups of T (4, 2 or 1), each group's inputs in order, so that a group is one
+// sequential stream and the groups are split over the threads.
+//
+// Two paths for quantized weights, chosen per call by the caller (from measured crossovers):
+// - streamed (few rows: decode): each weight is read once and used by every row at once in
+//   registers; the read is the cost;
+// - tiled (more rows): AMX tiles, 16-32 rows of x per pass against the group's weights
+//   (int8: tdpbusd on the stored bytes; int4: tdpbf16ps on blocks decoded just before use,
+//   or once per group when several row blocks read them), rows in chunks that stay in L2.
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <vector>
+
+#include "cpu_linear_bf16.h"
+#include "cpu_linear_common.h"
+#include "cpu_linear_int4.h"
+#include "cpu_linear_int8.h"
+
+namespace plk {
+namespace {
+
+template <int T>
+void stream_group(const Problem& p, int64_t g, const float* xsum) {
+  if (p.fmt == kInt8) stream_int8_group<T>(p, g);
+  else stream_int4_group<T>(p, g, xsum);
+}
+
+// Tiled int4: rows [r_begin, r_end) of group g through AMX tdpbf16ps on the decoded weights,
+// 32 rows x 2 tiles per pass.
+void tiled_int4_group(const Problem& p, int64_t g, const uint16_t* x, int64_t r_begin,
+                      int64_t r_end, uint16_t* buf, float* cbuf) {
+  const int T = p.t;
+  const int64_t kp_count = p.k / 2, kb_count = p.k / kGroup;
+  const bool per_block = r_end - r_begin <= 32;
+  alignas(64) uint16_t blocks[2][16 * 32];
+  if (!per_block)
+    for (int t = 0; t < T; ++t)
+      for (int64_t kb = 0; kb < kb_count; ++kb)
+        int4_decode_block(p, g, t, kb, buf + (t * kp_count + kb * 16) * 32);
+  auto b_tile = [&](int t, int64_t kb, int slot) -> const void* {
+    if (per_block) {
+      int4_decode_block(p, g, t, kb, blocks[slot]);
+      return blocks[slot];
+    }
+    return buf + (t * kp_count + kb * 16) * 32;
+  };
+  for (int t0 = 0; t0 < T; t0 += 2) {
+    const bool two = t0 + 1 < T;
+    for (int64_t r0 = r_begin; r0 < r_end; r0 += 32) {
+      const bool rows2 = r0 + 16 < r_end;
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t kb = 0; kb < kb_count; ++kb) {
+        const uint16_t* a = x + r0 * p.k + kb * kGroup;
+        _tile_loadd(4, a, p.k * 2);
+        _tile_loadd(6, b_tile(t0, kb, 0), 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two) {
+          _tile_loadd(7, b_tile(t0 + 1, kb, 1), 64);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (rows2) {
+          _tile_loadd(5, a + 16 * p.k, p.k * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          if (two) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      // cbuf: [32 rows][32 channels] float32.
+      _tile_stored(0, cbuf, 128);
+      if (two) _tile_stored(1, cbuf + 16, 128);
+      if (rows2) {
+        _tile_stored(2, cbuf + 16 * 32, 128);
+        if (two) _tile_stored(3, cbuf + 16 * 32 + 16, 128);
+      }
+      for (int tt = 0; tt < (two ? 2 : 1); ++tt) {
+        const int64_t c0 = (g * T + t0 + tt) * kTile;
+        for (int64_t r = r0; r < r0 + 32 && r < p.m; ++r)
+          store_row(p.y + r * p.n + c0, _mm512_loadu_ps(cbuf + (r - r0) * 32 + tt * 16));
+      }
+    }
+  }
+}
+
+constexpr int64_t kRowChunk = 128;
+
+bool request_amx() {
+  constexpr long kReqPerm = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  return syscall(SYS_arch_prctl, kReqPerm, kTileData) == 0;
+}
+
+bool shape_fits(int64_t k, int64_t n, int fmt, int t, bool tiled) {
+  if ((t != 1 && t != 2 && t != 4) || n % (kTile * t)) return false;
+  if (fmt == kInt8) return k % (tiled ? kQuadBlock : 4) == 0 && k <= kInt8MaxK;
+  return fmt == kInt4 && k % kGroup == 0;
+}
+
+}  // namespace
+}  // namespace plk
+
+using namespace plk;
+
+// y = x . W^T for bf16 W [n, k] as stored (cpu_linear_bf16.h), k % 32 == 0.
+extern "C" int poise_linear_bf16_rows(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w,
+                                      int64_t n, uint16_t* y, int threads) {
+  if (k % 32) return 1;
+  const int64_t blocks = (n + 7) / 8;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t b = 0; b < blocks; ++b) dot_bf16_block(x, m, k, w, n, b * 8, y);
+  return 0;
+}
+
+// Asks the OS for the AMX tile state once per process; 1 when the tiled path may run.
+extern "C" int poise_linear_init() {
+  static const bool ok = request_amx();
+  return ok ? 1 : 0;
+}
+
+// y = x . W^T for packed W. tiled: 1 for the AMX path (after poise_linear_init()), 0 for the
+// streamed one. Returns nonzero, writing nothing, when the shape does not fit the packing.
+extern "C" int poise_linear(const uint16_t* x, int64_t m, int64_t k, const void* w, int fmt,
+                            int t, const float* scale, const float* minv, const float* shift,
+                            const int32_t* rowsum, int64_t n, uint16_t* y, int tiled,
+                            int threads) {
+  if (!shape_fits(k, n, fmt, t, tiled)) return 1;
+  Problem p{x, m, k, n, static_cast<const uint8_t*>(w), fmt, t, scale, minv, shift, rowsum, y,
+            nullptr, nullptr, nullptr};
+  const int64_t groups = n / (kTile * t);
+  // Rows past m (A tiles read 16 at a time) come from zero-padded copies.
+  const int64_t m_pad = tiled ? (m + 15) / 16 * 16 : m;
+  static thread_local std::vector<uint8_t> lo, hi;
+  static thread_local std::vector<float> xscale, xsum;
+  if (fmt == kInt8) {
+    lo.resize(m_pad * k);
+    hi.resize(m_pad * k);
+    xscale.resize(m_pad);
+    int8_activations(x, m, m_pad, k, lo.data(), hi.data(), xscale.data());
+    p.xlo = lo.data();
+    p.xhi = hi.data();
+    p.xscale = xscale.data();
+  }
+  if (!tiled) {
+    if (fmt == kInt4) {
+      xsum.resize(m * (k / kGroup));
+      int4_sums(x, m, k, xsum.data());
+    }
+    const float* sums = xsum.data();
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t g = 0; g < groups; ++g) {
+      switch (t) {
+        case 1: stream_group<1>(p, g, sums); break;
+        case 2: stream_group<2>(p, g, sums); break;
+        default: stream_group<4>(p, g, sums); break;
+      }
+    }
+    return 0;
+  }
+  std::vector<uint16_t> padded;
+  const uint16_t* xs = x;
+  if (fmt == kInt4 && m_pad != m) {
+    padded.assign(m_pad * k, 0);
+    std::memcpy(padded.data(), x, m * k * 2);
+    xs = padded.data();
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    configure_tiles();
+    // int4 weights of one group decoded once, when more than one row block reads them.
+    static thread_local std::vector<uint16_t> buf;
+    if (fmt == kInt4 && m_pad > 32 && buf.size() < size_t(t * (k / 2) * 32))
+      buf.resize(t * (k / 2) * 32);
+    alignas(64) float cbuf[32 * 32];
+    // Rows in chunks that stay in L2 while every group's weights pass by (one read of the
+    // weights per chunk): 1.5x faster than all rows per group at 2,048 rows.
+    for (int64_t c0 = 0; c0 < m_pad; c0 += kRowChunk) {
+      const int64_t c1 = c0 + kRowChunk < m_pad ? c0 + kRowChunk : m_pad;
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < groups; ++g) {
+        if (fmt == kInt8) tiled_int8_group(p, g, c0, c1, reinterpret_cast<int32_t*>(cbuf));
+        else tiled_int4_group(p, g, xs, c0, c1, buf.data(), cbuf);
+      }
+    }
+    _tile_release();
+  }
+  return 0;
+}

@@ -1,0 +1,215 @@
+"""The C++ linear-layer kernels (cpu_linear.cpp): build, load, pack, and pick a path per call.
+
+- ``bf16_linear``: bf16 weights as stored, for 1-2 rows of x (decode at low concurrency),
+  where torch's GEMM reads the weights at 2/3 of the rate ours does; more rows go to torch
+  (oneDNN's AMX GEMM), so the weights are held once, in torch's layout.
+- ``PackedWeight``: int8 or int4 weights packed once at load; the streamed path (weights read
+  once and used by every row in registers) or the AMX-tiled one is chosen by the number of
+  rows, from the crossovers measured by ``benchmarks/linear_kernels.py`` (``TILED_FROM_ROWS``).
+
+All need AVX512-BF16 (int8 also AVX512-VNNI; the tiled path AMX, asked of the OS once); without
+them, or without a compiler (or with ``POISE_DISABLE_CPU_KERNEL``), the layers keep torch's
+kernels (quant.py, llama.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from poise.model.cpu_build import build_library
+
+logger = logging.getLogger(__name__)
+
+_DIR = Path(__file__).parent
+SOURCE = _DIR / "cpu_linear.cpp"
+HEADERS = [_DIR / f"cpu_linear_{part}.h" for part in ("common", "bf16", "int8", "int4")]
+_FALLBACK = "linear layers use torch's kernels"
+TILE = 16  # output channels per vector
+GROUP = 32  # int4 inputs per scale group (and the bf16 AMX K block)
+FORMATS = {"int8": 1, "int4": 2}
+INT8_MAX_IN = 16384  # the int32 sums' bound (cpu_linear_int8.h)
+INT8_BLOCK = 64  # int8 inputs per AMX K block
+# Rows from which the AMX-tiled path beats the streamed one (benchmarks/linear_kernels.py,
+# SmolLM2-1.7B's layers, RESULTS.md "Linear kernels").
+TILED_FROM_ROWS = {"int8": 4, "int4": 6}
+# bf16: our dot-product kernel up to this many rows, torch's GEMM from the next.
+BF16_ROWS = 2
+
+
+def _cpu_flags() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+@functools.cache
+def load_linear_kernel() -> Any:
+    """The loaded library, building it on first use; None where it cannot run."""
+    import torch  # noqa: F401  (first: the library must bind to torch's libgomp)
+
+    flags = _cpu_flags()
+    if "avx512_bf16" not in flags or "avx512_vnni" not in flags:
+        logger.info("no AVX512-BF16 / VNNI: %s", _FALLBACK)
+        return None
+    target = build_library("cpu_linear", [SOURCE], HEADERS, _FALLBACK)
+    if target is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:
+        logger.warning("linear kernel unavailable (%s): %s", exc, _FALLBACK)
+        return None
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.poise_linear.argtypes = [
+        ptr, i64, i64,  # x [m, k] bf16, m, k
+        ptr, c_int, c_int,  # packed weight, format, tiles per group
+        ptr, ptr, ptr,  # scale (int8 [n]; int4 d), int4 m, int4 m - 128 d
+        ptr,  # int8: sum of q per channel [n] int32
+        i64, ptr, c_int, c_int,  # n, y [m, n] bf16, tiled, threads
+    ]  # fmt: skip
+    lib.poise_linear_bf16_rows.argtypes = [ptr, i64, i64, ptr, i64, ptr, c_int]
+    for fn in (lib.poise_linear, lib.poise_linear_bf16_rows, lib.poise_linear_init):
+        fn.restype = c_int
+    return lib
+
+
+@functools.cache
+def amx_available() -> bool:
+    """AMX tiles usable by this process (the CPU has them and the OS granted the state)."""
+    lib = load_linear_kernel()
+    return lib is not None and "amx_bf16" in _cpu_flags() and bool(lib.poise_linear_init())
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias) in bf16 on CPU: our kernel for up to BF16_ROWS rows
+    (and K % 32 == 0), torch's GEMM otherwise."""
+    lib = load_linear_kernel()
+    m, k = x.shape
+    if m > BF16_ROWS or lib is None or k % GROUP or not weight.is_contiguous():
+        return F.linear(x, weight, bias)
+    x = x.contiguous()
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    lib.poise_linear_bf16_rows(
+        x.data_ptr(), m, k, weight.data_ptr(), n, y.data_ptr(), torch.get_num_threads()
+    )
+    return y if bias is None else y + bias
+
+
+def tiles_per_group(out_features: int) -> int | None:
+    """The widest group of 16-channel tiles that divides the layer; None when 16 does not."""
+    for t in (4, 2, 1):
+        if out_features % (TILE * t) == 0:
+            return t
+    return None
+
+
+def fits(fmt: str, out_features: int, in_features: int) -> bool:
+    """The kernel can run this layer on both paths (the tiled one's K blocks are the widest)."""
+    if load_linear_kernel() is None or tiles_per_group(out_features) is None:
+        return False
+    if fmt == "int8":  # any width: padded to the K block (pack_int8)
+        return in_features <= INT8_MAX_IN
+    return in_features % GROUP == 0
+
+
+def _groups(w: torch.Tensor, t: int, inner: int) -> torch.Tensor:
+    """[N, K] -> [N / 16t, K / inner, t, 16, inner]: the kernel's channel groups, each as runs
+    of ``inner`` consecutive inputs (quads for int8, pairs for int4)."""
+    n, k = w.shape
+    w = w.reshape(n // (TILE * t), t, TILE, k // inner, inner)
+    return w.permute(0, 3, 1, 2, 4).contiguous()
+
+
+def _int4_words(q: torch.Tensor, t: int) -> torch.Tensor:
+    """uint8 q in [0, 15] [N, K] -> int32 words [N / 16t, K / 8, t, 16]: for input pairs
+    4j..4j+3, pair s's first input at bit 4s of the word, its second at bit 16 + 4s."""
+    g = _groups(q.to(torch.int32), t, inner=2)  # [G, K/2, t, 16, 2]
+    groups, kp = g.shape[:2]
+    g = g.reshape(groups, kp // 4, 4, t, TILE, 2)  # dim 2: the pair s within its word
+    shifts = (4 * torch.arange(4, dtype=torch.int32)).view(1, 1, 4, 1, 1)
+    words = (g[..., 0] << shifts) | (g[..., 1] << (shifts + 16))
+    return words.sum(dim=2, dtype=torch.int32).contiguous()
+
+
+def _group_scales(s: torch.Tensor) -> torch.Tensor:
+    """int4 per-group values [N, K / 32] -> float32 [N / 16, K / 32, 16]."""
+    n, g = s.shape
+    return s.float().reshape(n // TILE, TILE, g).transpose(1, 2).contiguous()
+
+
+@dataclass
+class PackedWeight:
+    """One quantized weight matrix in the kernel's layout, with what its format needs."""
+
+    fmt: str
+    packed: torch.Tensor
+    tiles: int
+    out_features: int
+    in_features: int  # the kernel's: int8 pads the layer's to INT8_BLOCK
+    scale: torch.Tensor  # int8: [N] float32; int4: d [N/16, G, 16]
+    minv: torch.Tensor | None = None  # int4: m
+    shift: torch.Tensor | None = None  # int4: m - 128 d
+    rowsum: torch.Tensor | None = None  # int8: sum of q per output channel, int32
+
+    def tiled(self, rows: int) -> bool:
+        return rows >= TILED_FROM_ROWS[self.fmt] and amx_available()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] bf16 -> y [M, N] bf16."""
+        lib = load_linear_kernel()
+        m, width = x.shape
+        x = x.contiguous() if width == self.in_features else F.pad(x, (0, self.in_features - width))
+        y = torch.empty(m, self.out_features, dtype=torch.bfloat16)
+        extras = (self.scale, self.minv, self.shift, self.rowsum)
+        rc = lib.poise_linear(
+            x.data_ptr(), m, self.in_features, self.packed.data_ptr(), FORMATS[self.fmt],
+            self.tiles, *(t.data_ptr() if t is not None else None for t in extras),
+            self.out_features, y.data_ptr(), int(self.tiled(m)), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(
+                f"linear kernel: [{m}, {self.in_features}] x [{self.out_features}, "
+                f"{self.in_features}] in {self.fmt} does not fit its packing"
+            )
+        return y
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> PackedWeight:
+    """q int8 [N, K], scale [N]: w = q * scale; K padded with zero weights to INT8_BLOCK."""
+    n, width = q.shape
+    t = tiles_per_group(n)
+    assert t is not None
+    k = -(-width // INT8_BLOCK) * INT8_BLOCK
+    q = F.pad(q, (0, k - width))
+    rowsum = q.to(torch.int32).sum(dim=1, dtype=torch.int32)
+    return PackedWeight(
+        "int8", _groups(q, t, inner=4), t, n, k, scale=scale.float().contiguous(), rowsum=rowsum
+    )
+
+
+def pack_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> PackedWeight:
+    """q [N, K] in [0, 15], d and m [N, K / 32]: w = q * d + m."""
+    n, k = q.shape
+    t = tiles_per_group(n)
+    assert t is not None
+    d32, m32 = d.float(), m.float()
+    return PackedWeight(
+        "int4", _int4_words(q, t), t, n, k, scale=_group_scales(d32), minv=_group_scales(m32),
+        shift=_group_scales(m32 - 128.0 * d32),
+    )  # fmt: skip
+
+
+if __name__ == "__main__":  # `python -m poise.model.linear_kernel`: build ahead of time
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ready = load_linear_kernel() is not None
+    print(f"linear kernel {'ready' if ready else 'not built'}, AMX {amx_available()}")
