@@ -16,6 +16,8 @@
 // - tiled (more rows): AMX tiles, 16-32 rows of x per pass against the group's weights
 //   (int8: tdpbusd on the stored bytes; int4: tdpbf16ps on blocks decoded just before use,
 //   or once per group when several row blocks read them), rows in chunks that stay in L2.
+// Groups go to the threads dynamically: on a shared CPU (the server's event loop, another
+// process) a static split waits for the thread whose core is taken.
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -113,7 +115,7 @@ extern "C" int poise_linear_bf16_rows(const uint16_t* x, int64_t m, int64_t k, c
                                       int64_t n, uint16_t* y, int threads) {
   if (k % 32) return 1;
   const int64_t blocks = (n + 7) / 8;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
   for (int64_t b = 0; b < blocks; ++b) dot_bf16_block(x, m, k, w, n, b * 8, y);
   return 0;
 }
@@ -127,11 +129,11 @@ extern "C" int poise_linear_init() {
 // y = x . W^T for packed W. tiled: 1 for the AMX path (after poise_linear_init()), 0 for the
 // streamed one. Returns nonzero, writing nothing, when the shape does not fit the packing.
 extern "C" int poise_linear(const uint16_t* x, int64_t m, int64_t k, const void* w, int fmt,
-                            int t, const float* scale, const float* minv, const float* shift,
+                            int t, const float* scale, const uint16_t* dm,
                             const int32_t* rowsum, int64_t n, uint16_t* y, int tiled,
                             int threads) {
   if (!shape_fits(k, n, fmt, t, tiled)) return 1;
-  Problem p{x, m, k, n, static_cast<const uint8_t*>(w), fmt, t, scale, minv, shift, rowsum, y,
+  Problem p{x, m, k, n, static_cast<const uint8_t*>(w), fmt, t, scale, dm, rowsum, y,
             nullptr, nullptr, nullptr};
   const int64_t groups = n / (kTile * t);
   // Rows past m (A tiles read 16 at a time) come from zero-padded copies.
@@ -153,7 +155,7 @@ extern "C" int poise_linear(const uint16_t* x, int64_t m, int64_t k, const void*
       int4_sums(x, m, k, xsum.data());
     }
     const float* sums = xsum.data();
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
     for (int64_t g = 0; g < groups; ++g) {
       switch (t) {
         case 1: stream_group<1>(p, g, sums); break;
@@ -182,7 +184,7 @@ extern "C" int poise_linear(const uint16_t* x, int64_t m, int64_t k, const void*
     // weights per chunk): 1.5x faster than all rows per group at 2,048 rows.
     for (int64_t c0 = 0; c0 < m_pad; c0 += kRowChunk) {
       const int64_t c1 = c0 + kRowChunk < m_pad ? c0 + kRowChunk : m_pad;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic)
       for (int64_t g = 0; g < groups; ++g) {
         if (fmt == kInt8) tiled_int8_group(p, g, c0, c1, reinterpret_cast<int32_t*>(cbuf));
         else tiled_int4_group(p, g, xs, c0, c1, buf.data(), cbuf);

@@ -23,9 +23,8 @@ struct Problem {
   int64_t m, k, n;
   const uint8_t* w;    // packed (cpu_linear.cpp's header comment)
   int fmt, t;          // format, tiles per group
-  const float* scale;  // int8: [n]; int4: d as [n / 16][k / 32][16]
-  const float* minv;   // int4: m, same layout
-  const float* shift;  // int4: m - 128 d, same layout
+  const float* scale;   // int8: [n]
+  const uint16_t* dm;   // int4: d and m in bf16, [n / 16][k / 32][2][16]
   const int32_t* rowsum;  // int8: sum of q over each output channel [n]
   uint16_t* y;            // [m, n] bf16
   // int8 activations, made per call: x = xscale[r] * (256 * (hi - 128) + lo), [m_pad, k] u8.
@@ -46,6 +45,12 @@ inline __m512i bcast_quad(const uint8_t* x) {
   int32_t v;
   std::memcpy(&v, x, 4);
   return _mm512_set1_epi32(v);
+}
+
+// d and m of one tile and int4 group as float32 (dm: [2][16] bf16).
+inline void load_dm(const uint16_t* dm, __m512* d, __m512* m) {
+  *d = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm)));
+  *m = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + 16)));
 }
 
 inline void store_row(uint16_t* y, __m512 v) {

@@ -4,6 +4,7 @@
 // nibble at bit 4s is pair s's first input, at bit 16 + 4s its second, so a shift and a mask
 // give one pair's 16 channels x 2 inputs as 16-bit integers.
 //
+// d and m are bf16 (as GGUF's Q4_1 keeps them in fp16): 4 bytes per 32 weights, not 8.
 // Streamed: a 4-bit q becomes the bf16 number 128 + q by OR-ing 0x4300 into it (exact: bf16
 // counts in steps of 1 from 128 to 256), so per group of 32 inputs
 //   sum_k x_k w_k = d * sum_k x_k (128 + q_k) + (m - 128 d) * sum_k x_k,
@@ -75,8 +76,9 @@ void stream_int4(const Problem& p, int64_t g, int64_t r0, const float* xsum) {
     }
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t) {
-      const int64_t at = ((g * T + t) * groups + gi) * kTile;
-      __m512 d = _mm512_loadu_ps(p.scale + at), c = _mm512_loadu_ps(p.shift + at);
+      __m512 d, m;
+      load_dm(p.dm + ((g * T + t) * groups + gi) * 2 * kTile, &d, &m);
+      const __m512 c = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.0f), m);  // m - 128 d
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         acc[r][t] = _mm512_fmadd_ps(part[r][t], d, acc[r][t]);
@@ -108,10 +110,11 @@ void stream_int4_group(const Problem& p, int64_t g, const float* xsum) {
 // 16 rows of 64 bytes, one AMX B tile. Lanes 2j and 2j + 1 are channel j, so the scales are
 // spread the same way for the low and the high 16 lanes.
 inline void int4_decode_block(const Problem& p, int64_t g, int t, int64_t kb, uint16_t* dst) {
-  const int64_t T = p.t, groups = p.k / kGroup, at = ((g * T + t) * groups + kb) * kTile;
+  const int64_t T = p.t, groups = p.k / kGroup;
   const __m512i spread_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i spread_hi = _mm512_add_epi32(spread_lo, _mm512_set1_epi32(8));
-  const __m512 d = _mm512_loadu_ps(p.scale + at), m = _mm512_loadu_ps(p.minv + at);
+  __m512 d, m;
+  load_dm(p.dm + ((g * T + t) * groups + kb) * 2 * kTile, &d, &m);
   const __m512 dlo = _mm512_permutexvar_ps(spread_lo, d), dhi = _mm512_permutexvar_ps(spread_hi, d);
   const __m512 mlo = _mm512_permutexvar_ps(spread_lo, m), mhi = _mm512_permutexvar_ps(spread_hi, m);
   const uint8_t* w = p.w + (g * (p.k / 8) + kb * 4) * T * 64 + t * 64;

@@ -72,7 +72,7 @@ def load_linear_kernel() -> Any:
     lib.poise_linear.argtypes = [
         ptr, i64, i64,  # x [m, k] bf16, m, k
         ptr, c_int, c_int,  # packed weight, format, tiles per group
-        ptr, ptr, ptr,  # scale (int8 [n]; int4 d), int4 m, int4 m - 128 d
+        ptr, ptr,  # int8: scale [n] float32; int4: d and m [n / 16, k / 32, 2, 16] bf16
         ptr,  # int8: sum of q per channel [n] int32
         i64, ptr, c_int, c_int,  # n, y [m, n] bf16, tiled, threads
     ]  # fmt: skip
@@ -141,10 +141,12 @@ def _int4_words(q: torch.Tensor, t: int) -> torch.Tensor:
     return words.sum(dim=2, dtype=torch.int32).contiguous()
 
 
-def _group_scales(s: torch.Tensor) -> torch.Tensor:
-    """int4 per-group values [N, K / 32] -> float32 [N / 16, K / 32, 16]."""
-    n, g = s.shape
-    return s.float().reshape(n // TILE, TILE, g).transpose(1, 2).contiguous()
+def _group_scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """int4 d and m [N, K / 32] -> bf16 [N / 16, K / 32, 2, 16]: per tile and group, 16 d
+    then 16 m."""
+    n, g = d.shape
+    dm = torch.stack((d, m), dim=-1).bfloat16()  # [N, G, 2]
+    return dm.reshape(n // TILE, TILE, g, 2).permute(0, 2, 3, 1).contiguous()
 
 
 @dataclass
@@ -156,9 +158,8 @@ class PackedWeight:
     tiles: int
     out_features: int
     in_features: int  # the kernel's: int8 pads the layer's to INT8_BLOCK
-    scale: torch.Tensor  # int8: [N] float32; int4: d [N/16, G, 16]
-    minv: torch.Tensor | None = None  # int4: m
-    shift: torch.Tensor | None = None  # int4: m - 128 d
+    scale: torch.Tensor | None = None  # int8: [N] float32
+    dm: torch.Tensor | None = None  # int4: d and m, bf16 [N/16, G, 2, 16]
     rowsum: torch.Tensor | None = None  # int8: sum of q per output channel, int32
 
     def tiled(self, rows: int) -> bool:
@@ -170,7 +171,7 @@ class PackedWeight:
         m, width = x.shape
         x = x.contiguous() if width == self.in_features else F.pad(x, (0, self.in_features - width))
         y = torch.empty(m, self.out_features, dtype=torch.bfloat16)
-        extras = (self.scale, self.minv, self.shift, self.rowsum)
+        extras = (self.scale, self.dm, self.rowsum)
         rc = lib.poise_linear(
             x.data_ptr(), m, self.in_features, self.packed.data_ptr(), FORMATS[self.fmt],
             self.tiles, *(t.data_ptr() if t is not None else None for t in extras),
@@ -202,11 +203,7 @@ def pack_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> PackedWeight
     n, k = q.shape
     t = tiles_per_group(n)
     assert t is not None
-    d32, m32 = d.float(), m.float()
-    return PackedWeight(
-        "int4", _int4_words(q, t), t, n, k, scale=_group_scales(d32), minv=_group_scales(m32),
-        shift=_group_scales(m32 - 128.0 * d32),
-    )  # fmt: skip
+    return PackedWeight("int4", _int4_words(q, t), t, n, k, dm=_group_scales(d, m))
 
 
 if __name__ == "__main__":  # `python -m poise.model.linear_kernel`: build ahead of time

@@ -19,8 +19,8 @@ cpu_linear.cpp: weights read once at decode, AMX tiles for more rows). Elsewhere
 ``_weight_int8pack_mm`` (scales in the model dtype), ``_weight_int4pack_mm_for_cpu`` (its
 zero = m + 8 d; the nibbles packed in tiles of 16 rows).
 
-Embeddings stay in the model dtype. int8 also quantizes the lm_head (a tied one gets an int8
-copy of the embedding: llama.py); int4 keeps it in dtype.
+Embeddings stay in the model dtype. Both quantize the lm_head to int8 (a tied one gets an
+int8 copy of the embedding: llama.py); int4 keeps it at 8 bits, as GGUF's Q4 models do.
 """
 
 from __future__ import annotations

@@ -169,10 +169,10 @@ def test_tiny_quantized_equals_float_model_on_dequantized_weights(
     for module in ref.model.layers.modules():
         if isinstance(module, Linear):
             module.weight.copy_(_dequantized(module.weight, quantization))
-    if quantization == "int8":  # the lm_head too (tied: an int8 copy of the embedding)
-        head = ref.lm_head.weight if ref.lm_head is not None else ref.model.embed_tokens.weight
-        ref.lm_head = Linear(head.shape[1], head.shape[0], bias=False)
-        ref.lm_head.weight = torch.nn.Parameter(_dequantized(head, "int8"), requires_grad=False)
+    # Both run the lm_head in int8 (tied: an int8 copy of the embedding).
+    head = ref.lm_head.weight if ref.lm_head is not None else ref.model.embed_tokens.weight
+    ref.lm_head = Linear(head.shape[1], head.shape[0], bias=False)
+    ref.lm_head.weight = torch.nn.Parameter(_dequantized(head, "int8"), requires_grad=False)
     quant = load_model(path, torch.float32, torch.device("cpu"), quantization=quantization).model
     logits = []
     for model in (ref, quant):
@@ -192,15 +192,23 @@ def smollm2_float() -> Any:
     return PagedHarness(runner.model, block_size=16, num_blocks=32).step([("a", CHAT_IDS, 0)])["a"]
 
 
-def test_embedded_int4_is_the_gguf_model(smollm2_float: torch.Tensor) -> None:
+def test_embedded_int4_is_the_gguf_model() -> None:
     """The embedded GGUF is Q4_1: in float32, int4 runs its very weights, so the logits are the
-    dequantized model's. (float32 is for this check: torch's int4/int8 CPU kernels are fast in
-    bfloat16 only.)"""
+    dequantized model's with the lm_head in int8 (int4 keeps the head at 8 bits). (float32 is
+    for this check: the int4/int8 CPU kernels are fast in bfloat16 only.)"""
+    runner, _ = create_model_runner(EngineConfig.from_kwargs(num_kv_blocks=32, dtype="float32"))
+    ref = runner.model
+    head = ref.model.embed_tokens.weight
+    ref.lm_head = Linear(head.shape[1], head.shape[0], bias=False)
+    ref.lm_head.weight = torch.nn.Parameter(_dequantized(head, "int8"), requires_grad=False)
     cfg = EngineConfig.from_kwargs(num_kv_blocks=32, dtype="float32", quantization="int4")
-    runner, _ = create_model_runner(cfg)
+    quant, _ = create_model_runner(cfg)
     # The first 8 prompt tokens only (causal: their logits are the full prompt's first 8 rows).
-    got = PagedHarness(runner.model, block_size=16, num_blocks=32).step([("a", CHAT_IDS[:8], 0)])
-    torch.testing.assert_close(got["a"], smollm2_float[:8], atol=1e-3, rtol=0)
+    got, want = (
+        PagedHarness(model, block_size=16, num_blocks=32).step([("a", CHAT_IDS[:8], 0)])["a"]
+        for model in (quant.model, ref)
+    )
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
