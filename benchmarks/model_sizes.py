@@ -103,7 +103,7 @@ def main() -> None:
     config = json.loads(args.config.read_text())
     floor = args.floor_gbs
     if floor is None:
-        from floor import read_bandwidth  # benchmarks/floor.py, beside this script
+        from hardware import read_bandwidth  # benchmarks/hardware.py, beside this script
 
         floor = read_bandwidth() / 1e9
     model = dummy_dir(args.config)

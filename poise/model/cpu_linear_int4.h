@@ -131,4 +131,62 @@ inline void int4_decode_block(const Problem& p, int64_t g, int t, int64_t kb, ui
   }
 }
 
+// Tiled, few rows (one 16-row block): per group of 32 inputs one AMX product per tile on the
+// weights as bf16 128 + q (two vector ops per input pair instead of nine for w = q * d + m),
+// scaled per channel into float32 accumulators, acc += d * C + (m - 128 d) * sum(x). Cheaper
+// than decoding while each decoded block would serve one row block; the next group's blocks
+// are decoded while the AMX unit works on this one's (a tile load right after the stores
+// that wrote its data waits for them).
+inline void tiled_int4_rows16(const Problem& p, int64_t g, const uint16_t* x, int64_t r0,
+                              const float* xsum, float* cbuf, float* acc) {
+  const int T = p.t;
+  const int64_t groups = p.k / kGroup, width = T * kTile;
+  const uint8_t* w = p.w + g * (p.k / 8) * T * 64;
+  const __m512i magic = _mm512_set1_epi32(0x43004300), mask = _mm512_set1_epi32(0x000F000F);
+  alignas(64) uint16_t blocks[2][4][16 * 32];
+  auto decode = [&](int64_t gi, uint16_t (*dst)[16 * 32]) {
+    for (int t = 0; t < T; ++t)
+      for (int j = 0; j < 4; ++j) {
+        const __m512i words = _mm512_loadu_si512(w + ((gi * 4 + j) * T + t) * 64);
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; ++s)
+          _mm512_storeu_si512(dst[t] + (j * 4 + s) * 32,
+                              _mm512_ternarylogic_epi32(_mm512_srli_epi32(words, 4 * s), mask,
+                                                        magic, 0xEA));
+      }
+  };
+  std::memset(acc, 0, 16 * width * sizeof(float));
+  const int64_t rows = p.m - r0 < 16 ? p.m - r0 : 16;
+  decode(0, blocks[0]);
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    // Tile numbers are immediates: one line per tile (T <= 4).
+    _tile_loadd(4, x + r0 * p.k + gi * kGroup, p.k * 2);
+    uint16_t (*b)[16 * 32] = blocks[gi & 1];
+    _tile_zero(0); _tile_loadd(6, b[0], 64); _tile_dpbf16ps(0, 4, 6);
+    if (T > 1) { _tile_zero(1); _tile_loadd(7, b[1], 64); _tile_dpbf16ps(1, 4, 7); }
+    if (T > 2) { _tile_zero(2); _tile_loadd(6, b[2], 64); _tile_dpbf16ps(2, 4, 6); }
+    if (T > 3) { _tile_zero(3); _tile_loadd(7, b[3], 64); _tile_dpbf16ps(3, 4, 7); }
+    if (gi + 1 < groups) decode(gi + 1, blocks[(gi + 1) & 1]);
+    _tile_stored(0, cbuf, width * 4);
+    if (T > 1) _tile_stored(1, cbuf + kTile, width * 4);
+    if (T > 2) _tile_stored(2, cbuf + 2 * kTile, width * 4);
+    if (T > 3) _tile_stored(3, cbuf + 3 * kTile, width * 4);
+    for (int t = 0; t < T; ++t) {
+      __m512 d, m;
+      load_dm(p.dm + ((g * T + t) * groups + gi) * 2 * kTile, &d, &m);
+      const __m512 c = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.0f), m);  // m - 128 d
+      for (int64_t r = 0; r < rows; ++r) {
+        float* a = acc + r * width + t * kTile;
+        __m512 v = _mm512_fmadd_ps(c, _mm512_set1_ps(xsum[(r0 + r) * groups + gi]),
+                                   _mm512_loadu_ps(a));
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(cbuf + r * width + t * kTile), d, v));
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int t = 0; t < T; ++t)
+      store_row(p.y + (r0 + r) * p.n + (g * T + t) * kTile,
+                _mm512_loadu_ps(acc + r * width + t * kTile));
+}
+
 }  // namespace plk

@@ -39,7 +39,7 @@ INT8_MAX_IN = 16384  # the int32 sums' bound (cpu_linear_int8.h)
 INT8_BLOCK = 64  # int8 inputs per AMX K block
 # Rows from which the AMX-tiled path beats the streamed one (benchmarks/linear_kernels.py,
 # SmolLM2-1.7B's layers, RESULTS.md "Linear kernels").
-TILED_FROM_ROWS = {"int8": 4, "int4": 6}
+TILED_FROM_ROWS = {"int8": 4, "int4": 4}
 # bf16: our dot-product kernel up to this many rows, torch's GEMM from the next.
 BF16_ROWS = 2
 

@@ -88,6 +88,27 @@ def test_int8_kernel_any_even_width() -> None:
     torch.testing.assert_close(layer(x).float(), want, atol=2e-2 * want.abs().max().item(), rtol=0)
 
 
+@pytest.mark.skipif(load_linear_kernel() is None, reason=NO_KERNEL)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 9, 16, 17, 32, 33, 150])
+@pytest.mark.parametrize(("n", "k"), [(64, 96), (48, 160), (112, 576)])
+def test_int4_kernel_matches_dequantized_weights(m: int, n: int, k: int) -> None:
+    """Our int4 kernel against a float32 matmul on the dequantized weights (d and m rounded to
+    bf16, as the kernel keeps them): the streamed path (1-3 rows), the scaled AMX products (one
+    16-row block), the decoded tiles (more), channel groups of 1, 2 and 4 tiles."""
+    torch.manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k) * torch.linspace(0.01, 1.0, n)[:, None]
+    layer = _layer(Int4Linear, w, torch.bfloat16)
+    assert isinstance(layer, Int4Linear) and layer.kernel is not None
+    x = torch.randn(m, k).bfloat16()
+    q, d, low = quantize_int4(w)
+    deq = q.float().reshape(n, -1, INT4_GROUP) * d.bfloat16().float()[..., None]
+    deq = (deq + low.bfloat16().float()[..., None]).reshape(n, k)
+    want = x.float() @ deq.t()
+    torch.testing.assert_close(
+        layer(x).float(), want, atol=1e-2 * want.abs().max().item(), rtol=1e-2
+    )
+
+
 def _q4_1(w: torch.Tensor) -> torch.Tensor:
     """w through a GGUF Q4_1 round trip (what the embedded model's weights are)."""
     raw = torch.from_numpy(quantize(w.numpy(), Q.Q4_1).reshape(-1).copy())
