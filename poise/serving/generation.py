@@ -227,9 +227,13 @@ class Generator:
         core/parallel.py); the pieces of all come interleaved, tagged with their choice
         ``index``: prompt * n + sample, as OpenAI and vLLM number them."""
         admitted: list[tuple[Prepared, Child, int, Any]] = []
+        children = [fan_out(prep.request_id, prep.params) for prep in preps]
+        groups = self.engine.metrics.groups
+        for samples in children:  # one request each, to the metrics
+            groups.add([c.request_id for c in samples])
         try:
             for p, prep in enumerate(preps):
-                for child in fan_out(prep.request_id, prep.params):
+                for child in children[p]:
                     stream = await self.engine.add_request(
                         child.request_id, prep.prompt_token_ids, child.params,
                         prep.arrival_time, prompt_leader=child.prompt_leader,
@@ -238,6 +242,10 @@ class Generator:
         except BaseException:
             for _, child, _, _ in admitted:  # all or none
                 self.engine.abort(child.request_id)
+            ran = {child.request_id for _, child, _, _ in admitted}
+            self.engine.metrics.samples_not_admitted(
+                [c.request_id for samples in children for c in samples if c.request_id not in ran]
+            )
             raise
         pieces = [self._pieces(prep, c, index, stream) for prep, c, index, stream in admitted]
         return pieces[0] if len(pieces) == 1 else _merged(pieces)
