@@ -97,3 +97,22 @@ def test_a_sample_never_admitted_does_not_hold_the_request_open() -> None:
     assert groups.drop(["1_p"]) == []  # refused before the admitted one ended
     end = groups.finished(_end("0_p", "abort"))
     assert end is not None and end.reason == "abort" and len(groups) == 0
+
+
+def test_no_group_outlives_its_request(server: InProcessServer) -> None:
+    """Cancelled n > 1 streams and finished ones alike leave nothing in the sample groups."""
+    import time
+
+    body = {"model": "fake", "prompt": "a b c", "n": 3, "max_tokens": 40, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    for _ in range(3):
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body) as r:
+            for i, _line in enumerate(r.iter_lines()):
+                if i >= 4:
+                    break  # leaving mid-stream aborts the three samples
+    httpx.post(server.base_url + "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+    groups = server.state.engine.metrics.groups
+    deadline = time.monotonic() + 10
+    while len(groups) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(groups) == 0
