@@ -256,6 +256,7 @@ def main() -> None:
     p.add_argument("--factor", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the summary here")
+    p.add_argument("--port", type=int, default=None, help="the server's port (default: a free one)")
     p.add_argument("--server-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra poise serve argument (engine or server), e.g. "
                         "scheduling_policy=slo")  # fmt: skip
@@ -286,7 +287,7 @@ def main() -> None:
     log = Path(tempfile.gettempdir()) / f"poise_overload_server_{os.getpid()}.log"
     load_before = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    with ManagedServer(spec, log) as server:
+    with ManagedServer(spec, log, port=args.port) as server:
         root = server.base_url.removesuffix("/v1")
         pid = server.pid
         assert pid is not None

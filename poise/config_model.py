@@ -84,6 +84,15 @@ class ModelConfig:
         "(weights in dtype).",
         default=None,
     )
+    allow_additional_properties: bool = _help(
+        "Let a JSON schema's objects (json_schema response formats, structured_outputs.json, "
+        "tool parameters) hold properties they do not declare where they do not say "
+        "additionalProperties (the JSON Schema default). Off: only declared properties, at "
+        "every level, as vLLM's default backend; a model offered extra keys can keep adding "
+        "them until max_tokens. A request's structured_outputs.disable_additional_properties "
+        "wins.",
+        default=False,
+    )
 
     def __post_init__(self) -> None:
         choices = {

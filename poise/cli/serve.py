@@ -175,6 +175,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "last streamed chunk, as vLLM's flag. (default: off)",
     )
     server.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="Export one OpenTelemetry trace span per request (its way in, queue, prefill, "
+        "first-token scheduling and decode as child spans; gen_ai.* attributes) to this "
+        "OTLP/HTTP endpoint, e.g. http://localhost:4318 (/v1/traces is added when the URL has "
+        "no path). A request's traceparent header joins the client's trace. vLLM's flag; "
+        "needs the otel extra (pip install 'poise[otel]'). (default: off)",
+    )
+    server.add_argument(
         "--step-trace",
         default=None,
         metavar="FILE",
@@ -239,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
             enable_log_requests=args.enable_log_requests,
             enable_per_request_metrics=args.enable_per_request_metrics,
             step_trace=args.step_trace,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
             api_key=args.api_key or api_key_from_env(),
             metrics_access=args.metrics_access,
             allowed_origins=list(args.allowed_origins),
@@ -258,7 +269,8 @@ def run(args: argparse.Namespace) -> int:
                  ("--chat-template", chat_template), ("--enable-log-requests",
                  args.enable_log_requests), ("--enable-per-request-metrics",
                  args.enable_per_request_metrics), ("--enable-auto-tool-choice",
-                 args.enable_auto_tool_choice), ("request limit flags (--max-request-body-bytes, "
+                 args.enable_auto_tool_choice), ("--otlp-traces-endpoint",
+                 args.otlp_traces_endpoint), ("request limit flags (--max-request-body-bytes, "
                  "--max-stop-*, --max-tokenizer-queue-chars)", limits != RequestLimitsConfig()))
                  if value]  # fmt: skip
         if given:  # refused rather than ignored: the replicas do not take them yet

@@ -35,6 +35,12 @@ class StructuredOutputsParams:
     between tokens. Why not vLLM's flexible default: a weak or random model, offered every
     whitespace token between JSON tokens, can spend its whole budget on whitespace and never
     close the object. ``False`` asks for flexible whitespace explicitly.
+
+    ``disable_additional_properties``: None (the default) takes the server's rule, which is
+    poise's (and vLLM's xgrammar's) closed objects: a ``json`` schema's objects hold only the
+    properties they declare, at every level, unless they say otherwise
+    (``text/json_schema.py``); ``--allow-additional-properties`` switches a server back to the
+    JSON Schema default. ``True`` / ``False`` decide for this request whatever the server's rule.
     """
 
     json: str | dict[str, Any] | None = None
@@ -43,7 +49,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool | None = None
-    disable_additional_properties: bool = False
+    disable_additional_properties: bool | None = None
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
     # vLLM's: no fallback to another backend on error. poise has one backend and never falls
@@ -95,8 +101,9 @@ class StructuredOutputsParams:
             raise InvalidRequestError(f"{kind} must be a non-empty string", self.source_field)
         return kind, value
 
-    def options(self) -> tuple[bool, bool, str | None]:
-        """(flexible whitespace, no additional properties, whitespace pattern): part of the key."""
+    def options(self) -> tuple[bool, bool | None, str | None]:
+        """(flexible whitespace, no additional properties (None: the server's rule), whitespace
+        pattern): part of the key."""
         return (
             self.disable_any_whitespace is False,
             self.disable_additional_properties,

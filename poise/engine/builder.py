@@ -39,7 +39,12 @@ def build_engine(
         info,
         clock=clock,
         observers=observers(info) if observers is not None else (),
-        grammars=LLGuidanceCompiler(info.tokenizer, info.vocab_size, info.eos_token_ids),
+        grammars=LLGuidanceCompiler(
+            info.tokenizer,
+            info.vocab_size,
+            info.eos_token_ids,
+            allow_additional_properties=config.model.allow_additional_properties,
+        ),
     )
     freeze_startup_heap()
     return engine, info

@@ -12,8 +12,9 @@ Sizing (returned explicitly, never written back to the config):
 Layout: one tensor [num_layers, num_blocks, block_size, 2 * num_kv_heads, head_dim]; layer i
 gets pool[i] (K heads then V heads per token slot; why in model/attention/common.py), so
 a token's K and V for all heads are one contiguous row at ``slot = block * block_size +
-offset``. Zero-initialised: padded block-table entries read finite values that the attention
-masks multiply by 0.
+offset``. Zero-initialised, but a freed block keeps what its owner wrote (NaN, from a
+request that failed with non-finite values): the attention backends never let a slot past a
+row's context into its output (the torch backend zeroes them in its gathered copy).
 """
 
 from __future__ import annotations

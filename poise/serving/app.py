@@ -43,6 +43,7 @@ from poise.serving.protocol import (
     ModelList,
 )
 from poise.serving.settings import RequestLimitsConfig
+from poise.serving.tracing import RequestTrace, RequestTracer
 
 logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -75,6 +76,7 @@ class ServingState:
     # The server's self-description (poise.serving.info.describe), for GET /server_info.
     info: dict[str, Any] = field(default_factory=dict)
     enable_per_request_metrics: bool = False  # --enable-per-request-metrics
+    tracer: RequestTracer | None = None  # --otlp-traces-endpoint
 
     @property
     def metrics(self) -> Any:
@@ -90,6 +92,8 @@ def create_app(state: ServingState, *, enable_api_docs: bool = False) -> FastAPI
         finally:
             await state.engine.stop()
             state.generator.close()
+            if state.tracer is not None:
+                state.tracer.shutdown()  # the spans still queued go out
 
     on = enable_api_docs
     app = FastAPI(title="poise", version=state.version, lifespan=lifespan,
@@ -277,6 +281,7 @@ async def _generate(
         req.traffic_class = header_class.strip()  # the body's "class" wins over the header
     gen = state.generator
     model = req.model or state.served_model_names[0]
+    trace = _trace(state, req, raw, model, chat, arrival)
     try:
         if isinstance(req, ChatCompletionRequest):
             preps = [await gen.prepare_chat(req, arrival)]
@@ -287,7 +292,12 @@ async def _generate(
         if preps[0].tools is not None:  # the reply's tool calls, out of its text (chat only)
             pieces = preps[0].tools.pieces(pieces)
     except Exception as exc:  # noqa: BLE001 - map_exception re-raises what it does not know
+        if trace is not None:
+            trace.refused(exc)
         return map_exception(exc, state.metrics)
+    if trace is not None:
+        trace.admitted(preps)
+        pieces = trace.watch(pieces)
     n_prompt = sum(len(p.prompt_token_ids) for p in preps)
     rid = preps[0].request_id
     formatters = streams.Formatters(gen.tokenizer)
@@ -305,3 +315,13 @@ async def _generate(
         return Response(status_code=499)
     resp = streams.full_response(results, rid, model, n_prompt, chat=chat, formatters=formatters)
     return Response(json.dumps(resp), media_type="application/json")
+
+
+def _trace(state: ServingState, req: ChatCompletionRequest | CompletionRequest, raw: Request,
+           model: str, chat: bool, arrival: float) -> RequestTrace | None:  # fmt: skip
+    """The request's trace (--otlp-traces-endpoint), its parent from ``traceparent``."""
+    if state.tracer is None:
+        return None
+    attrs = {"poise.class": req.traffic_class or "default", "poise.priority": req.priority}
+    return state.tracer.start(raw.headers, "chat" if chat else "text_completion", model,
+                              arrival, attrs)  # fmt: skip

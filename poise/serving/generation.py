@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 import uuid
@@ -29,6 +30,7 @@ from typing import Any
 
 from poise.core.outputs import RequestDelta
 from poise.core.parallel import Child, fan_out
+from poise.core.request import RequestTimes
 from poise.core.sampling_params import SamplingParams
 from poise.core.structured import GrammarCompiler
 from poise.errors import EngineDeadError, InvalidRequestError, ShuttingDownError
@@ -68,6 +70,8 @@ class Piece:
     num_cached_tokens: int = 0
     # OpenAI tool-call deltas (each with its "index"), from serving/tool_calls.py.
     tool_calls: list[dict[str, Any]] | None = None
+    # On the last piece: the sample's timestamps, up to the tokens the client got (traces).
+    times: RequestTimes | None = None
 
 
 @dataclass
@@ -227,9 +231,13 @@ class Generator:
         core/parallel.py); the pieces of all come interleaved, tagged with their choice
         ``index``: prompt * n + sample, as OpenAI and vLLM number them."""
         admitted: list[tuple[Prepared, Child, int, Any]] = []
+        children = [fan_out(prep.request_id, prep.params) for prep in preps]
+        groups = self.engine.metrics.groups
+        for samples in children:  # one request each, to the metrics
+            groups.add([c.request_id for c in samples])
         try:
             for p, prep in enumerate(preps):
-                for child in fan_out(prep.request_id, prep.params):
+                for child in children[p]:
                     stream = await self.engine.add_request(
                         child.request_id, prep.prompt_token_ids, child.params,
                         prep.arrival_time, prompt_leader=child.prompt_leader,
@@ -238,6 +246,10 @@ class Generator:
         except BaseException:
             for _, child, _, _ in admitted:  # all or none
                 self.engine.abort(child.request_id)
+            ran = {child.request_id for _, child, _, _ in admitted}
+            self.engine.metrics.samples_not_admitted(
+                [c.request_id for samples in children for c in samples if c.request_id not in ran]
+            )
             raise
         pieces = [self._pieces(prep, c, index, stream) for prep, c, index, stream in admitted]
         return pieces[0] if len(pieces) == 1 else _merged(pieces)
@@ -277,7 +289,8 @@ class Generator:
                 if prep.echo_only:  # max_tokens 0: the prompt alone, the sampled token dropped
                     done = True
                     yield Piece(echo, 0, "length", self._metrics(prep, delta, 0), index,
-                                lps if want_logprobs else None, cached)  # fmt: skip
+                                lps if want_logprobs else None, cached,
+                                times=_times(delta, 0))  # fmt: skip
                     return
                 n_tokens += len(delta.new_token_ids)
                 if delta.new_logprobs:
@@ -291,13 +304,13 @@ class Generator:
                     self.engine.finish(rid)
                     done = True
                     yield Piece(text, n_tokens, "stop", self._metrics(prep, delta, n_tokens),
-                                index, sent, cached)  # fmt: skip
+                                index, sent, cached, times=_times(delta, n_tokens))  # fmt: skip
                     return
                 if delta.finished:
                     done = True
                     reason = "stop" if out.stopped else delta.finish_reason
                     yield Piece(text, n_tokens, reason, self._metrics(prep, delta, n_tokens),
-                                index, sent, cached)  # fmt: skip
+                                index, sent, cached, times=_times(delta, n_tokens))  # fmt: skip
                     return
                 if text or sent:
                     yield Piece(text, n_tokens, index=index, logprobs=sent)
@@ -308,6 +321,15 @@ class Generator:
     @staticmethod
     def _metrics(prep: Prepared, delta: RequestDelta, n_tokens: int) -> dict[str, Any] | None:
         return response_metrics(delta, n_tokens) if prep.include_metrics else None
+
+
+def _times(delta: RequestDelta, num_output_tokens: int) -> RequestTimes | None:
+    """A copy of the request's timestamps as the client saw them: the engine thread may still
+    append a token after a stop string ended the request here."""
+    if delta.times is None:
+        return None
+    tokens = delta.times.token_times[:num_output_tokens]
+    return dataclasses.replace(delta.times, token_times=tokens)
 
 
 async def _merged(sources: list[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:

@@ -10,6 +10,10 @@ Invariants:
   failed later still counts. Decode time, e2e and TPOT observe requests that finished with
   ``stop`` or ``length`` (served); aborted, rejected and failed requests are counted by their
   own ``request_success_total{finished_reason}`` series / ``requests_rejected_total{reason}``.
+- A request with ``n > 1`` is one request (as in vLLM): ``request_success_total``, TTFT and
+  its parts, the prompt tokens, latencies and SLO series count it once (its first sample's
+  first token, its last sample's end), the generation tokens count every sample's
+  (``sample_groups.py``).
 - Per step: requests and tokens fed as prefill and as decode, and the token budget's use.
 - Per traffic class (label ``class``): TTFT, queue and TPOT histograms, SLO attainment
   (``slo_ttft_total`` / ``slo_tpot_total`` with ``result`` met or missed, for requests whose
@@ -44,6 +48,7 @@ from poise.core.timing import derive
 from poise.engine.state import EngineState
 from poise.serving.live import LiveFeed
 from poise.serving.request_log import log_request
+from poise.serving.sample_groups import GroupEnd, SampleGroups
 
 P = "poise:"
 
@@ -185,6 +190,8 @@ class ServingMetrics:
         self._model_name = model_name
         # The live page's one-point-a-second feed (poise.serving.live), fed from here.
         self.live = LiveFeed()
+        # n > 1: a request's samples are counted as one request (sample_groups.py).
+        self.groups = SampleGroups()
 
     # -- engine thread ---------------------------------------------------------------------
 
@@ -209,7 +216,9 @@ class ServingMetrics:
         delta carries its first token (the prompt was prefilled)."""
         if delta.new_token_ids:
             self.generation_tokens.inc(len(delta.new_token_ids))
-        if prompt_len_if_first:
+            self.groups.tokens(delta)
+        if prompt_len_if_first and self.groups.first_token(delta.request_id):
+            # n > 1: the samples share one prompt and one first token, the request's.
             self.prompt_tokens.inc(prompt_len_if_first)
             if delta.times is not None:
                 self._observe_first_token(delta)
@@ -220,12 +229,21 @@ class ServingMetrics:
                 self.itl.observe(tt[i] - tt[i - 1])
         if not delta.finished:
             return
-        reason = delta.finish_reason or "unknown"
         if self.log_requests:
             log_request(delta)
-        self._success.labels(model_name=self._model_name, finished_reason=reason).inc()
-        if reason in SERVED and delta.times is not None:
-            self._observe_latencies(delta)
+        end = self.groups.finished(delta)
+        if end is not None:
+            self._observe_end(end)
+
+    def samples_not_admitted(self, request_ids: list[str]) -> None:
+        """Samples of an n > 1 request refused at admission (event loop)."""
+        for end in self.groups.drop(request_ids):
+            self._observe_end(end)
+
+    def _observe_end(self, end: GroupEnd) -> None:
+        self._success.labels(model_name=self._model_name, finished_reason=end.reason).inc()
+        if end.reason in SERVED and end.delta.times is not None:
+            self._observe_latencies(end.delta, end.num_output_tokens)
 
     def _cls(self, slo: SloTargets | None) -> dict[str, str]:
         return {"model_name": self._model_name, "class": slo.class_name if slo else "default"}
@@ -252,7 +270,8 @@ class ServingMetrics:
             if value is not None:
                 hist.observe(value)
 
-    def _observe_latencies(self, delta: RequestDelta) -> None:
+    def _observe_latencies(self, delta: RequestDelta, num_output_tokens: int | None) -> None:
+        """A served request's latencies (n > 1: its last sample's, every sample's tokens)."""
         assert delta.times is not None
         m = derive(delta.times)
         labels = self._cls(delta.slo)
@@ -270,7 +289,8 @@ class ServingMetrics:
             self._slo_tpot.labels(**labels, result="met" if met else "missed").inc()
             good = good and met
         if good:
-            self._goodput.labels(**labels).inc(m.num_output_tokens)
+            tokens = m.num_output_tokens if num_output_tokens is None else num_output_tokens
+            self._goodput.labels(**labels).inc(tokens)
 
     # -- event loop ------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from poise.serving.metrics import ServingMetrics
 from poise.serving.settings import RequestLimitsConfig, ServerSettings
 from poise.serving.shutdown import PoiseServer, backstop_timeout_s
 from poise.serving.tokenize import add_tokenize_routes
+from poise.serving.tracing import RequestTracer
 
 __all__ = ["ServerSettings", "build_state", "build_state_from_config", "serve", "uvicorn_config"]
 
@@ -59,6 +60,7 @@ def build_state(
     limits: RequestLimitsConfig | None = None,
     enable_per_request_metrics: bool = False,
     tool_parser: str | None = None,
+    otlp_traces_endpoint: str | None = None,
 ) -> ServingState:
     names = served_model_names or [model_name]
     metrics = ServingMetrics(names[0], log_requests=log_requests)
@@ -72,8 +74,15 @@ def build_state(
                     max_model_len=max_len, dtype=dtype, device=device,
                     num_kv_blocks=num_kv_blocks)  # fmt: skip
     metrics.registry.register(ConfigInfoCollector(info))
+    tracer = None
+    if otlp_traces_endpoint is not None:
+        config = getattr(core, "config", None)
+        policy = config.scheduler.scheduling_policy if config is not None else "unknown"
+        tracer = RequestTracer(otlp_traces_endpoint, policy=policy, clock=core.clock.now)
+        logger.info("request traces: OTLP/HTTP to %s", tracer.endpoint)
     return ServingState(engine, generator, names, max_len, limits=limits, info=info,
-                        enable_per_request_metrics=enable_per_request_metrics)  # fmt: skip
+                        enable_per_request_metrics=enable_per_request_metrics,
+                        tracer=tracer)  # fmt: skip
 
 
 def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> ServingState:
@@ -114,6 +123,7 @@ def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> S
         limits=settings.limits,
         enable_per_request_metrics=settings.enable_per_request_metrics,
         tool_parser=settings.auto_tool_parser,
+        otlp_traces_endpoint=settings.otlp_traces_endpoint,
     )
 
 

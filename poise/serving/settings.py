@@ -101,6 +101,8 @@ class ServerSettings:
     # vLLM's --enable-per-request-metrics: a request with "include_metrics": true gets its own
     # timing (serving/request_metrics.py) in the response body.
     enable_per_request_metrics: bool = False
+    # vLLM's --otlp-traces-endpoint: one OpenTelemetry span per request (serving/tracing.py).
+    otlp_traces_endpoint: str | None = None
     # What one request may ask (body size, stop strings, tokenizer queue): poise.config.
     limits: RequestLimitsConfig = field(default_factory=RequestLimitsConfig)
     # vLLM's --enable-auto-tool-choice / --tool-call-parser: tool_choice "auto" (the default
@@ -134,5 +136,9 @@ class ServerSettings:
                 f"uvicorn_log_level: must be one of {UVICORN_LOG_LEVELS}, "
                 f"got {self.uvicorn_log_level!r}"
             )
+        if self.otlp_traces_endpoint is not None:
+            from poise.serving.tracing import check_available
+
+            check_available(self.otlp_traces_endpoint)
         if self.max_connections < 1:
             raise ValueError(f"max_connections: must be >= 1, got {self.max_connections}")

@@ -55,7 +55,7 @@ class StructuredOutputsBody(BaseModel):
     grammar: str | None = Field(None, min_length=1)
     json_object: bool | None = None
     disable_any_whitespace: bool | None = None
-    disable_additional_properties: bool = False
+    disable_additional_properties: bool | None = None
     whitespace_pattern: str | None = None
     disable_fallback: bool = False
 

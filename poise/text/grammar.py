@@ -23,6 +23,7 @@ from typing import Any
 
 from poise.core.structured import StructuredOutputsParams
 from poise.errors import InvalidRequestError
+from poise.text.json_schema import close_objects
 
 # Distinct specs kept compiled; a server sees a handful of schemas over and over.
 _CACHE_SIZE = 256
@@ -53,8 +54,17 @@ class LLGuidanceCompiler:
     """Compiles ``StructuredOutputsParams`` for one tokenizer; thread-safe (the server compiles
     on its tokenizer thread, the engine thread then only copies cached templates)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        allow_additional_properties: bool = False,
+    ) -> None:
         self._hf_tokenizer = tokenizer
+        # The server's switch (``--allow-additional-properties``): what a request that does not
+        # set ``disable_additional_properties`` gets; json_schema.py says why closed is the default.
+        self.allow_additional_properties = allow_additional_properties
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._ll_tokenizer: Any = None
@@ -102,7 +112,7 @@ class LLGuidanceCompiler:
         if params.kind() == "choice":
             _check_producible(tokenizer, params.choice or [], where)
         try:
-            grammar = grammar_text(params)
+            grammar = grammar_text(params, self.allow_additional_properties)
         except (ValueError, TypeError) as exc:  # llguidance's parse errors
             raise InvalidRequestError(f"invalid {params.kind()}: {exc}", where) from exc
         error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
@@ -146,16 +156,23 @@ def _check_forced_bytes(matcher: Any, tokenizer: Any, kind: str, where: str) -> 
             )  # fmt: skip
 
 
-def grammar_text(params: StructuredOutputsParams) -> str:
-    """llguidance's grammar text for ``params`` (JSON schema options as vLLM passes them)."""
+def grammar_text(params: StructuredOutputsParams, allow_additional_properties: bool = False) -> str:
+    """llguidance's grammar text for ``params`` (JSON schema options as vLLM passes them).
+
+    A ``json`` schema's objects are closed (json_schema.py) unless the request says
+    ``disable_additional_properties: false`` or, when it says nothing, the server allows
+    additional properties. ``json_object`` is any object whatever the switch.
+    """
     import llguidance
 
     kind, text = params.spec()
     flexible, no_extra, pattern = params.options()
+    if no_extra is None:
+        no_extra = not allow_additional_properties
     if kind in ("json", "json_object"):
         schema = json.loads(text) if kind == "json" else {"type": "object"}
-        if no_extra and isinstance(schema, dict):
-            schema = {**schema, "additionalProperties": False}
+        if no_extra and kind == "json":
+            schema = close_objects(schema)
         defaults: Any = {"whitespace_flexible": flexible}  # llguidance's JsonCompileOptions
         if pattern is not None:
             defaults["whitespace_pattern"] = pattern

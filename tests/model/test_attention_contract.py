@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,41 @@ def test_state_is_typed_built_once_and_reused_by_every_layer(name: str) -> None:
         torch.testing.assert_close(got, want, atol=0, rtol=0)
         outs.append(got)
     assert not torch.equal(outs[0], outs[1])  # the layers really differed
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_what_a_row_does_not_own_never_reaches_it(name: str) -> None:
+    """Slots past a row's context (its last block's tail, the padding of shorter tables) hold
+    what earlier owners wrote; NaN there (left by a request that failed with non-finite
+    values) must not change the output (issue 38: the torch backend's masked decode made it
+    NaN, 0 * NaN, and failed every later request on those blocks)."""
+    if not _usable(name):
+        pytest.skip(f"{name} cannot run here")
+    block_size, kv_heads, heads, hd = 4, 2, 4, 8
+    gen = torch.Generator().manual_seed(5)
+    params = SamplingParams()
+    # Decodes of different widths: rows of 2, 5 and 10 tokens (one of them padded).
+    scheduled = [
+        ScheduledRequest("a", [1], 9, [4, 5, 6], True, params, 0, 9),
+        ScheduledRequest("b", [1], 4, [7, 8], True, params, 0, 4),
+        ScheduledRequest("c", [1], 1, [2], True, params, 0, 1),
+    ]
+    meta = build_step_inputs(scheduled, block_size, torch.device("cpu")).meta
+    backend = BACKENDS[name].create()
+    cache = torch.randn(10, block_size, 2 * kv_heads, hd, generator=gen)
+    stale = cache.clone()
+    owned = {(4, 0), (4, 1), (4, 2), (4, 3), (5, 0), (5, 1), (5, 2), (5, 3), (6, 0), (6, 1),
+             (7, 0), (7, 1), (7, 2), (7, 3), (8, 0), (2, 0), (2, 1)}  # fmt: skip
+    for block in range(10):
+        for slot in range(block_size):
+            if (block, slot) not in owned:  # this step writes the last of each row itself
+                stale[block, slot] = math.nan
+    q = torch.randn(meta.num_tokens, heads, hd, generator=gen)
+    kv = torch.randn(meta.num_tokens, 2 * kv_heads, hd, generator=gen)
+    want = backend.forward(q, kv, cache, backend.prepare(meta), hd**-0.5)
+    got = backend.forward(q, kv, stale, backend.prepare(meta), hd**-0.5)
+    assert bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got, want)
 
 
 def test_backend_resolution_is_generic_over_the_registry() -> None:

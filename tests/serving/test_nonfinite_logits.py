@@ -142,3 +142,41 @@ def test_over_http_the_poisoned_request_gets_a_500_and_the_others_are_served(llm
     assert metric_value(text, "poise:kv_cache_usage_perc") == 0
     assert after[0] == 200 and after[1]["choices"][0]["text"] == clean[0].outputs[0].text
     assert not any(llm.engine.kv.pool.ref_counts)  # every block released
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_fault_inside_the_model_fails_only_its_rows(tiny_model_dir: Path, backend: str) -> None:
+    """NaN made inside the model (the embedding of one token, as an fp16 overflow would),
+    so it reaches the hidden states and the KV cache, not only the logits: the request whose
+    rows it is, all n of its samples, ends with the error; the rest of the batch is token for
+    token a clean run's; and later requests, on the blocks the failed one freed, are clean."""
+    # 10 blocks: the second wave below (12 requests of one block each) uses every one of them.
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=10,
+              attention_backend=backend)  # fmt: skip
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    three = SamplingParams(temperature=1.0, seed=4, n=3, max_tokens=8, ignore_eos=True)
+    prompts: list[Any] = [{"prompt_token_ids": p} for p in [*NEIGHBOURS, TARGET * 7]]
+    params = [greedy] * len(NEIGHBOURS) + [three]
+    clean = llm.generate(prompts, params, use_tqdm=False)
+    embed = llm.engine._executor.model.model.embed_tokens
+
+    def poison(_: Any, inputs: tuple[Any, ...], out: Any) -> Any:
+        out = out.clone()
+        out[inputs[0] == TARGET[0]] = math.nan
+        return out
+
+    hook = embed.register_forward_hook(poison)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        hook.remove()
+    assert [c.finish_reason for c in outs[-1].outputs] == ["error"] * 3
+    assert outs[-1].error_message is not None and "non-finite" in outs[-1].error_message
+    for before, after in zip(clean[:-1], outs[:-1], strict=True):
+        assert after.outputs[0].finish_reason == "length"
+        assert after.outputs[0].token_ids == before.outputs[0].token_ids
+    assert llm.engine.kv.usage == 0 and not any(llm.engine.kv.pool.ref_counts)
+    # The freed blocks held NaN keys and values; whoever gets them next computes over them.
+    again = llm.generate(prompts[:-1] * 4, greedy, use_tqdm=False)
+    for before, after in zip(clean[:-1] * 4, again, strict=True):
+        assert after.outputs[0].token_ids == before.outputs[0].token_ids

@@ -158,10 +158,11 @@ def test_leaving_an_n_stream_aborts_every_sample_and_frees_the_kv(
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if (metric("poise:num_requests_running") == 0 and metric("poise:kv_cache_usage_perc") == 0
-                and metric("poise:request_success_total", finished_reason="abort") >= aborts + 4):  # fmt: skip
+                and metric("poise:request_success_total", finished_reason="abort") >= aborts + 1):  # fmt: skip
             break
         time.sleep(0.1)
-    assert metric("poise:request_success_total", finished_reason="abort") == aborts + 4
+    # Every sample aborted (nothing runs, no block held), counted as the one request it is.
+    assert metric("poise:request_success_total", finished_reason="abort") == aborts + 1
     assert metric("poise:num_requests_running") == 0 and metric("poise:kv_cache_usage_perc") == 0
     out = client.completions.create(model="tiny", prompt="still there?", max_tokens=3, n=2)
     assert [c.index for c in out.choices] == [0, 1]

@@ -110,6 +110,11 @@ def _decode_rows(
     num_kv_heads = kv_cache.shape[2] // 2
     # [D, B] blocks -> [D, B, bs, 2Hkv, hd] -> [D, L, 2Hkv, hd]
     ctx = gather_blocks(kv_cache, tables).flatten(1, 2)
+    # The padded tail still holds what the blocks' previous owners wrote. The mask gives it
+    # weight 0, but 0 * NaN is NaN: a request that failed with non-finite values (an fp16
+    # overflow) left NaN keys and values in the blocks it freed, and every later request
+    # decoding over them failed too (issue 38). The gathered copy is ours to zero.
+    ctx.masked_fill_(~mask[:, 0, 0, :, None, None], 0.0)
     keys = ctx[:, :, :num_kv_heads].transpose(1, 2)  # [D, Hkv, L, hd]
     values = ctx[:, :, num_kv_heads:].transpose(1, 2)  # [D, Hkv, L, hd]
     # [D, H, hd] -> [D, Hkv, G, hd]: the G query heads of a group act as G "queries".
