@@ -20,7 +20,11 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 # Compiled together into one library; the header is part of the cache key.
 SOURCES = (_HERE / "cpu_paged_attention.cpp", _HERE / "cpu_prefill_attention.cpp")
-HEADERS = (_HERE / "cpu_attention_common.h", _HERE / "cpu_prefill_blocks.h")
+HEADERS = (
+    _HERE / "cpu_attention_common.h",
+    _HERE / "cpu_prefill_blocks.h",
+    _HERE / "cpu_prefill_amx.h",
+)
 
 # Both entry points: (dtype, q, kv_cache, what to attend, shapes, out, [partition], threads).
 _HEAD: list[Any] = [
