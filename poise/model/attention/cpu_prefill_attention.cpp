@@ -205,7 +205,7 @@ void run(const Chunks& p, int num_threads) {
   // Kept by the calling thread from call to call (each layer's call needs the same room): a
   // fresh allocation of this size is a fresh mapping, page-faulted in again every call. Its
   // size: about twice one layer's K/V of the step's longest contexts, in float32.
-  thread_local std::vector<float> room;
+  thread_local AlignedVector<float> room;
   if (room.size() < 2 * num_blocks * block_room) room.resize(2 * num_blocks * block_room);
   float* const k_room = room.data();
   float* const v_room = k_room + num_blocks * block_room;
