@@ -139,31 +139,26 @@ void attend_item(const Chunks& p, const Item& it, Scratch& w, const Packed* bloc
   std::fill(w.m.begin(), w.m.begin() + rp, -std::numeric_limits<float>::infinity());
   std::fill(w.l.begin(), w.l.begin() + rp, 0.0f);
 
-  for (int64_t kb = 0; kb < key_end; kb += kKeys) {
-    const int n = static_cast<int>(std::min<int64_t>(kKeys, key_end - kb));
-    const int n2 = (n + 1) & ~1;
-    const Packed& b = blocks[kb / kKeys];
-    const bool masked = kb + n - 1 > first_pos;  // some key past the first query: the diagonal
-    if (masked)
-      for (int r = 0; r < rp; ++r)
-        w.pos[r] = static_cast<int32_t>(std::min<int64_t>(first_pos + r / G - kb, kKeys));
+  if constexpr (AMX) {
 #if defined(POISE_PREFILL_AMX)
-    if constexpr (AMX) {
-      amx_scores<HD>(w, b, rp, n);
-      if (masked)
-        amx_softmax_block<true>(w, rp, hd, n, n2, p.scale);
-      else
-        amx_softmax_block<false>(w, rp, hd, n, n2, p.scale);
-      amx_accumulate<HD>(w, b, rp, n2);
-      continue;
-    }
+    amx_walk<HD>(w, blocks, rp, key_end, first_pos, G, p.scale);
 #endif
-    scores<T, PAIRS, HD>(w, b, rp, hd, n, p.scale);
-    if (masked)
-      softmax_block<PAIRS, true>(w, rp, n, n2);
-    else
-      softmax_block<PAIRS, false>(w, rp, n, n2);
-    accumulate<T, PAIRS, HD>(w, b, rp, hd, n, n2);
+  } else {
+    for (int64_t kb = 0; kb < key_end; kb += kKeys) {
+      const int n = static_cast<int>(std::min<int64_t>(kKeys, key_end - kb));
+      const int n2 = (n + 1) & ~1;
+      const Packed& b = blocks[kb / kKeys];
+      const bool masked = kb + n - 1 > first_pos;  // some key past the first query: the diagonal
+      if (masked)
+        for (int r = 0; r < rp; ++r)
+          w.pos[r] = static_cast<int32_t>(std::min<int64_t>(first_pos + r / G - kb, kKeys));
+      scores<T, PAIRS, HD>(w, b, rp, hd, n, p.scale);
+      if (masked)
+        softmax_block<PAIRS, true>(w, rp, n, n2);
+      else
+        softmax_block<PAIRS, false>(w, rp, n, n2);
+      accumulate<T, PAIRS, HD>(w, b, rp, hd, n, n2);
+    }
   }
 
   for (int r = 0; r < rows; ++r) {
