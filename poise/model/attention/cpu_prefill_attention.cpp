@@ -17,6 +17,9 @@
 // the paged cache once and packed (keys as rows, values as the bf16 pairs P V takes), shared
 // by all the items that read it instead of gathered by each.
 //
+// On CPUs with AMX (checked at run time: cpu_prefill_amx.h) bf16 items run the same walk with
+// Q K^T and P V on AMX tiles (the values packed transposed for them, O held transposed).
+//
 // Numerics: float32 accumulation everywhere (bf16 products are exact in float32); on the bf16
 // path P is rounded to bf16 for P V, as flash attention does. Shapes as in
 // cpu_paged_attention.cpp; chunk c is the flat tokens query_start[c] .. + query_len[c], at
