@@ -8,11 +8,13 @@ prefix blocks, a prefix-cache-hit chunk run as kernel rows, and a long chunk lef
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 from poise.model.attention import AttentionMetadata, PrefillChunk
-from poise.model.attention.cpu_kernel import load_cpu_kernel
+from poise.model.attention.cpu_kernel import load_cpu_kernel, use_prefill_amx
 from poise.runner.attention import BACKENDS, resolve_backend_name
 from poise.runner.inputs import decode_groups
 
@@ -47,9 +49,10 @@ def _case(
         table[i, : len(t)] = t
     ctx = torch.tensor(contexts)
     slots = [table[torch.arange(d), (ctx - 1) // block_size] * block_size + (ctx - 1) % block_size]
-    # Chunks after cached tokens: 5 queries (kernel rows) and 80 (SDPA), plus a fresh one.
+    # Chunks after cached tokens: 5 queries (kernel rows) and 80 (the blocked prefill kernel,
+    # its items ending inside a key block), plus a fresh one whose last item is one query.
     prefills, offset = [], d
-    for start, n in ((640, 5), (300, 80), (0, 20)):
+    for start, n in ((640, 5), (300, 80), (0, 33)):
         t = (
             torch.cat([shared, blocks(-(-(start + n) // block_size) - 40)])
             if start >= 640
@@ -72,13 +75,24 @@ def _case(
     return meta, cache, qkv
 
 
+@pytest.fixture(params=["amx", "vectors"])
+def prefill_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The bf16 prefill kernel on AMX tiles (where the CPU has them) and on AVX512-BF16 vectors
+    (what CPUs without AMX run), both checked on this machine."""
+    if request.param == "amx" and not use_prefill_amx(True):
+        pytest.skip("no AMX on this CPU (or this OS does not allow it)")
+    use_prefill_amx(request.param == "amx")
+    yield request.param
+    use_prefill_amx(True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"),
     [(9, 3, 64), (8, 8, 64), (28, 4, 128), (14, 2, 64), (6, 2, 24)],
 )
 def test_cpu_kernel_matches_torch_backend(
-    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, prefill_path: str
 ) -> None:
     results = []
     for name in ("torch", "cpu"):

@@ -12,7 +12,8 @@ What runs where, per step (each kernel once per layer for all its work):
   split into partitions so one long row uses every thread;
 - every other prefill chunk, fresh or after cached tokens: the blocked prefill kernel
   (cpu_prefill_attention.cpp), flash-attention style over (query block, kv head) items, bf16
-  dot products where the CPU has AVX512-BF16. Its cost is the causal pairs, not context^2.
+  products on AMX tiles where the CPU has AMX (cpu_prefill_amx.h), AVX512-BF16 dot products
+  where it has only those. Its cost is the causal pairs, not context^2.
 
 Same results as the torch backend up to float rounding (the tests compare both against
 transformers).

@@ -20,7 +20,11 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 # Compiled together into one library; the header is part of the cache key.
 SOURCES = (_HERE / "cpu_paged_attention.cpp", _HERE / "cpu_prefill_attention.cpp")
-HEADERS = (_HERE / "cpu_attention_common.h", _HERE / "cpu_prefill_blocks.h")
+HEADERS = (
+    _HERE / "cpu_attention_common.h",
+    _HERE / "cpu_prefill_blocks.h",
+    _HERE / "cpu_prefill_amx.h",
+)
 
 # Both entry points: (dtype, q, kv_cache, what to attend, shapes, out, [partition], threads).
 _HEAD: list[Any] = [
@@ -75,7 +79,19 @@ def load_cpu_kernel() -> ctypes.CDLL | None:
     prefill = lib.poise_paged_prefill
     prefill.argtypes = _PREFILL_ARGTYPES
     prefill.restype = ctypes.c_int
+    lib.poise_prefill_use_amx.argtypes = [ctypes.c_int]
+    lib.poise_prefill_use_amx.restype = ctypes.c_int
     return lib
+
+
+def use_prefill_amx(enable: bool | None = None) -> bool:
+    """Whether bf16 prefills run Q K^T and P V on AMX tiles (cpu_prefill_amx.h), as they do
+    wherever the CPU and the OS allow it. ``enable=False`` keeps them on the AVX512-BF16 vectors
+    (tests compare both paths on one machine), True allows AMX again, None only asks."""
+    lib = load_cpu_kernel()
+    if lib is None:
+        return False
+    return bool(lib.poise_prefill_use_amx(-1 if enable is None else int(enable)))
 
 
 if __name__ == "__main__":  # `python -m poise.model.attention.cpu_kernel`: build ahead of time

@@ -17,6 +17,9 @@
 // the paged cache once and packed (keys as rows, values as the bf16 pairs P V takes), shared
 // by all the items that read it instead of gathered by each.
 //
+// On CPUs with AMX (checked at run time: cpu_prefill_amx.h) bf16 items run the same walk with
+// Q K^T and P V on AMX tiles (the values packed transposed for them, O held transposed).
+//
 // Numerics: float32 accumulation everywhere (bf16 products are exact in float32); on the bf16
 // path P is rounded to bf16 for P V, as flash attention does. Shapes as in
 // cpu_paged_attention.cpp; chunk c is the flat tokens query_start[c] .. + query_len[c], at
@@ -25,6 +28,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -33,6 +37,7 @@
 #include <vector>
 
 #include "cpu_attention_common.h"
+#include "cpu_prefill_amx.h"
 #include "cpu_prefill_blocks.h"
 
 namespace {
@@ -60,8 +65,9 @@ struct Item {  // (chunk, first query, kv head); cost: keys its last query sees
 };
 
 // One key block of one kv head (chunk c, block b) into its packed form (see Packed): read from
-// the paged cache once per call.
-template <typename T, bool PAIRS, int HD>
+// the paged cache once per call. AMX: the values transposed instead, [HD][kKeys] bf16, keys
+// past n zero (the tiles multiply whole 32-key chunks).
+template <typename T, bool PAIRS, int HD, bool AMX>
 void pack_block(const Chunks& p, int c, int g, int64_t b, T* k_dst, float* v_dst) {
   const int hd = HD > 0 ? HD : p.head_dim;
   const int64_t kb = b * kKeys;
@@ -78,7 +84,13 @@ void pack_block(const Chunks& p, int c, int g, int64_t b, T* k_dst, float* v_dst
     std::memcpy(k_dst + static_cast<int64_t>(j) * hd, slots[j] + k_off, sizeof(T) * hd);
     if (++in_block == p.block_size) in_block = 0, ++block;
   }
-  if constexpr (PAIRS) {
+  if constexpr (AMX) {
+    bf16* vt = reinterpret_cast<bf16*>(v_dst);
+    for (int d = 0; d < HD; ++d) {
+      for (int j = 0; j < n; ++j) vt[d * kKeys + j] = slots[j][v_off + d];
+      for (int j = n; j < kKeys; ++j) vt[d * kKeys + j] = 0;
+    }
+  } else if constexpr (PAIRS) {
 #if defined(__AVX512BF16__)
     static const bf16 zeros[HD] = {};
     bf16* vp = reinterpret_cast<bf16*>(v_dst);
@@ -97,8 +109,9 @@ void pack_block(const Chunks& p, int c, int g, int64_t b, T* k_dst, float* v_dst
   }
 }
 
-// `blocks`: the packed blocks of this item's (chunk, kv head), block b at blocks[b].
-template <typename T, bool PAIRS, int HD>
+// `blocks`: the packed blocks of this item's (chunk, kv head), block b at blocks[b]. AMX: the
+// products on tiles (cpu_prefill_amx.h; O held transposed), else on vectors.
+template <typename T, bool PAIRS, int HD, bool AMX>
 void attend_item(const Chunks& p, const Item& it, Scratch& w, const Packed* blocks) {
   const int hd = HD > 0 ? HD : p.head_dim;
   const int G = p.num_heads / p.num_kv_heads, g = it.kv_head;
@@ -129,30 +142,41 @@ void attend_item(const Chunks& p, const Item& it, Scratch& w, const Packed* bloc
   std::fill(w.m.begin(), w.m.begin() + rp, -std::numeric_limits<float>::infinity());
   std::fill(w.l.begin(), w.l.begin() + rp, 0.0f);
 
-  for (int64_t kb = 0; kb < key_end; kb += kKeys) {
-    const int n = static_cast<int>(std::min<int64_t>(kKeys, key_end - kb));
-    const int n2 = (n + 1) & ~1;
-    const Packed& b = blocks[kb / kKeys];
-    scores<T, PAIRS, HD>(w, b, rp, hd, n, p.scale);
-    if (kb + n - 1 > first_pos) {  // some key past the first query: the diagonal's mask
-      for (int r = 0; r < rp; ++r)
-        w.pos[r] = static_cast<int32_t>(std::min<int64_t>(first_pos + r / G - kb, kKeys));
-      softmax_block<PAIRS, true>(w, rp, n, n2);
-    } else {
-      softmax_block<PAIRS, false>(w, rp, n, n2);
+  if constexpr (AMX) {
+#if defined(POISE_PREFILL_AMX)
+    amx_walk<HD>(w, blocks, rp, key_end, first_pos, G, p.scale);
+#endif
+  } else {
+    for (int64_t kb = 0; kb < key_end; kb += kKeys) {
+      const int n = static_cast<int>(std::min<int64_t>(kKeys, key_end - kb));
+      const int n2 = (n + 1) & ~1;
+      const Packed& b = blocks[kb / kKeys];
+      const bool masked = kb + n - 1 > first_pos;  // some key past the first query: the diagonal
+      if (masked)
+        for (int r = 0; r < rp; ++r)
+          w.pos[r] = static_cast<int32_t>(std::min<int64_t>(first_pos + r / G - kb, kKeys));
+      scores<T, PAIRS, HD>(w, b, rp, hd, n, p.scale);
+      if (masked)
+        softmax_block<PAIRS, true>(w, rp, n, n2);
+      else
+        softmax_block<PAIRS, false>(w, rp, n, n2);
+      accumulate<T, PAIRS, HD>(w, b, rp, hd, n, n2);
     }
-    accumulate<T, PAIRS, HD>(w, b, rp, hd, n, n2);
   }
 
   for (int r = 0; r < rows; ++r) {
     T* dst = static_cast<T*>(p.out) + (token0 + r / G) * p.out_token_stride +
              static_cast<int64_t>(g * G + r % G) * hd;
     const float inv = 1.0f / w.l[r];  // > 0: key 0 is visible to every query
-    for (int d = 0; d < hd; ++d) from_float(w.o[r * hd + d] * inv, dst + d);
+    if constexpr (AMX) {  // O^T: [hd][rp]
+      for (int d = 0; d < hd; ++d) from_float(w.o[d * rp + r] * inv, dst + d);
+    } else {
+      for (int d = 0; d < hd; ++d) from_float(w.o[r * hd + d] * inv, dst + d);
+    }
   }
 }
 
-template <typename T, bool PAIRS, int HD>
+template <typename T, bool PAIRS, int HD, bool AMX = false>
 void run(const Chunks& p, int num_threads) {
   std::vector<Item> items;
   for (int c = 0; c < p.num_chunks; ++c)
@@ -179,7 +203,7 @@ void run(const Chunks& p, int num_threads) {
   // Kept by the calling thread from call to call (each layer's call needs the same room): a
   // fresh allocation of this size is a fresh mapping, page-faulted in again every call. Its
   // size: about twice one layer's K/V of the step's longest contexts, in float32.
-  thread_local std::vector<float> room;
+  thread_local AlignedVector<float> room;
   if (room.size() < 2 * num_blocks * block_room) room.resize(2 * num_blocks * block_room);
   float* const k_room = room.data();
   float* const v_room = k_room + num_blocks * block_room;
@@ -194,23 +218,41 @@ void run(const Chunks& p, int num_threads) {
           std::upper_bound(first_block.begin(), first_block.end(), i) - first_block.begin() - 1);
       const int64_t count = (first_block[c + 1] - first_block[c]) / p.num_kv_heads;
       const int64_t local = i - first_block[c];
-      pack_block<T, PAIRS, HD>(p, c, static_cast<int>(local / count), local % count,
+      pack_block<T, PAIRS, HD, AMX>(p, c, static_cast<int>(local / count), local % count,
                                reinterpret_cast<T*>(k_room + i * block_room),
                                v_room + i * block_room);
     }
     Scratch w(rp, p.head_dim);
+#if defined(POISE_PREFILL_AMX)
+    if constexpr (AMX) amx_configure();
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int k = 0; k < num_items; ++k) {
       const Item& it = items[k];
       const int64_t count = (first_block[it.chunk + 1] - first_block[it.chunk]) / p.num_kv_heads;
-      attend_item<T, PAIRS, HD>(p, it, w,
-                                packed.data() + first_block[it.chunk] + it.kv_head * count);
+      attend_item<T, PAIRS, HD, AMX>(p, it, w,
+                                     packed.data() + first_block[it.chunk] + it.kv_head * count);
     }
+#if defined(POISE_PREFILL_AMX)
+    if constexpr (AMX) _tile_release();
+#endif
   }
 }
 
+// Whether bf16 prefills run on AMX tiles: where available (cpu_prefill_amx.h), unless
+// poise_prefill_use_amx(0) turned them off (tests compare both paths on one machine).
+std::atomic<bool> use_amx{true};
+
 template <typename T, bool PAIRS>
 void dispatch_head_dim(const Chunks& p, int num_threads) {
+#if defined(POISE_PREFILL_AMX)
+  if constexpr (PAIRS) {
+    if (use_amx.load(std::memory_order_relaxed) && amx_available()) {
+      if (p.head_dim == 64) return run<T, PAIRS, 64, true>(p, num_threads);
+      if (p.head_dim == 128) return run<T, PAIRS, 128, true>(p, num_threads);
+    }
+  }
+#endif
   switch (p.head_dim) {
     case 64:
       run<T, PAIRS, 64>(p, num_threads);
@@ -252,6 +294,18 @@ int poise_paged_prefill(int dtype, const void* q, int64_t q_token_stride, const 
     return -2;
   }
   return 0;
+}
+
+// enable: 1 lets bf16 prefills use AMX tiles where the CPU and the OS allow them (the
+// default), 0 keeps them on the AVX512-BF16 vectors, -1 only asks. Returns whether they use
+// AMX now.
+int poise_prefill_use_amx(int enable) {
+  if (enable >= 0) use_amx.store(enable != 0);
+#if defined(POISE_PREFILL_AMX)
+  return use_amx.load() && amx_available() ? 1 : 0;
+#else
+  return 0;
+#endif
 }
 
 }  // extern "C"

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <vector>
 
 #include "cpu_attention_common.h"
@@ -23,16 +24,37 @@ constexpr int kQkKeys = 8;
 constexpr int kQkRowVectors = 2;
 constexpr int kPvRows = 4;
 
+// Storage on 64-byte (cache line) boundaries: a vector or tile row that straddles two lines
+// costs two accesses (the AMX tiles' 64-byte rows ran at half speed from malloc's 16-byte
+// alignment). Every row stride below is a multiple of 64 bytes, so rows stay aligned.
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64)));
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAligned<U>&) const { return false; }
+};
+template <typename T>
+using AlignedVector = std::vector<T, LineAligned<T>>;
+
 // Per-thread buffers of one item, rows padded to rp (a multiple of kRowAlign). Q and the
 // scores are stored transposed (row index fastest), so one vector holds 16 rows: Q K^T
 // broadcasts each key element against 16 rows' q, and the softmax runs 16 rows per vector.
 struct Scratch {
-  std::vector<float> qt;     // [hd][rp] Q transposed (float path)
-  std::vector<uint32_t> qp;  // [hd/2][rp] Q as bf16 pairs of head dims (dpbf16 path)
-  std::vector<float> st;     // [kKeys][rp] scores, then probabilities
-  std::vector<uint32_t> pp;  // [kKeys/2][rp] probabilities as bf16 pairs of keys
-  std::vector<float> o, m, l, corr;
-  std::vector<int32_t> pos;  // [rp] the row's query position minus the block's first key
+  AlignedVector<float> qt;     // [hd][rp] Q transposed (float path)
+  AlignedVector<uint32_t> qp;  // [hd/2][rp] Q as bf16 pairs of head dims (dpbf16 path)
+  AlignedVector<float> st;     // [kKeys][rp] scores, then probabilities
+  AlignedVector<uint32_t> pp;  // [kKeys/2][rp] probabilities as bf16 pairs of keys
+  AlignedVector<float> o, m, l, corr;  // o: [rp][hd], or [hd][rp] on AMX (O^T)
+  AlignedVector<int32_t> pos;  // [rp] the row's query position minus the block's first key
   Scratch(int rp, int hd)
       : qt(static_cast<size_t>(hd) * rp), qp(static_cast<size_t>(hd) * rp),
         st(static_cast<size_t>(kKeys) * rp), pp(static_cast<size_t>(kKeys) * rp),
