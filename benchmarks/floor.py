@@ -5,7 +5,8 @@
 2. Per model and ``--quantization``: all of its linear layers as the model runs them
    (linear_times.py), weights resident in DRAM, one pass over every layer as a decode step
    makes; at each ``--batches`` row count, as a ratio to bytes read / DRAM bandwidth; and at
-   ``--prefill-rows`` rows, as a ratio to FLOPs / bf16 peak and / int8 peak (the floor with
+   ``--prefill-rows`` rows over the first ``--prefill-layers`` layers (compute-bound: a few
+   layers give the ratio), as a ratio to FLOPs / bf16 peak and / int8 peak (the floor with
    int8 activations).
 3. Per model, format and batch: a decode step through the real ``ModelRunner.execute``
    split into linears, attention, norms/rope/activation, lm_head, sampling, input building
@@ -21,7 +22,8 @@ model path) replaces them. Every model is loaded in bfloat16, then quantized per
 
 ``--tiny`` shrinks every size (buffers, GEMMs, repeats) for a smoke run on a tiny model:
 the figures then mean nothing. Timings are best-of-repeats (linears) or medians (steps) in
-wall time: run it on an idle machine.
+wall time: run it on an idle machine. Every figure goes to ``--json`` (seconds, bytes,
+FLOPs, and each ratio beside its figure as ``x_floor`` / ``x_bf16_floor`` / ``x_int8_floor``).
 """
 
 from __future__ import annotations
@@ -41,16 +43,20 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from engine_steps import DecodeBatch  # noqa: E402
-from hardware import GIB, Floors, measure_floors  # noqa: E402
+from engine_steps import (
+    DecodeBatch,  # noqa: E402
+    projections,  # noqa: E402
+)
+from hardware import GIB, measure_floors  # noqa: E402
 from linear_times import (  # noqa: E402
-    HEAD,
     bytes_by_kind,
     decode_linears,
     flops_by_kind,
+    prefill_layers,
     prefill_linears,
 )
-from step_breakdown import PARTS, breakdown  # noqa: E402
+from report import add_ratios, print_model  # noqa: E402
+from step_breakdown import breakdown  # noqa: E402
 
 from poise.config import EngineConfig  # noqa: E402
 from poise.runner.factory import create_model_runner  # noqa: E402
@@ -59,10 +65,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SHAPES_DIR = Path(__file__).resolve().parent / "shapes"
 SHAPES = ("smollm2-1.7b", "llama-3.2-1b", "qwen2.5-1.5b")
 FORMATS: dict[str, str | None] = {"bf16": None, "none": None, "int8": "int8", "int4": "int4"}
-KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", HEAD)
 BLOCK = 16
 TINY = dict(bandwidth_gib=1 / 64, gemm_size=128, hw_repeats=2, repeats=2, prefill_rows=32,
-            prefill_repeats=1, steps=2, prompt_len=16)  # fmt: skip
+            prefill_repeats=1, steps=2, prompt_len=16, prefill_layers=0)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,8 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", default="1,4,16", help="decode batch sizes (rows)")
     p.add_argument("--prefill-rows", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5, help="decode passes over the linears (best)")
+    p.add_argument("--prefill-layers", type=int, default=4, help="layers timed at prefill (0: all)")
     p.add_argument("--prefill-repeats", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8, help="decode steps per breakdown (median)")
+    p.add_argument("--prefill-budget", type=float, default=3.0,
+                   help="seconds after which no further prefill pass runs")  # fmt: skip
+    p.add_argument("--steps", type=int, default=5, help="decode steps per breakdown (median)")
     p.add_argument("--prompt-len", type=int, default=64, help="context of the decode steps")
     p.add_argument("--bandwidth-gib", type=float, default=2.0, help="read buffer (>> L3)")
     p.add_argument("--gemm-size", type=int, default=4096, help="square GEMM of the peaks")
@@ -102,8 +110,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_format(spec: str, fmt: str, floors: Floors, args: argparse.Namespace) -> dict[str, Any]:
-    """Every figure of one model in one format (the model is freed on return)."""
+def run_format(spec: str, fmt: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Every measurement of one model in one format, in seconds, bytes and FLOPs (ratios to
+    the floors come at the end: report.py); the model is freed on return."""
     steps_run = 2 + 2 * args.steps  # step_breakdown's: 2 unmeasured, then plain and timed
     per_batch = [DecodeBatch.blocks_needed(b, args.prompt_len, steps_run, BLOCK)
                  for b in args.batch_list]  # fmt: skip
@@ -113,34 +122,30 @@ def run_format(spec: str, fmt: str, floors: Floors, args: argparse.Namespace) ->
     )  # fmt: skip
     start = time.perf_counter()
     runner, _ = create_model_runner(config)
-    out: dict[str, Any] = {"load_s": time.perf_counter() - start}
     model = runner.model
     nbytes = bytes_by_kind(model)
-    total_bytes = sum(nbytes.values())
-    bw = floors.read_bytes_per_s
-    out.update(weight_bytes=total_bytes, bytes_by_kind=nbytes, decode_floor_s=total_bytes / bw)
-    out["decode"] = {}
+    out: dict[str, Any] = {
+        "load_s": time.perf_counter() - start,
+        "num_layers": model.arch.num_layers,
+        "weight_bytes": sum(nbytes.values()),
+        "bytes_by_kind": nbytes,
+        "decode": {},
+        "steps": {},
+    }
     for b in args.batch_list:
         lt = decode_linears(model, b, args.repeats)
-        out["decode"][str(b)] = {
-            "seconds": lt.seconds,
-            "x_floor": lt.seconds / out["decode_floor_s"],
-            "by_kind": {
-                k: {"seconds": s, "x_floor": s / (nbytes[k] / bw)} for k, s in lt.by_kind.items()
-            },  # fmt: skip
-        }
-    rows = args.prefill_rows
-    flops = sum(flops_by_kind(model, rows).values())
-    lt = prefill_linears(model, rows, args.prefill_repeats)
+        out["decode"][str(b)] = {"seconds": lt.seconds, "by_kind": lt.by_kind}
+    rows, layers = args.prefill_rows, prefill_layers(model, args.prefill_layers)
+    lt = prefill_linears(
+        model, rows, args.prefill_layers, args.prefill_repeats, args.prefill_budget
+    )
     out["prefill"] = {
         "rows": rows,
-        "flops": flops,
+        "layers": len(layers) * model.arch.num_layers // len(projections(model)),
+        "flops": sum(flops_by_kind(model, rows, layers).values()),
         "seconds": lt.seconds,
-        "x_bf16_floor": lt.seconds / (flops / floors.bf16_flops),
-        "x_int8_floor": lt.seconds / (flops / floors.int8_ops),
-        "by_kind_seconds": lt.by_kind,
+        "by_kind": lt.by_kind,
     }
-    out["steps"] = {}
     if not args.no_breakdown:
         first = 0
         for b, blocks in zip(args.batch_list, per_batch, strict=True):
@@ -149,72 +154,12 @@ def run_format(spec: str, fmt: str, floors: Floors, args: argparse.Namespace) ->
             out["steps"][str(b)] = {
                 "seconds": bd.step,
                 "plain_seconds": bd.plain_step,
-                "x_floor": bd.step / out["decode_floor_s"],
                 "parts": bd.parts,
                 "rest_over_linears": bd.rest_over_linears(),
             }
     del runner, model
     gc.collect()
     return out
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f}"
-
-
-def print_shape(name: str, spec: str, results: dict[str, Any], floors: Floors,
-                args: argparse.Namespace) -> None:  # fmt: skip
-    print(f"\n=== {name} ({spec}), load average {os.getloadavg()[0]:.1f}")
-    bw = floors.read_bytes_per_s
-    print(f"decode: every linear + lm_head of one step, weights in DRAM "
-          f"(floor = bytes / {bw / 1e9:.1f} GB/s); ms and x floor")  # fmt: skip
-    head = " | ".join(f"b={b:<3} ms  x floor" for b in args.batch_list)
-    print(f"{'format':<7} {'weights':>9} {'floor ms':>9} | {head}")
-    for fmt, r in results.items():
-        cells = " | ".join(
-            f"{_ms(r['decode'][str(b)]['seconds']):>9} {r['decode'][str(b)]['x_floor']:>8.2f}"
-            for b in args.batch_list
-        )
-        print(f"{fmt:<7} {r['weight_bytes'] / 1e9:>7.2f}GB {_ms(r['decode_floor_s']):>9} | {cells}")
-    b0 = str(args.batch_list[0])
-    print(f"by layer kind at batch {b0}: ms (x floor)")
-    print(f"{'format':<7} " + " ".join(f"{k:>16}" for k in KINDS))
-    for fmt, r in results.items():
-        kinds = r["decode"][b0]["by_kind"]
-        cells = " ".join(
-            f"{_ms(kinds[k]['seconds']):>8} ({kinds[k]['x_floor']:4.2f})"
-            if k in kinds
-            else " " * 16
-            for k in KINDS
-        )
-        print(f"{fmt:<7} {cells}")
-    rows = args.prefill_rows
-    print(f"prefill: the projections at {rows} rows (floor = FLOPs / "
-          f"{floors.bf16_flops / 1e9:.0f} GFLOP/s bf16, / {floors.int8_ops / 1e9:.0f} GOP/s int8)")  # fmt: skip
-    print(
-        f"{'format':<7} {'GFLOP':>8} {'ms':>9} {'tok/s':>8} {'x bf16 floor':>13} {'x int8 floor':>13}"
-    )
-    for fmt, r in results.items():
-        p = r["prefill"]
-        print(f"{fmt:<7} {p['flops'] / 1e9:>8.0f} {_ms(p['seconds']):>9} "
-              f"{rows / p['seconds']:>8.0f} {p['x_bf16_floor']:>13.2f} {p['x_int8_floor']:>13.2f}")  # fmt: skip
-    if args.no_breakdown:
-        return
-    print(f"decode step through ModelRunner.execute, context ~{args.prompt_len}: ms per step "
-          f"(median of {args.steps}); x floor = step / weight-read floor")  # fmt: skip
-    cols = " ".join(f"{p:>14}" if p == "norms/rope/act" else f"{p:>9}" for p in PARTS)
-    print(
-        f"{'format':<7} {'b':>3} {'step':>8} {'x floor':>8} {cols} {'rest/lin':>9} {'no timers':>9}"
-    )
-    for fmt, r in results.items():
-        for b in args.batch_list:
-            s = r["steps"][str(b)]
-            parts = " ".join(
-                f"{_ms(s['parts'][p]):>14}" if p == "norms/rope/act" else f"{_ms(s['parts'][p]):>9}"
-                for p in PARTS
-            )
-            print(f"{fmt:<7} {b:>3} {_ms(s['seconds']):>8} {s['x_floor']:>8.2f} {parts} "
-                  f"{s['rest_over_linears']:>9.1%} {_ms(s['plain_seconds']):>9}")  # fmt: skip
 
 
 def _commit() -> str:
@@ -252,21 +197,29 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{run['cpu']}, {run['threads']} threads, torch {run['torch']}, commit {run['commit']},"
           f" load average {run['load_average_start']:.1f}")  # fmt: skip
     floors = measure_floors(int(args.bandwidth_gib * GIB), args.gemm_size, args.hw_repeats)
-    run["hardware"] = floors.as_dict()
-    print(floors.describe())
+    print(floors.describe(), flush=True)
     run["models"] = {}
     for name, spec in args.models:
-        results: dict[str, Any] = {}
+        if run["models"]:  # bracket every model's runs with a bandwidth measurement
+            floors.remeasure_bandwidth(args.hw_repeats)
+        formats: dict[str, Any] = {}
         for fmt in args.formats:
             t = time.perf_counter()
-            results[fmt] = run_format(spec, fmt, floors, args)
-            print(f"  {name} {fmt}: done in {time.perf_counter() - t:.0f} s "
-                  f"(load {results[fmt]['load_s']:.0f} s)", flush=True)  # fmt: skip
-        print_shape(name, spec, results, floors, args)
-        run["models"][name] = {"spec": spec, "formats": results}
+            formats[fmt] = run_format(spec, fmt, args)
+            print(f"  {name} {fmt}: measured in {time.perf_counter() - t:.0f} s (load "
+                  f"{formats[fmt]['load_s']:.0f} s), load average {os.getloadavg()[0]:.1f}",
+                  flush=True)  # fmt: skip
+        run["models"][name] = {"spec": spec, "formats": formats}
+    floors.remeasure_bandwidth(args.hw_repeats)
+    run["hardware"] = floors.as_dict()
+    add_ratios(run, floors)
     run["load_average_end"] = os.getloadavg()[0]
     run["seconds"] = time.perf_counter() - started
-    print(f"\nload average at the end {run['load_average_end']:.1f}; {run['seconds']:.0f} s in all")
+    print(f"\n{floors.describe()}")
+    for name, model in run["models"].items():
+        print_model(name, model, floors, args)
+    print(f"\nload average {run['load_average_start']:.1f} at the start, "
+          f"{run['load_average_end']:.1f} at the end; {run['seconds']:.0f} s in all")  # fmt: skip
     if args.json is not None:
         args.json.write_text(json.dumps(run, indent=1))
 

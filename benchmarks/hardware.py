@@ -20,7 +20,7 @@ import ctypes
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -116,23 +116,33 @@ def int8_peaks(size: int = 4096, repeats: int = 5) -> dict[str, float]:
     return out
 
 
-@dataclass(frozen=True)
+@dataclass
 class Floors:
-    read_bytes_per_s: float  # the kernel's
+    read_bytes_per_s: float  # the kernel's: the best of read_samples
     torch_sum_bytes_per_s: float
     bf16_flops: float
     int8_ops: float  # the fastest path's
     int8_paths: dict[str, float]
     bandwidth_bytes: int  # sizes measured with
     gemm_size: int
+    read_samples: list[float] = field(default_factory=list)  # every measurement of the run
+
+    def remeasure_bandwidth(self, repeats: int) -> float:
+        """Measure the read bandwidth again (a long run brackets its parts with it); the
+        floor is the best measurement: what the machine can do, not what it did at a moment."""
+        sample = read_bandwidth(self.bandwidth_bytes, repeats)
+        self.read_samples.append(sample)
+        self.read_bytes_per_s = max(self.read_samples)
+        return sample
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def describe(self) -> str:
         paths = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in self.int8_paths.items())
+        samples = "/".join(f"{v / 1e9:.1f}" for v in self.read_samples)
         return (
-            f"DRAM read {self.read_bytes_per_s / 1e9:.1f} GB/s over "
+            f"DRAM read {self.read_bytes_per_s / 1e9:.1f} GB/s (best of {samples}) over "
             f"{self.bandwidth_bytes / GIB:.2f} GiB (torch.sum {self.torch_sum_bytes_per_s / 1e9:.1f});"
             f" bf16 GEMM {self.bf16_flops / 1e9:.0f} GFLOP/s; int8 GEMM {self.int8_ops / 1e9:.0f}"
             f" GOP/s ({paths}) at {self.gemm_size}^3"
@@ -141,12 +151,14 @@ class Floors:
 
 def measure_floors(bandwidth_bytes: int, gemm_size: int, repeats: int) -> Floors:
     paths = int8_peaks(gemm_size, repeats)
+    read = read_bandwidth(bandwidth_bytes, repeats)
     return Floors(
-        read_bytes_per_s=read_bandwidth(bandwidth_bytes, repeats),
+        read_bytes_per_s=read,
         torch_sum_bytes_per_s=torch_sum_bandwidth(bandwidth_bytes, repeats),
         bf16_flops=bf16_peak(gemm_size, repeats),
         int8_ops=max(paths.values()),
         int8_paths=paths,
         bandwidth_bytes=bandwidth_bytes,
         gemm_size=gemm_size,
+        read_samples=[read],
     )
