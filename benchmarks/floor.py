@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--batches", default="1,4,16", help="decode batch sizes (rows)")
     p.add_argument("--prefill-rows", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=5, help="decode passes over the linears (best)")
+    p.add_argument("--repeats", type=int, default=3, help="decode passes over the linears (best)")
     p.add_argument("--prefill-layers", type=int, default=4, help="layers timed at prefill (0: all)")
     p.add_argument("--prefill-repeats", type=int, default=2)
     p.add_argument("--prefill-budget", type=float, default=3.0,
