@@ -200,8 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     print(floors.describe(), flush=True)
     run["models"] = {}
     for name, spec in args.models:
-        if run["models"]:  # bracket every model's runs with a bandwidth measurement
-            floors.remeasure_bandwidth(args.hw_repeats)
+        if run["models"]:  # bracket every model's runs with the floors
+            floors.remeasure(args.hw_repeats)
         formats: dict[str, Any] = {}
         for fmt in args.formats:
             t = time.perf_counter()
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{formats[fmt]['load_s']:.0f} s), load average {os.getloadavg()[0]:.1f}",
                   flush=True)  # fmt: skip
         run["models"][name] = {"spec": spec, "formats": formats}
-    floors.remeasure_bandwidth(args.hw_repeats)
+    floors.remeasure(args.hw_repeats)
     run["hardware"] = floors.as_dict()
     add_ratios(run, floors)
     run["load_average_end"] = os.getloadavg()[0]

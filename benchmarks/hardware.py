@@ -118,47 +118,57 @@ def int8_peaks(size: int = 4096, repeats: int = 5) -> dict[str, float]:
 
 @dataclass
 class Floors:
-    read_bytes_per_s: float  # the kernel's: the best of read_samples
-    torch_sum_bytes_per_s: float
-    bf16_flops: float
-    int8_ops: float  # the fastest path's
-    int8_paths: dict[str, float]
+    """The floors of a run. Each is measured at the start, between models and at the end
+    (``remeasure``), and the best measurement is the floor: what the machine can do, not what
+    it did while a neighbour had the memory bus or a core."""
+
     bandwidth_bytes: int  # sizes measured with
     gemm_size: int
-    read_samples: list[float] = field(default_factory=list)  # every measurement of the run
+    read_samples: list[float] = field(default_factory=list)  # bytes/s, the kernel's
+    torch_sum_samples: list[float] = field(default_factory=list)
+    bf16_samples: list[float] = field(default_factory=list)  # FLOP/s
+    int8_samples: dict[str, list[float]] = field(default_factory=dict)  # OP/s per path
 
-    def remeasure_bandwidth(self, repeats: int) -> float:
-        """Measure the read bandwidth again (a long run brackets its parts with it); the
-        floor is the best measurement: what the machine can do, not what it did at a moment."""
-        sample = read_bandwidth(self.bandwidth_bytes, repeats)
-        self.read_samples.append(sample)
-        self.read_bytes_per_s = max(self.read_samples)
-        return sample
+    @property
+    def read_bytes_per_s(self) -> float:
+        return max(self.read_samples)
+
+    @property
+    def bf16_flops(self) -> float:
+        return max(self.bf16_samples)
+
+    @property
+    def int8_ops(self) -> float:
+        """The fastest int8 path's best."""
+        return max(max(v) for v in self.int8_samples.values())
+
+    def remeasure(self, repeats: int) -> None:
+        for path, ops in int8_peaks(self.gemm_size, repeats).items():
+            self.int8_samples.setdefault(path, []).append(ops)
+        self.read_samples.append(read_bandwidth(self.bandwidth_bytes, repeats))
+        self.torch_sum_samples.append(torch_sum_bandwidth(self.bandwidth_bytes, repeats))
+        self.bf16_samples.append(bf16_peak(self.gemm_size, repeats))
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out.update(read_bytes_per_s=self.read_bytes_per_s, bf16_flops=self.bf16_flops,
+                   int8_ops=self.int8_ops)  # fmt: skip
+        return out
 
     def describe(self) -> str:
-        paths = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in self.int8_paths.items())
-        samples = "/".join(f"{v / 1e9:.1f}" for v in self.read_samples)
+        def each(values: list[float]) -> str:
+            return "/".join(f"{v / 1e9:.1f}" if v < 1e11 else f"{v / 1e9:.0f}" for v in values)
+
+        paths = ", ".join(f"{k} {each(v)}" for k, v in self.int8_samples.items())
         return (
-            f"DRAM read {self.read_bytes_per_s / 1e9:.1f} GB/s (best of {samples}) over "
-            f"{self.bandwidth_bytes / GIB:.2f} GiB (torch.sum {self.torch_sum_bytes_per_s / 1e9:.1f});"
-            f" bf16 GEMM {self.bf16_flops / 1e9:.0f} GFLOP/s; int8 GEMM {self.int8_ops / 1e9:.0f}"
-            f" GOP/s ({paths}) at {self.gemm_size}^3"
+            f"DRAM read {self.read_bytes_per_s / 1e9:.1f} GB/s (best of {each(self.read_samples)}"
+            f" over {self.bandwidth_bytes / GIB:.2f} GiB; torch.sum {each(self.torch_sum_samples)});"
+            f" bf16 GEMM {self.bf16_flops / 1e9:.0f} GFLOP/s (best of {each(self.bf16_samples)});"
+            f" int8 GEMM {self.int8_ops / 1e9:.0f} GOP/s ({paths}) at {self.gemm_size}^3"
         )
 
 
 def measure_floors(bandwidth_bytes: int, gemm_size: int, repeats: int) -> Floors:
-    paths = int8_peaks(gemm_size, repeats)
-    read = read_bandwidth(bandwidth_bytes, repeats)
-    return Floors(
-        read_bytes_per_s=read,
-        torch_sum_bytes_per_s=torch_sum_bandwidth(bandwidth_bytes, repeats),
-        bf16_flops=bf16_peak(gemm_size, repeats),
-        int8_ops=max(paths.values()),
-        int8_paths=paths,
-        bandwidth_bytes=bandwidth_bytes,
-        gemm_size=gemm_size,
-        read_samples=[read],
-    )
+    floors = Floors(bandwidth_bytes, gemm_size)
+    floors.remeasure(repeats)
+    return floors

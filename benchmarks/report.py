@@ -1,7 +1,7 @@
 """floor.py's figures as ratios to the floors, and its tables (one set per model).
 
-Ratios are taken at the end of the run, against the best DRAM bandwidth measured in it (the
-read kernel runs at the start, between models and at the end: a neighbour's burst during one
+Ratios are taken at the end of the run, against the best floors measured in it (the floors
+are measured at the start, between models and at the end: a neighbour's burst during one
 measurement must not lower the floor that every model is held to).
 """
 
