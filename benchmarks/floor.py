@@ -43,10 +43,7 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from engine_steps import (
-    DecodeBatch,  # noqa: E402
-    projections,  # noqa: E402
-)
+from engine_steps import DecodeBatch, projections  # noqa: E402
 from hardware import GIB, measure_floors  # noqa: E402
 from linear_times import (  # noqa: E402
     bytes_by_kind,
@@ -56,7 +53,7 @@ from linear_times import (  # noqa: E402
     prefill_linears,
 )
 from report import add_ratios, print_model  # noqa: E402
-from step_breakdown import breakdown  # noqa: E402
+from step_breakdown import breakdown, steps_needed  # noqa: E402
 
 from poise.config import EngineConfig  # noqa: E402
 from poise.runner.factory import create_model_runner  # noqa: E402
@@ -113,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_format(spec: str, fmt: str, args: argparse.Namespace) -> dict[str, Any]:
     """Every measurement of one model in one format, in seconds, bytes and FLOPs (ratios to
     the floors come at the end: report.py); the model is freed on return."""
-    steps_run = 2 + 2 * args.steps  # step_breakdown's: 2 unmeasured, then plain and timed
+    steps_run = steps_needed(args.steps)
     per_batch = [DecodeBatch.blocks_needed(b, args.prompt_len, steps_run, BLOCK)
                  for b in args.batch_list]  # fmt: skip
     config = EngineConfig.from_kwargs(

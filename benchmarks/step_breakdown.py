@@ -131,12 +131,17 @@ class Breakdown:
         return (self.step - self.parts["linears"]) / self.parts["linears"]
 
 
+def steps_needed(steps: int) -> int:
+    """Decode steps a ``breakdown`` of ``steps`` runs (the KV blocks it needs follow)."""
+    return 2 + 2 * steps
+
+
 def breakdown(
     runner: ModelRunner, batch: int, prompt_len: int, steps: int, first_block: int = 0
 ) -> Breakdown:
     """``steps`` decode steps of ``batch`` requests at context ~``prompt_len`` without the
     timers, then ``steps`` with them (after 2 unmeasured ones): the median of each."""
-    decode = DecodeBatch(runner, batch, prompt_len, 2 + 2 * steps, first_block)
+    decode = DecodeBatch(runner, batch, prompt_len, steps_needed(steps), first_block)
     decode.assume_prefilled()
     for _ in range(2):
         decode.step()
