@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from engine_steps import (
@@ -78,7 +79,7 @@ def _projection_calls(
     layers = projections(model) if layers is None else layers
     dtype = model.model.embed_tokens.weight.dtype
     inputs = random_inputs({in_features(m) for _, m in layers}, rows, dtype)
-    return [(kind(name), lambda m=m: m(inputs[in_features(m)])) for name, m in layers]
+    return [(kind(name), partial(m, inputs[in_features(m)])) for name, m in layers]
 
 
 def decode_linears(model: LlamaForCausalLM, batch: int, repeats: int) -> LinearTimes:
