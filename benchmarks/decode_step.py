@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,12 +26,17 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from engine_steps import (  # noqa: E402
+    DecodeBatch,
+    Timer,
+    best_pair,
+    in_features,
+    projections,
+    random_inputs,
+)
 
 from poise.config import EngineConfig  # noqa: E402
-from poise.core.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
-from poise.core.sampling_params import SamplingParams  # noqa: E402
 from poise.model.llama import Linear, project  # noqa: E402
-from poise.model.quant import QuantLinear  # noqa: E402
 from poise.runner.factory import create_model_runner  # noqa: E402
 from poise.runner.model_runner import ModelRunner  # noqa: E402
 
@@ -40,41 +44,21 @@ BLOCK = 16
 BATCH = 32  # --batch
 
 
-class Timer:
-    """Wall and process-CPU seconds of a block. On a shared machine CPU time is the steadier
-    measure of work (wall time includes waiting for a core); with one thread they agree when
-    the machine is idle."""
-
-    def __enter__(self) -> Timer:
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall = time.perf_counter() - self.wall
-        self.cpu = time.process_time() - self.cpu
-
-
-def best_pair(timers: list[Timer]) -> tuple[float, float]:
-    return min(t.wall for t in timers), min(t.cpu for t in timers)
-
-
 def linear_floor(runner: ModelRunner, steps: int) -> tuple[float, float]:
     """Best (wall, cpu) seconds for all of the model's linear layers (as the model runs them:
     quantized or not) and the lm_head at batch BATCH."""
     model = runner.model
-    layers = [m for m in model.model.modules() if isinstance(m, (Linear, QuantLinear))]
+    layers = [m for _, m in projections(model)]
     head = model.lm_head if model.lm_head is not None else model.tied_head
     embed = model.model.embed_tokens.weight
-    dtype = embed.dtype
-    sizes = {embed.shape[1], *(_in_features(m) for m in layers)}
-    inputs = {k: torch.randn(BATCH, k, dtype=dtype) for k in sizes}
+    inputs = random_inputs({embed.shape[1], *map(in_features, layers)}, BATCH, embed.dtype)
     hidden = inputs[embed.shape[1]]
     timers = []
     with torch.inference_mode():
         for _ in range(steps + 2):
             with Timer() as t:
                 for m in layers:
-                    m(inputs[_in_features(m)])
+                    m(inputs[in_features(m)])
                 if head is not None:
                     head(hidden)
                 else:  # tied, unquantized: the embedding is the head
@@ -83,31 +67,14 @@ def linear_floor(runner: ModelRunner, steps: int) -> tuple[float, float]:
     return best_pair(timers[2:])
 
 
-def _in_features(m: torch.nn.Module) -> int:
-    return m.in_features if isinstance(m, QuantLinear) else int(m.weight.shape[1])
-
-
 def decode_steps(runner: ModelRunner, steps: int, prompt_len: int) -> tuple[float, float]:
     """Best (wall, cpu) seconds per decode step of BATCH requests (after a prefill)."""
-    sp = SamplingParams(temperature=0.0, max_tokens=steps + 1)
-    blocks_per = (prompt_len + steps + 2 + BLOCK - 1) // BLOCK
-    tables = [list(range(i * blocks_per, (i + 1) * blocks_per)) for i in range(BATCH)]
-    prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(BATCH)]
-    reqs = [
-        ScheduledRequest(f"r{i}", prompts[i], 0, tables[i], True, sp, 0, prompt_len)
-        for i in range(BATCH)
-    ]
-    last = runner.execute(SchedulerOutput(step_id=0, scheduled=reqs)).sampled_token_ids
+    batch = DecodeBatch(runner, BATCH, prompt_len, steps + 2)
+    batch.prefill()
     timers = []
-    for s in range(steps + 2):
-        pos = prompt_len + s
-        reqs = [
-            ScheduledRequest(f"r{i}", [last[f"r{i}"]], pos, tables[i], True, sp, s + 1, prompt_len)
-            for i in range(BATCH)
-        ]
+    for _ in range(steps + 2):
         with Timer() as t:
-            out = runner.execute(SchedulerOutput(step_id=s + 1, scheduled=reqs))
-        last = out.sampled_token_ids
+            batch.step()
         timers.append(t)
     return best_pair(timers[2:])
 
