@@ -1,0 +1,141 @@
+"""The FlexAttention backend's per-step tables: which cache slots each flat query may see.
+
+FlexAttention (``torch.nn.attention.flex_attention``) attends ONE query sequence to ONE key
+sequence through a ``mask_mod(b, h, q_idx, kv_idx) -> bool`` and a block-sparse ``BlockMask``
+saying which key blocks each query block reads at all. Here (as in vLLM's FlexAttention
+backend) the query sequence is the step's flat batch, padded to a bucket, and the key
+sequence is the WHOLE paged cache of the layer viewed as ``num_blocks * block_size`` slots in
+physical order: no K/V is gathered or copied; the tables below map a physical slot back to a
+request's logical position.
+
+Tables (all shapes fixed by the bucket, so a compiled kernel is reused across steps):
+
+- ``q_row [Tp]``: the request row of each flat query (decodes 0..D-1, then one per chunk);
+  padded queries use row 0 with ``q_pos = -1``, which sees nothing;
+- ``q_pos [Tp]``: each query's position (decode: context_len - 1; chunk: start + i);
+- ``tables [Tp, Wp]``: each row's block table, -1 past its last used block (the metadata pads
+  decode tables with block 0, which another request may own: -1 never matches a block);
+- ``block_logical [num_blocks]``: the logical index of each physical block in the tables that
+  hold it (-1: no request of this step). A block shared through the prefix cache sits at the
+  same logical index in every table that holds it (its hash chains from the first token), and
+  ``prepare`` checks that.
+
+A query at (row r, position p) sees slot s = b * block_size + o iff ``tables[r,
+block_logical[b]] == b`` (r holds b) and ``block_logical[b] * block_size + o <= p`` (causal),
+and, with a sliding window W, ``p - (that position) < W`` (transformers' rule: the last W
+keys, itself included).
+
+The block mask lists, per block of ``Q_BLOCK`` queries, the key blocks (``kv_block`` slots,
+a multiple of the cache block size) any of its queries needs: the blocks of their requests up
+to their positions. Decode rows of different requests share a query block, so each reads the
+union of their blocks and the mask_mod discards the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from poise.model.attention.metadata import AttentionMetadata
+
+# Queries per block of the block mask; also the smallest query bucket.
+Q_BLOCK = 16
+# Smallest width bucket of the request block tables.
+MIN_TABLE_WIDTH = 16
+
+
+def bucket(n: int, floor: int) -> int:
+    """The smallest power of two >= max(n, floor): few distinct shapes, so few compiles."""
+    size = floor
+    while size < n:
+        size *= 2
+    return size
+
+
+@dataclass(frozen=True)
+class FlexTables:
+    """The step's tables (module docstring), padded to ``padded_tokens`` queries."""
+
+    num_tokens: int
+    padded_tokens: int
+    q_row: torch.Tensor  # [Tp] int64
+    q_pos: torch.Tensor  # [Tp] int64
+    tables: torch.Tensor  # [Tp, Wp] int64
+    block_logical: torch.Tensor  # [num_blocks] int64
+    # Per query block: how many key blocks it reads, and which ([1, 1, nqb] / [1, 1, nqb, K]).
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+
+
+def _rows(meta: AttentionMetadata, device: torch.device) -> tuple[list[torch.Tensor], list[int]]:
+    """Each request row's used block ids (decodes, then chunks) and its context length."""
+    tables: list[torch.Tensor] = []
+    contexts: list[int] = []
+    if meta.num_decodes:
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+        for table, ctx in zip(meta.decode_block_tables, meta.decode_context_lens.tolist(),
+                              strict=True):  # fmt: skip
+            tables.append(table[: -(-ctx // meta.block_size)])
+            contexts.append(ctx)
+    for chunk in meta.prefills:
+        tables.append(chunk.block_table.to(device))
+        contexts.append(chunk.context_len)
+    return tables, contexts
+
+
+def build_tables(
+    meta: AttentionMetadata, num_blocks: int, kv_block: int, window: int | None
+) -> FlexTables:
+    """The step's tables for a cache of ``num_blocks`` blocks (see the module docstring)."""
+    device = meta.slot_mapping.device
+    bs = meta.block_size
+    t = meta.num_tokens
+    tp = bucket(t, Q_BLOCK)
+    row_tables, contexts = _rows(meta, device)
+    width = bucket(max((len(r) for r in row_tables), default=1), MIN_TABLE_WIDTH)
+    tables = torch.full((tp, width), -1, dtype=torch.int64, device=device)
+    for r, table in enumerate(row_tables):
+        tables[r, : table.shape[0]] = table
+    q_row = torch.zeros(tp, dtype=torch.int64, device=device)
+    q_pos = torch.full((tp,), -1, dtype=torch.int64, device=device)
+    d = meta.num_decodes
+    if d:
+        q_row[:d] = torch.arange(d, device=device)
+        q_pos[:d] = torch.tensor(contexts[:d], device=device) - 1
+    for k, chunk in enumerate(meta.prefills):
+        s, n = chunk.query_start, chunk.query_len
+        q_row[s : s + n] = d + k
+        q_pos[s : s + n] = torch.arange(n, device=device) + chunk.start_position
+
+    held = tables >= 0
+    columns = torch.arange(width, device=device).expand(tp, width)
+    block_logical = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
+    block_logical[tables[held]] = columns[held]
+    if not torch.equal(block_logical[tables[held]], columns[held]):
+        raise ValueError("flex attention: a KV block sits at two logical indexes in one step")
+
+    # Key blocks each query block reads: its queries' blocks at logical index <= position
+    # (and not wholly before the window).
+    tok_tables = tables[q_row[:t]]  # [T, Wp]
+    pos = q_pos[:t, None]
+    need = (tok_tables >= 0) & (columns[:t] * bs <= pos)
+    if window is not None:
+        need &= (columns[:t] + 1) * bs - 1 > pos - window
+    num_kv = -(-num_blocks * bs // kv_block)
+    dense = torch.zeros(tp // Q_BLOCK, num_kv, dtype=torch.bool, device=device)
+    qblock = (torch.arange(t, device=device) // Q_BLOCK)[:, None].expand(t, width)
+    dense[qblock[need], (tok_tables[need] * bs) // kv_block] = True
+    kv_num_blocks = dense.sum(-1, dtype=torch.int32)
+    # Listed blocks first (stable: ascending physical order within them).
+    kv_indices = dense.to(torch.int8).argsort(dim=-1, descending=True, stable=True)
+    return FlexTables(
+        num_tokens=t,
+        padded_tokens=tp,
+        q_row=q_row,
+        q_pos=q_pos,
+        tables=tables,
+        block_logical=block_logical,
+        kv_num_blocks=kv_num_blocks[None, None],
+        kv_indices=kv_indices.to(torch.int32)[None, None],
+    )
