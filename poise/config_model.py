@@ -71,6 +71,12 @@ class ModelConfig:
         "builds (float32/bfloat16), flex on CUDA, else torch.",
         default="auto",
     )
+    enforce_eager: bool = _help(
+        "Run every step eagerly (vLLM's flag). Without it, on CUDA, decode-only steps are "
+        "padded to batch-size buckets and replayed from CUDA graphs (with the torch attention "
+        "backend, whose per-step preparation can be captured). No effect on CPU.",
+        default=False,
+    )
     num_threads: int | None = _help(
         "torch intra-op threads for the model (torch.set_num_threads). Default: torch's choice "
         "(the number of cores). Fewer threads than cores helps when other processes compete "
