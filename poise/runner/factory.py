@@ -23,7 +23,7 @@ from poise.runner.attention import create_attention_backend
 from poise.runner.graphs import CudaGraphDevice, DecodeGraphs, decode_graphs_for
 from poise.runner.kv_pool import allocate_kv_caches, num_kv_blocks
 from poise.runner.model_runner import ModelRunner
-from poise.runner.platform import resolve_device, resolve_dtype
+from poise.runner.platform import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from poise.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -73,16 +73,17 @@ def create_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelInfo]:
     if mc.num_threads is not None:
         torch.set_num_threads(mc.num_threads)
     attention = create_attention_backend(mc.attention_backend, device, dtype)
+    kv_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, device, attention.name, dtype)
     loaded = load_model(mc.model, dtype, device, seed=mc.seed, quantization=mc.quantization)
     arch = loaded.arch
     max_model_len = resolve_max_model_len(mc.max_model_len, arch.context_length)
     loaded.model.init_rope(max_model_len)
-    blocks = num_kv_blocks(cc, config.scheduler, arch, dtype, device)
+    blocks = num_kv_blocks(cc, config.scheduler, arch, dtype, device, kv_dtype)
     # Decode graphs on CUDA unless --enforce-eager, for backends whose prepare captures.
     graphs = (device.type == "cuda" and not mc.enforce_eager
               and getattr(attention, "decode_capturable", False))  # fmt: skip
     # With graphs, block ``blocks`` (one past the KV manager's) is the padded rows' own.
-    caches = allocate_kv_caches(arch, blocks + graphs, cc.block_size, dtype, device)
+    caches = allocate_kv_caches(arch, blocks + graphs, cc.block_size, kv_dtype, device)
     decode_graphs: DecodeGraphs | None = None
     if graphs:
         model = loaded.model
