@@ -66,8 +66,9 @@ def test_buckets_are_vllms_default_capture_sizes() -> None:
 def _decode(h: PagedHarness, lengths: dict[str, int], token: int) -> list[ScheduledRequest]:
     """One decode token for each request in ``lengths`` (its tokens so far)."""
     return [
-        ScheduledRequest(rid, [token], n, list(h._blocks(rid, n + 1)), True, SamplingParams(),
-                         0, n + 1)  # fmt: skip
+        ScheduledRequest(
+            rid, [token], n, list(h._blocks(rid, n + 1)), True, SamplingParams(), 0, n + 1
+        )  # fmt: skip
         for rid, n in lengths.items()
     ]
 

@@ -143,4 +143,3 @@ def _mask_mod(tables: FlexTables, block_size: int, window: int | None) -> Callab
         return visible
 
     return mask_mod
-
