@@ -17,14 +17,24 @@ What it runs, in order (on one GPU, well under 8 minutes):
    timed end to end through ``ModelRunner.execute`` (best of ``--steps``), next to the
    weight-read floor ``weight bytes / copy bandwidth`` and their ratio.
 
+4. ``lab``: the seed lab's configs A / B / C (one poise server each, on the same
+   Qwen2.5-7B-shaped dummy model; dry run: a tiny one) at concurrency 1 / 8 / 16 / 32 with the
+   seed's SHORT/LONG mix (benchmarks/gpu_check_lab.py); each config's bench record is saved
+   beside the check's record as ``lab-<config>.yaml``.
+5. ``calibration``: a concurrency-1 record of config A (``calibration-A-conservative.yaml``)
+   through what ``poise simulate --calibrate-from`` does, against the roofline model of the
+   GPU (``--accelerator``, default: matched from the device name; dry run: h200): the
+   simulator's GPU step-cost model. Simulate with it: ``poise simulate --model-shape
+   <lab_model> --accelerator A --calibrate-from calibration-A-conservative.yaml``.
+
 The record's fields are the same with and without ``--dry-run`` (``RECORD_FIELDS``); the test
-suite runs the dry run. Not in it yet (see docs/ARCHITECTURE.md): the seed lab's configs
-A / B / C at concurrency 8 / 16 / 32 and a record ``poise simulate --calibrate-from`` reads.
+suite runs the dry run (``--skip-lab`` leaves 4 and 5 out, their fields null).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -40,9 +50,12 @@ from poise.core.sampling_params import SamplingParams
 from poise.runner.factory import create_model_runner
 from poise.runner.model_runner import ModelRunner
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_check_lab  # noqa: E402
+
 RECORD_FIELDS = (
     "dry_run", "device", "device_name", "torch", "equality", "copy_gb_per_s", "decode_model",
-    "decode_dtype", "attention_backend", "decode", "wall_s",
+    "decode_dtype", "attention_backend", "decode", "lab_model", "lab", "calibration", "wall_s",
 )  # fmt: skip
 BATCHES = (1, 8, 32)
 SHAPES = Path(__file__).resolve().parents[1] / "poise" / "sim" / "model_shapes"
@@ -50,13 +63,25 @@ BLOCK = 16
 MAX_NEW = 8
 
 
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048,
+             tie_word_embeddings=False)  # fmt: skip
+
+
+def accelerator_for(device_name: str) -> str:
+    """The simulator's accelerator whose name the device's contains (h200 when none does)."""
+    from poise.sim.accelerators import ACCELERATORS
+
+    name = device_name.lower()
+    found = [a for a in ACCELERATORS if a.split("-")[0] in name]
+    return max(found, key=len) if found else "h200"
+
+
 def write_small_checkpoint(path: Path) -> Path:
     """A random 2-layer Llama (GQA) saved by transformers: the equality oracle's model."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                         max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+    config = LlamaConfig(**SMALL)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -152,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, same record")
     ap.add_argument("--out", default="gpu_check.yaml", help="where the YAML record goes")
     ap.add_argument("--steps", type=int, default=10, help="timed decode steps per batch")
+    ap.add_argument("--skip-lab", action="store_true", help="leave out the lab configs")
+    ap.add_argument(
+        "--accelerator",
+        default=None,
+        help="the simulator's accelerator to calibrate (default: from the device)",
+    )
     args = ap.parse_args(argv)
     started = time.perf_counter()
     if not args.dry_run and not torch.cuda.is_available():
@@ -159,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     device = "cpu" if args.dry_run else "cuda"
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     # The device's default backend on CUDA (flex); on the CPU the dry run forces flex, so the
     # code path the GPU runs is the one exercised.
     backend = "flex" if args.dry_run else "auto"
@@ -171,10 +205,19 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model, dtype = f"dummy:{SHAPES / 'Qwen2.5-7B-Instruct.json'}", "bfloat16"
         used, rows = decode(model, device, dtype, backend, gb_per_s, args.steps)
+        shape_file = SMALL if args.dry_run else json.loads(
+            (SHAPES / "Qwen2.5-7B-Instruct.json").read_text())  # fmt: skip
+        lab_model = gpu_check_lab.dummy_config(shape_file, out.parent / "gpu_check_lab_model.json")
+        lab, calibration = None, None
+        if not args.skip_lab:
+            lab, c1 = gpu_check_lab.run_lab(lab_model, device, out.parent, args.dry_run,
+                                            device_name)  # fmt: skip
+            accelerator = args.accelerator or accelerator_for(device_name)
+            calibration = gpu_check_lab.calibrate(c1, lab_model, accelerator)
     record = {
         "dry_run": args.dry_run,
         "device": device,
-        "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "device_name": device_name,
         "torch": str(torch.__version__),
         "equality": eq,
         "copy_gb_per_s": round(gb_per_s, 2),
@@ -182,10 +225,13 @@ def main(argv: list[str] | None = None) -> int:
         "decode_dtype": dtype,
         "attention_backend": used,
         "decode": rows,
+        "lab_model": lab_model,
+        "lab": lab,
+        "calibration": calibration,
         "wall_s": round(time.perf_counter() - started, 1),
     }
     assert tuple(record) == RECORD_FIELDS
-    Path(args.out).write_text(yaml.safe_dump(record, sort_keys=False))
+    out.write_text(yaml.safe_dump(record, sort_keys=False))
     print(yaml.safe_dump(record, sort_keys=False))
     return 0 if eq["match"] else 1
 

@@ -15,7 +15,7 @@ the first T rows back as [T, H, hd].
 Compile cost: one compile per (query bucket, table-width bucket, cache size, head shape,
 dtype), paid the first time a shape is seen; inductor caches the compiled code on disk
 (``TORCHINDUCTOR_CACHE_DIR``, default /tmp/torchinductor_$USER), so a restart reloads it in
-about a second. Buckets are powers of two (flex_mask.bucket), so a run sees a handful.
+about a second. Buckets grow 4x (flex_mask.bucket), so a run sees a handful.
 Dynamic shapes would need one compile only, but inductor's CPU template does not build with
 them in torch 2.13 (a C++ error on ``cur_qSplitSize1``), so shapes stay static.
 
