@@ -73,8 +73,8 @@ class ModelConfig:
     )
     enforce_eager: bool = _help(
         "Run every step eagerly (vLLM's flag). Without it, on CUDA, decode-only steps are "
-        "padded to batch-size buckets and replayed from CUDA graphs (with the torch attention "
-        "backend, whose per-step preparation can be captured). No effect on CPU.",
+        "padded to batch-size buckets and replayed from CUDA graphs (attention backends flex "
+        "and torch, whose per-step preparation can be captured). No effect on CPU.",
         default=False,
     )
     num_threads: int | None = _help(

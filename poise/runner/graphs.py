@@ -21,7 +21,7 @@ memory pool) on CUDA; tests use an eager stand-in that re-runs the captured func
 reads nothing but the static buffers, so staging and padding are checked on the CPU.
 ``--enforce-eager`` (vLLM's flag) turns graphs off. The attention backend's ``prepare`` runs
 inside the capture, so only backends whose decode ``prepare`` is pure tensor work on its
-inputs (``decode_capturable = True``: the ``torch`` backend) are captured.
+inputs (``decode_capturable = True``: ``torch`` and ``flex``) are captured.
 """
 
 from __future__ import annotations

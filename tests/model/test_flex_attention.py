@@ -79,3 +79,30 @@ def test_tables_are_bucketed_and_a_block_at_two_logical_indexes_is_refused() -> 
     bad, *_ = _step({"a": [3, 9], "b": [9, 3, 7]}, {"a": (6, 1), "b": (9, 2)}, seed=2)
     with pytest.raises(ValueError, match="two logical indexes"):
         build_tables(bad.meta, 32, BS, None)
+
+
+def test_decode_tables_need_no_host_read() -> None:
+    """A decode-only step's tables and block mask trace with fake tensors (no value read, no
+    data-dependent shape): what a CUDA graph capture needs (runner/graphs.py). The checked
+    build reads a value and does not trace."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from poise.model.attention.metadata import AttentionMetadata
+
+    def tables(check: bool) -> object:
+        def build(slots: torch.Tensor, rows: torch.Tensor, ctx: torch.Tensor) -> tuple:
+            meta = AttentionMetadata(slot_mapping=slots, block_size=BS, num_decodes=3,
+                                     decode_block_tables=rows, decode_context_lens=ctx)  # fmt: skip
+            t = build_tables(meta, 40, BS, 8, check)
+            mask = BlockMask.from_kv_blocks(t.kv_num_blocks, t.kv_indices, BLOCK_SIZE=(16, BS),
+                                            seq_lengths=(16, 40 * BS))  # fmt: skip
+            return t.q_pos, t.tables, t.block_logical, mask.kv_indices, mask.q_indices
+
+        args = (torch.tensor([1, 2, 3]), torch.tensor([[1, 2], [3, 4], [5, 6]]),
+                torch.tensor([5, 6, 7]))  # fmt: skip
+        return make_fx(build, tracing_mode="fake")(*args)
+
+    assert tables(check=False) is not None
+    with pytest.raises(Exception, match="data.dependent|DataDependent"):
+        tables(check=True)

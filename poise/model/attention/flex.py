@@ -73,6 +73,10 @@ def kv_block_size(device: torch.device, block_size: int) -> int:
 
 class FlexAttentionBackend:
     name = "flex"
+    # A decode-only step's tables and block mask are tensor work only (flex_mask.py), so it
+    # can be captured into a graph (runner/graphs.py); the one host-read check is skipped
+    # while a CUDA graph is being captured.
+    decode_capturable = True
 
     def __init__(self, sliding_window: int | None = None) -> None:
         if sliding_window is not None and sliding_window <= 0:
@@ -115,7 +119,9 @@ class FlexAttentionBackend:
 
         bs = meta.block_size
         kv_block = kv_block_size(meta.slot_mapping.device, bs)
-        tables = build_tables(meta, num_blocks, kv_block, self.sliding_window)
+        device = meta.slot_mapping.device
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        tables = build_tables(meta, num_blocks, kv_block, self.sliding_window, not capturing)
         mask_mod = _mask_mod(tables, bs, self.sliding_window)
         block_mask = BlockMask.from_kv_blocks(
             tables.kv_num_blocks,

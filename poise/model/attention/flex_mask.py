@@ -74,52 +74,64 @@ class FlexTables:
     kv_indices: torch.Tensor
 
 
-def _rows(meta: AttentionMetadata, device: torch.device) -> tuple[list[torch.Tensor], list[int]]:
-    """Each request row's used block ids (decodes, then chunks) and its context length."""
-    tables: list[torch.Tensor] = []
-    contexts: list[int] = []
-    if meta.num_decodes:
-        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
-        for table, ctx in zip(meta.decode_block_tables, meta.decode_context_lens.tolist(),
-                              strict=True):  # fmt: skip
-            tables.append(table[: -(-ctx // meta.block_size)])
-            contexts.append(ctx)
-    for chunk in meta.prefills:
-        tables.append(chunk.block_table.to(device))
-        contexts.append(chunk.context_len)
-    return tables, contexts
+def _fill_rows(meta: AttentionMetadata, tables: torch.Tensor, q_row: torch.Tensor,
+               q_pos: torch.Tensor) -> None:  # fmt: skip
+    """Each request row's used blocks (the rest stay -1) and each query's row and position.
 
-
-def build_tables(
-    meta: AttentionMetadata, num_blocks: int, kv_block: int, window: int | None
-) -> FlexTables:
-    """The step's tables for a cache of ``num_blocks`` blocks (see the module docstring)."""
-    device = meta.slot_mapping.device
-    bs = meta.block_size
-    t = meta.num_tokens
-    tp = bucket(t, Q_BLOCK)
-    row_tables, contexts = _rows(meta, device)
-    width = bucket(max((len(r) for r in row_tables), default=1), MIN_TABLE_WIDTH)
-    tables = torch.full((tp, width), -1, dtype=torch.int64, device=device)
-    for r, table in enumerate(row_tables):
-        tables[r, : table.shape[0]] = table
-    q_row = torch.zeros(tp, dtype=torch.int64, device=device)
-    q_pos = torch.full((tp,), -1, dtype=torch.int64, device=device)
+    The decode part is tensor work only (no host read), so a decode-only step's tables can be
+    built inside a captured graph (runner/graphs.py)."""
+    device = tables.device
     d = meta.num_decodes
     if d:
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+        dt, ctx = meta.decode_block_tables, meta.decode_context_lens
+        used = torch.arange(dt.shape[1], device=device)[None, :] * meta.block_size < ctx[:, None]
+        tables[:d, : dt.shape[1]] = torch.where(used, dt, -1)
         q_row[:d] = torch.arange(d, device=device)
-        q_pos[:d] = torch.tensor(contexts[:d], device=device) - 1
+        q_pos[:d] = ctx - 1
     for k, chunk in enumerate(meta.prefills):
+        tables[d + k, : chunk.block_table.shape[0]] = chunk.block_table
         s, n = chunk.query_start, chunk.query_len
         q_row[s : s + n] = d + k
         q_pos[s : s + n] = torch.arange(n, device=device) + chunk.start_position
 
+
+def _table_width(meta: AttentionMetadata) -> int:
+    widths = [c.block_table.shape[0] for c in meta.prefills]
+    if meta.decode_block_tables is not None:
+        widths.append(meta.decode_block_tables.shape[1])
+    return bucket(max(widths, default=1), MIN_TABLE_WIDTH)
+
+
+def build_tables(
+    meta: AttentionMetadata, num_blocks: int, kv_block: int, window: int | None,
+    check: bool = True,
+) -> FlexTables:  # fmt: skip
+    """The step's tables for a cache of ``num_blocks`` blocks (see the module docstring).
+
+    No host read and no data-dependent shape (scatters go to a sink index past the end,
+    dropped after), so the decode-only case can be captured; ``check`` (one host read) tests
+    that no block sits at two logical indexes."""
+    device = meta.slot_mapping.device
+    bs = meta.block_size
+    t = meta.num_tokens
+    tp = bucket(t, Q_BLOCK)
+    width = _table_width(meta)
+    tables = torch.full((tp, width), -1, dtype=torch.int64, device=device)
+    q_row = torch.zeros(tp, dtype=torch.int64, device=device)
+    q_pos = torch.full((tp,), -1, dtype=torch.int64, device=device)
+    _fill_rows(meta, tables, q_row, q_pos)
+
     held = tables >= 0
     columns = torch.arange(width, device=device).expand(tp, width)
-    block_logical = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
-    block_logical[tables[held]] = columns[held]
-    if not torch.equal(block_logical[tables[held]], columns[held]):
-        raise ValueError("flex attention: a KV block sits at two logical indexes in one step")
+    sink = torch.where(held, tables, num_blocks)  # unheld entries land on index num_blocks
+    block_logical = torch.full((num_blocks + 1,), -1, dtype=torch.int64, device=device)
+    block_logical.scatter_(0, sink.flatten(), columns.flatten())
+    block_logical = block_logical[:num_blocks]
+    if check:
+        seen = block_logical[tables.clamp(min=0)]
+        if bool((held & (seen != columns)).any()):
+            raise ValueError("flex attention: a KV block sits at two logical indexes in one step")
 
     # Key blocks each query block reads: its queries' blocks at logical index <= position
     # (and not wholly before the window).
@@ -129,9 +141,12 @@ def build_tables(
     if window is not None:
         need &= (columns[:t] + 1) * bs - 1 > pos - window
     num_kv = -(-num_blocks * bs // kv_block)
-    dense = torch.zeros(tp // Q_BLOCK, num_kv, dtype=torch.bool, device=device)
-    qblock = (torch.arange(t, device=device) // Q_BLOCK)[:, None].expand(t, width)
-    dense[qblock[need], (tok_tables[need] * bs) // kv_block] = True
+    qblock = (torch.arange(t, device=device) // Q_BLOCK)[:, None]
+    # Flat index into [nqb, num_kv + 1]; column num_kv is the sink of entries not needed.
+    flat = qblock * (num_kv + 1) + torch.where(need, tok_tables * bs // kv_block, num_kv)
+    dense = torch.zeros((tp // Q_BLOCK) * (num_kv + 1), dtype=torch.bool, device=device)
+    dense.index_fill_(0, flat.flatten(), True)
+    dense = dense.view(tp // Q_BLOCK, num_kv + 1)[:, :num_kv]
     kv_num_blocks = dense.sum(-1, dtype=torch.int32)
     # Listed blocks first (stable: ascending physical order within them).
     kv_indices = dense.to(torch.int8).argsort(dim=-1, descending=True, stable=True)
