@@ -37,9 +37,13 @@ from poise.model.attention.common import write_kv
 from poise.model.attention.flex_mask import Q_BLOCK, FlexTables, build_tables
 from poise.model.attention.metadata import AttentionMetadata
 
-# Key slots per block of the block mask on CUDA: FlexAttention's default sparse block size
-# (its Triton kernels tile keys by up to 128). On CPU the cache block itself is the unit.
+# Key slots and queries per block of the block mask on CUDA: FlexAttention's default sparse
+# block size. Its Triton kernels skip every tiling whose BLOCK_M / BLOCK_N does not divide
+# the sparse sizes (64 or 128 rows), so a 16-query block would leave none. On CPU the cache
+# block is the key unit and 16 queries the query unit (decode rows of different requests
+# sharing a query block each read the union of their blocks: smaller is less waste).
 CUDA_KV_BLOCK = 128
+CUDA_Q_BLOCK = 128
 # Distinct shapes torch.compile may specialise flex_attention for before it falls back to
 # eager (dynamo's default is 8; buckets x models x cache sizes of a test run exceed it).
 RECOMPILE_LIMIT = 64
@@ -69,6 +73,10 @@ def kv_block_size(device: torch.device, block_size: int) -> int:
     if device.type != "cuda":
         return block_size
     return block_size * -(-CUDA_KV_BLOCK // block_size)
+
+
+def q_block_size(device: torch.device) -> int:
+    return CUDA_Q_BLOCK if device.type == "cuda" else Q_BLOCK
 
 
 class FlexAttentionBackend:
@@ -121,12 +129,14 @@ class FlexAttentionBackend:
         kv_block = kv_block_size(meta.slot_mapping.device, bs)
         device = meta.slot_mapping.device
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        tables = build_tables(meta, num_blocks, kv_block, self.sliding_window, not capturing)
+        q_block = q_block_size(device)
+        tables = build_tables(meta, num_blocks, kv_block, self.sliding_window, not capturing,
+                              q_block)  # fmt: skip
         mask_mod = _mask_mod(tables, bs, self.sliding_window)
         block_mask = BlockMask.from_kv_blocks(
             tables.kv_num_blocks,
             tables.kv_indices,
-            BLOCK_SIZE=(Q_BLOCK, kv_block),
+            BLOCK_SIZE=(q_block, kv_block),
             mask_mod=mask_mod,
             seq_lengths=(tables.padded_tokens, num_blocks * bs),
         )

@@ -25,7 +25,8 @@ block_logical[b]] == b`` (r holds b) and ``block_logical[b] * block_size + o <= 
 and, with a sliding window W, ``p - (that position) < W`` (transformers' rule: the last W
 keys, itself included).
 
-The block mask lists, per block of ``Q_BLOCK`` queries, the key blocks (``kv_block`` slots,
+The block mask lists, per block of ``q_block`` queries (16 on CPU, 128 on CUDA: see
+flex.py), the key blocks (``kv_block`` slots,
 a multiple of the cache block size) any of its queries needs: the blocks of their requests up
 to their positions. Decode rows of different requests share a query block, so each reads the
 union of their blocks and the mask_mod discards the rest.
@@ -39,7 +40,7 @@ import torch
 
 from poise.model.attention.metadata import AttentionMetadata
 
-# Queries per block of the block mask; also the smallest query bucket.
+# Queries per block of the block mask on CPU; also the smallest query bucket there.
 Q_BLOCK = 16
 # Smallest width bucket of the request block tables.
 MIN_TABLE_WIDTH = 16
@@ -105,7 +106,7 @@ def _table_width(meta: AttentionMetadata) -> int:
 
 def build_tables(
     meta: AttentionMetadata, num_blocks: int, kv_block: int, window: int | None,
-    check: bool = True,
+    check: bool = True, q_block: int = Q_BLOCK,
 ) -> FlexTables:  # fmt: skip
     """The step's tables for a cache of ``num_blocks`` blocks (see the module docstring).
 
@@ -115,7 +116,7 @@ def build_tables(
     device = meta.slot_mapping.device
     bs = meta.block_size
     t = meta.num_tokens
-    tp = bucket(t, Q_BLOCK)
+    tp = bucket(t, q_block)
     width = _table_width(meta)
     tables = torch.full((tp, width), -1, dtype=torch.int64, device=device)
     q_row = torch.zeros(tp, dtype=torch.int64, device=device)
@@ -141,12 +142,12 @@ def build_tables(
     if window is not None:
         need &= (columns[:t] + 1) * bs - 1 > pos - window
     num_kv = -(-num_blocks * bs // kv_block)
-    qblock = (torch.arange(t, device=device) // Q_BLOCK)[:, None]
+    qblock = (torch.arange(t, device=device) // q_block)[:, None]
     # Flat index into [nqb, num_kv + 1]; column num_kv is the sink of entries not needed.
     flat = qblock * (num_kv + 1) + torch.where(need, tok_tables * bs // kv_block, num_kv)
-    dense = torch.zeros((tp // Q_BLOCK) * (num_kv + 1), dtype=torch.bool, device=device)
+    dense = torch.zeros((tp // q_block) * (num_kv + 1), dtype=torch.bool, device=device)
     dense.index_fill_(0, flat.flatten(), True)
-    dense = dense.view(tp // Q_BLOCK, num_kv + 1)[:, :num_kv]
+    dense = dense.view(tp // q_block, num_kv + 1)[:, :num_kv]
     kv_num_blocks = dense.sum(-1, dtype=torch.int32)
     # Listed blocks first (stable: ascending physical order within them).
     kv_indices = dense.to(torch.int8).argsort(dim=-1, descending=True, stable=True)
