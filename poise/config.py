@@ -54,6 +54,10 @@ ALIASES: dict[str, str] = {
 }
 
 
+# --kv-cache-dtype values (vLLM's names); "fp8" is fp8_e4m3, as in vLLM.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = _help(
@@ -87,8 +91,19 @@ class CacheConfig:
         "do by default): shared system prompts and repeated documents skip their prefill.",
         default=True,
     )
+    kv_cache_dtype: str = _help(
+        "KV cache storage dtype (vLLM's flag): auto (the model dtype) or fp8 / fp8_e4m3 / "
+        "fp8_e5m2 (one byte per value, no scaling: half a bf16 cache). fp8 runs on CUDA with "
+        "attention_backend torch; elsewhere it is refused until it exists there.",
+        default="auto",
+    )
 
     def __post_init__(self) -> None:
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+        )
         _require(
             self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
             "block_size",

@@ -22,7 +22,7 @@ def _require(cond: bool, field_name: str, message: str) -> None:
 
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16", "auto")
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu", "flex")
 # --quantization values (vLLM's flag; its method names are checkpoint formats, ours are what
 # the weights become at load). None: the weights stay in dtype.
 QUANTIZATIONS: tuple[str, ...] = ("int8", "int4")
@@ -63,11 +63,19 @@ class ModelConfig:
         default=None,
     )
     attention_backend: str = _help(
-        "Paged attention implementation: auto, torch or cpu. 'cpu' is a C++ kernel (built once "
-        "with the system compiler, cached) that reads K/V in place through the block tables; "
+        "Paged attention implementation: auto, torch, cpu or flex. 'cpu' is a C++ kernel "
+        "(built once with the system compiler, cached) that reads K/V in place through the "
+        "block tables; 'flex' is PyTorch FlexAttention compiled through torch.compile (Triton "
+        "on CUDA, inductor's C++ on CPU; compiled once per shape bucket, cached on disk); "
         "'torch' gathers blocks and calls SDPA. auto = cpu on a CPU device when the kernel "
-        "builds (float32/bfloat16), else torch.",
+        "builds (float32/bfloat16), flex on CUDA, else torch.",
         default="auto",
+    )
+    enforce_eager: bool = _help(
+        "Run every step eagerly (vLLM's flag). Without it, on CUDA, decode-only steps are "
+        "padded to batch-size buckets and replayed from CUDA graphs (attention backends flex "
+        "and torch, whose per-step preparation can be captured). No effect on CPU.",
+        default=False,
     )
     num_threads: int | None = _help(
         "torch intra-op threads for the model (torch.set_num_threads). Default: torch's choice "

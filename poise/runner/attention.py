@@ -22,6 +22,7 @@ from poise.model.attention import (
 )
 from poise.model.attention.cpu import SUPPORTED_DTYPES as CPU_KERNEL_DTYPES
 from poise.model.attention.cpu_kernel import load_cpu_kernel
+from poise.model.attention.flex import FlexAttentionBackend
 
 
 def _always() -> bool:
@@ -37,6 +38,9 @@ class BackendSpec:
     # Whether it can run on this machine at all (a kernel that must build); asked by ``auto``
     # only: an explicit choice that cannot run fails in ``create`` with its own reason.
     available: Callable[[], bool] = _always
+    # Device types where ``auto`` may pick it (None = wherever it runs): flex runs on CPU
+    # but is auto's choice on CUDA only (on CPU the C++ kernels are faster and compile-free).
+    auto_devices: tuple[str, ...] | None = None
 
     def runs_on(self, device: torch.device, dtype: torch.dtype) -> bool:
         return (self.devices is None or device.type in self.devices) and (
@@ -53,6 +57,12 @@ BACKENDS: dict[str, BackendSpec] = {
         dtypes=CPU_KERNEL_DTYPES,
         available=lambda: load_cpu_kernel() is not None,
     ),
+    "flex": BackendSpec(
+        FlexAttentionBackend,
+        devices=("cpu", "cuda"),
+        dtypes=(torch.float32, torch.bfloat16, torch.float16),
+        auto_devices=("cuda",),
+    ),
     "torch": BackendSpec(TorchAttentionBackend),
 }
 
@@ -65,7 +75,8 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype) ->
     """``auto`` -> the preferred backend that works here; other names are checked and kept."""
     if name == "auto":
         for candidate, entry in BACKENDS.items():
-            if entry.runs_on(device, dtype) and entry.available():
+            auto_here = entry.auto_devices is None or device.type in entry.auto_devices
+            if auto_here and entry.runs_on(device, dtype) and entry.available():
                 return candidate
         raise ValueError(f"attention_backend: none runs on {device.type} / {dtype}")
     spec = BACKENDS.get(name)

@@ -20,9 +20,10 @@ from poise.checkpoint.source import resolve_model
 from poise.config import EngineConfig
 from poise.model.loader import LoadedModel, load_model
 from poise.runner.attention import create_attention_backend
+from poise.runner.graphs import CudaGraphDevice, DecodeGraphs, decode_graphs_for
 from poise.runner.kv_pool import allocate_kv_caches, num_kv_blocks
 from poise.runner.model_runner import ModelRunner
-from poise.runner.platform import resolve_device, resolve_dtype
+from poise.runner.platform import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from poise.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -72,17 +73,33 @@ def create_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelInfo]:
     if mc.num_threads is not None:
         torch.set_num_threads(mc.num_threads)
     attention = create_attention_backend(mc.attention_backend, device, dtype)
+    kv_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, device, attention.name, dtype)
     loaded = load_model(mc.model, dtype, device, seed=mc.seed, quantization=mc.quantization)
     arch = loaded.arch
     max_model_len = resolve_max_model_len(mc.max_model_len, arch.context_length)
     loaded.model.init_rope(max_model_len)
-    blocks = num_kv_blocks(cc, config.scheduler, arch, dtype, device)
-    caches = allocate_kv_caches(arch, blocks, cc.block_size, dtype, device)
+    blocks = num_kv_blocks(cc, config.scheduler, arch, dtype, device, kv_dtype)
+    # Decode graphs on CUDA unless --enforce-eager, for backends whose prepare captures.
+    graphs = (device.type == "cuda" and not mc.enforce_eager
+              and getattr(attention, "decode_capturable", False))  # fmt: skip
+    # With graphs, block ``blocks`` (one past the KV manager's) is the padded rows' own.
+    caches = allocate_kv_caches(arch, blocks + graphs, cc.block_size, kv_dtype, device)
+    decode_graphs: DecodeGraphs | None = None
+    if graphs:
+        model = loaded.model
+
+        def forward(ids: torch.Tensor, pos: torch.Tensor, meta: Any) -> torch.Tensor:
+            return model(ids, pos, caches, meta, attention)
+
+        decode_graphs = decode_graphs_for(
+            forward, config.scheduler.max_num_seqs, max_model_len, cc.block_size, blocks,
+            device, CudaGraphDevice(device),
+        )  # fmt: skip
     tokenizer_source = mc.tokenizer or loaded.tokenizer_source
     tokenizer = load_tokenizer(tokenizer_source) if tokenizer_source else None
     eos_ids = _eos_ids(loaded, tokenizer)
     runner = ModelRunner(loaded.model, attention, caches, cc.block_size, device, seed=mc.seed,
-                         eos_token_ids=eos_ids)  # fmt: skip
+                         eos_token_ids=eos_ids, decode_graphs=decode_graphs)  # fmt: skip
     info = ModelInfo(
         model_name=loaded.name,
         vocab_size=arch.vocab_size,

@@ -51,10 +51,12 @@ def num_kv_blocks(
     arch: ArchConfig,
     dtype: torch.dtype,
     device: torch.device,
+    kv_dtype: torch.dtype | None = None,
 ) -> int:
+    """``dtype``: the model's (activations); ``kv_dtype``: the cache's, when it differs."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    per_block = bytes_per_block(arch, cache.block_size, dtype)
+    per_block = bytes_per_block(arch, cache.block_size, kv_dtype or dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = int(cache.gpu_memory_fraction() * total) - (total - free)

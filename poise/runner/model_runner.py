@@ -18,6 +18,7 @@ import torch
 from poise.core.outputs import ModelRunnerOutput, SchedulerOutput
 from poise.model.attention import AttentionBackend
 from poise.model.llama import KVCache, LlamaForCausalLM
+from poise.runner.graphs import DecodeGraphs
 from poise.runner.inputs import build_step_inputs
 from poise.runner.logprobs import prompt_logprobs, raw_logprobs, sampled_logprobs
 from poise.runner.nonfinite import NONFINITE_MESSAGE, nonfinite_rows
@@ -35,6 +36,7 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         eos_token_ids: frozenset[int] = frozenset(),
+        decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.attention = attention
@@ -45,19 +47,26 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         # Unseeded sampling draws from here, so a run with a given engine seed is reproducible.
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        # Decode-only steps replayed from captured graphs (runner/graphs.py); None: eager.
+        # With graphs the pool holds one extra block, the padded rows' (never handed out).
+        self.decode_graphs = decode_graphs
 
     @property
     def num_kv_blocks(self) -> int:
-        return int(self.kv_caches[0].shape[0])
+        return int(self.kv_caches[0].shape[0]) - (self.decode_graphs is not None)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if not scheduler_output.scheduled:
             return ModelRunnerOutput()
         inputs = build_step_inputs(scheduler_output.scheduled, self.block_size, self.device)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.attention
-        )
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.handles(inputs.meta):
+            hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.attention
+            )
         sampled = inputs.sampled_requests
         # Empty unless a chunk asked for prompt logprobs (then logits at its prompt positions).
         prompt_lp = prompt_logprobs(

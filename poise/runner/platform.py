@@ -50,3 +50,29 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+# --kv-cache-dtype names -> storage dtypes ("fp8" is e4m3, vLLM's default fp8 format).
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}  # fmt: skip
+
+
+def resolve_kv_cache_dtype(
+    name: str, device: torch.device, attention_backend: str, dtype: torch.dtype
+) -> torch.dtype:
+    """The KV cache's storage dtype: the model's for ``auto``; fp8 on CUDA with the torch
+    backend (it widens what it gathers); a clear error anywhere else, where it does not
+    exist yet."""
+    if name == "auto":
+        return dtype
+    if device.type != "cuda":
+        raise ValueError(
+            f"kv_cache_dtype: {name!r} runs on a CUDA device only, not {device.type}; "
+            "use kv_cache_dtype='auto'"
+        )
+    if attention_backend != "torch":
+        raise ValueError(
+            f"kv_cache_dtype: {name!r} runs with attention_backend='torch' only, not "
+            f"{attention_backend!r} (it reads K/V in the model dtype)"
+        )
+    return KV_CACHE_DTYPES[name]

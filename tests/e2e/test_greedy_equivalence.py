@@ -4,10 +4,14 @@ The strongest oracle we have: the same tiny random checkpoint through transforme
 ``generate(do_sample=False)`` prompt by prompt, and through poise with many requests batched
 together under different budgets, request caps, policies, a pool small enough to force
 preemption, prefix caching and shuffled arrival order.
+
+``POISE_TEST_ATTENTION_BACKEND=flex`` (or any registered name) runs the whole suite on that
+attention backend; tests/e2e/test_flex_equivalence.py runs part of it on ``flex`` by default.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -19,6 +23,8 @@ from poise.core import SamplingParams
 from poise.engine.llm import LLM
 
 MAX_NEW = 12
+# The attention backend every poise run here uses (auto: the runner's choice).
+ATTENTION_BACKEND = os.environ.get("POISE_TEST_ATTENTION_BACKEND", "auto")
 
 
 def make_prompts(n: int = 9, seed: int = 0) -> list[list[int]]:
@@ -55,6 +61,7 @@ def poise_outputs(
     model_dir: Path, prompts: list[list[int]], **kwargs: Any
 ) -> tuple[list[list[int]], LLM]:
     kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("attention_backend", ATTENTION_BACKEND)
     kwargs.setdefault("num_kv_blocks", 256)  # not the default 1 GiB pool: tests stay light
     llm = LLM(model=str(model_dir), **kwargs)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -148,6 +155,7 @@ def test_invariance_with_per_request_priorities_and_classes(
     llm = LLM(
         model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256, max_num_seqs=2,
         scheduling_policy="slo", traffic_classes="chat:ttft_p95_ms=500;docs:ttft_p95_ms=9000",
+        attention_backend=ATTENTION_BACKEND,
     )  # fmt: skip
     params = [
         SamplingParams(

@@ -119,3 +119,40 @@ def test_runner_owns_the_backend_choice(tiny_checkpoints: dict[str, Path], reque
     assert info.attention_backend == runner.attention.name == want
     # The model holds no backend of its own: it is handed one per forward.
     assert not any(hasattr(m, "backend") for m in runner.model.modules())
+
+
+def test_fp8_kv_cache_is_refused_off_cuda_with_its_reason(
+    tiny_checkpoints: dict[str, Path],
+) -> None:
+    config = EngineConfig.from_kwargs(
+        model=str(tiny_checkpoints["llama"]), kv_cache_dtype="fp8", num_kv_blocks=16
+    )
+    with pytest.raises(ValueError, match="kv_cache_dtype: 'fp8' runs on a CUDA device only"):
+        create_model_runner(config)
+    with pytest.raises(ValueError, match="kv_cache_dtype: must be one of"):
+        EngineConfig.from_kwargs(kv_cache_dtype="int3")
+
+
+def test_torch_backend_reads_an_fp8_cache_as_its_rounded_values() -> None:
+    """What the CUDA fp8 path runs, on the CPU: K/V stored as fp8, widened when read."""
+    block_size, kv_heads, heads, hd = 4, 2, 4, 8
+    gen = torch.Generator().manual_seed(5)
+    params = SamplingParams()
+    scheduled = [
+        ScheduledRequest("d", [1], 9, [4, 5, 6], True, params, 0, 9),
+        ScheduledRequest("c", [1] * 3, 5, [7, 8], True, params, 0, 8),
+    ]
+    meta = build_step_inputs(scheduled, block_size, torch.device("cpu")).meta
+    wide = torch.randn(10, block_size, 2 * kv_heads, hd, generator=gen)
+    q = torch.randn(meta.num_tokens, heads, hd, generator=gen)
+    kv = torch.randn(meta.num_tokens, 2 * kv_heads, hd, generator=gen)
+    backend = BACKENDS["torch"].create()
+    fp8 = wide.to(torch.float8_e4m3fn)
+    got = backend.forward(q, kv, fp8, backend.prepare(meta), hd**-0.5)
+    # The same step over a float32 cache holding the fp8-rounded values.
+    rounded = fp8.float()
+    want = backend.forward(q, kv.to(torch.float8_e4m3fn).float(), rounded,
+                           backend.prepare(meta), hd**-0.5)  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(fp8.float(), rounded, atol=0, rtol=0)  # written in place
+    assert not torch.equal(fp8.float(), wide.to(torch.float8_e4m3fn).float())

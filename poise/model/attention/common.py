@@ -46,14 +46,33 @@ def value_view(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache[:, :, kv_cache.shape[2] // 2 :]
 
 
+# KV cache dtypes stored narrower than the model's (--kv-cache-dtype): plain casts, no scale
+# (vLLM's default scale of 1.0). torch has no CPU index_copy_ / index_select for float8, so
+# these move through a uint8 view of the same bytes.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def write_kv(kv: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter kv [T, 2Hkv, hd] (k heads then v heads) into kv_cache at flat slots [T]."""
+    if kv_cache.dtype in FP8_DTYPES:
+        raw = kv.to(kv_cache.dtype).view(torch.uint8)
+        kv_cache.view(torch.uint8).view(-1, kv.shape[1], kv.shape[2]).index_copy_(
+            0, slot_mapping, raw
+        )
+        return
     kv_cache.view(-1, kv.shape[1], kv.shape[2]).index_copy_(0, slot_mapping, kv)
 
 
-def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Blocks [*idx] of kv_cache -> [*idx, bs, 2Hkv, hd], one contiguous row per block."""
-    rows = kv_cache.view(kv_cache.shape[0], -1).index_select(0, block_ids.reshape(-1))
+def gather_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Blocks [*idx] of kv_cache -> [*idx, bs, 2Hkv, hd], one contiguous row per block (in
+    ``dtype`` when given: an fp8 cache is widened back to the model's dtype)."""
+    cache = kv_cache.view(torch.uint8) if kv_cache.dtype in FP8_DTYPES else kv_cache
+    rows = cache.view(cache.shape[0], -1).index_select(0, block_ids.reshape(-1))
+    rows = rows.view(kv_cache.dtype) if cache is not kv_cache else rows
+    if dtype is not None and rows.dtype != dtype:
+        rows = rows.to(dtype)
     return rows.view(*block_ids.shape, *kv_cache.shape[1:])
 
 
@@ -109,7 +128,7 @@ def _decode_rows(
     d, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[2] // 2
     # [D, B] blocks -> [D, B, bs, 2Hkv, hd] -> [D, L, 2Hkv, hd]
-    ctx = gather_blocks(kv_cache, tables).flatten(1, 2)
+    ctx = gather_blocks(kv_cache, tables, q.dtype).flatten(1, 2)
     # The padded tail still holds what the blocks' previous owners wrote. The mask gives it
     # weight 0, but 0 * NaN is NaN: a request that failed with non-finite values (an fp16
     # overflow) left NaN keys and values in the blocks it freed, and every later request
@@ -166,7 +185,8 @@ def prefill_attention(
         ctx, causal = kv[s:e], True  # [n, 2Hkv, hd]: its own fresh k/v
     else:
         # [nb, bs, 2Hkv, hd] -> [nb*bs, 2Hkv, hd] -> [ctx, 2Hkv, hd]
-        ctx = gather_blocks(kv_cache, chunk.block_table).flatten(0, 1)[: chunk.context_len]
+        ctx = gather_blocks(kv_cache, chunk.block_table, q.dtype).flatten(0, 1)
+        ctx = ctx[: chunk.context_len]
         causal = False
     kt = ctx[:, :num_kv_heads].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, hd]
     vt = ctx[:, num_kv_heads:].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, hd]

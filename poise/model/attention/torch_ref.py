@@ -34,6 +34,9 @@ class TorchAttentionState:
 
 class TorchAttentionBackend:
     name = "torch"
+    # A decode-only ``prepare`` is tensor work on its inputs only (no host reads), so a decode
+    # step can be captured into a graph (runner/graphs.py).
+    decode_capturable = True
 
     def prepare(self, meta: AttentionMetadata) -> TorchAttentionState:
         return TorchAttentionState(
