@@ -55,6 +55,17 @@ class ModelRunner:
     def num_kv_blocks(self) -> int:
         return int(self.kv_caches[0].shape[0]) - (self.decode_graphs is not None)
 
+    def _scrub_blocks(self, tables: list[list[int]]) -> None:
+        """Non-finite K/V values in a failed request's blocks become zeros before the engine
+        frees them: a backend that reads masked slots of a block (0 * NaN is NaN: flex reads
+        whole blocks) would otherwise fail every later request given them. Finite values are
+        left as they are, so blocks shared through the prefix cache keep their contents."""
+        blocks = torch.tensor(sorted({b for table in tables for b in table}), dtype=torch.long)
+        for cache in self.kv_caches:
+            rows = cache.index_select(0, blocks.to(cache.device))
+            if rows.is_floating_point():
+                cache.index_copy_(0, blocks.to(cache.device), torch.nan_to_num(rows, 0.0, 0.0, 0.0))
+
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if not scheduler_output.scheduled:
@@ -77,6 +88,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V] float32
         # NaN / inf rows fail their request only (runner/nonfinite.py); their rows are zeroed.
         failed = {sampled[i].request_id: NONFINITE_MESSAGE for i in nonfinite_rows(logits)}
+        if failed:
+            self._scrub_blocks([r.block_ids for r in sampled if r.request_id in failed])
         # Raw logprobs: from the logits before the sampler touches them.
         raw = raw_logprobs(logits, sampled)
         mask_logits(logits, [r.grammar for r in sampled])  # structured output: allowed tokens

@@ -198,3 +198,24 @@ def test_seeded_sampling_independent_of_batch(tiny_checkpoints: dict[str, Path])
     alone = run(False)
     assert alone == run(True)
     assert len(alone) == 5
+
+
+def test_failed_request_blocks_are_scrubbed(tiny_checkpoints: dict[str, Path]) -> None:
+    """A request whose values go non-finite fails alone, and its blocks hold no NaN when the
+    engine frees them (a backend reading whole blocks, flex, would pass 0 * NaN on to the
+    next owner); a block it only read (a prefix-cache hit) keeps its finite contents."""
+    runner, _ = make_runner(tiny_checkpoints["llama"], num_kv_blocks=16)
+    bs = runner.block_size
+    with torch.no_grad():
+        runner.model.model.embed_tokens.weight[7] = float("nan")
+        for cache in runner.kv_caches:
+            cache[9].normal_()
+    shared = [cache[9].clone() for cache in runner.kv_caches]
+    greedy = SamplingParams(temperature=0.0)
+    bad = ScheduledRequest("bad", [7, 3, 4], bs, [9, 2], True, greedy, 0, bs + 3)
+    good = ScheduledRequest("good", [1, 2, 3], 0, [5], True, greedy, 0, 3)
+    out = runner.execute(SchedulerOutput(step_id=1, scheduled=[bad, good]))
+    assert set(out.failed) == {"bad"} and "good" in out.sampled_token_ids
+    for cache, before in zip(runner.kv_caches, shared, strict=True):
+        assert bool(torch.isfinite(cache[2]).all())  # the failed request's own block
+        assert torch.equal(cache[9], before)  # the block it only read
