@@ -16,6 +16,7 @@ the kernels share torch's OpenMP runtime and thread count instead of starting a 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -99,3 +100,19 @@ def build_library(
             logger.warning("%s unavailable (%s): %s", stem, exc, fallback)
             return None
     return target
+
+
+def load_library(
+    stem: str, sources: Sequence[Path], headers: Sequence[Path], fallback: str
+) -> ctypes.CDLL | None:
+    """``build_library``, then the loaded library; None (logged, saying ``fallback``) when it
+    cannot be built or loaded. Call after importing torch: the library must bind to torch's
+    libgomp."""
+    target = build_library(stem, sources, headers, fallback)
+    if target is None:
+        return None
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as exc:
+        logger.warning("%s unavailable (%s): %s", stem, exc, fallback)
+        return None

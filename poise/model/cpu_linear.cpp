@@ -96,10 +96,7 @@ constexpr int64_t kRowChunk = 128;
 // int4 up to this many rows: scaled AMX products per group (tiled_int4_rows16: 1.2x faster
 // than decoding at 4-8 rows, even at 16, slower at 32), beyond: the
 // weights decoded once per row chunk.
-#ifndef POISE_INT4_SCALED_ROWS
-#define POISE_INT4_SCALED_ROWS 16
-#endif
-constexpr int64_t kInt4ScaledRows = POISE_INT4_SCALED_ROWS;
+constexpr int64_t kInt4ScaledRows = 16;
 
 bool request_amx() {
   constexpr long kReqPerm = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA

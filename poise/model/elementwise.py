@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from poise.model.cpu_build import build_library
+from poise.model.cpu_build import load_library
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +32,8 @@ def load_elementwise_kernel() -> Any:
     it cannot be built."""
     import torch  # noqa: F401  (first: the library must bind to torch's libgomp)
 
-    target = build_library("cpu_elementwise", [SOURCE], [HEADER], _FALLBACK)
-    if target is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as exc:
-        logger.warning("elementwise kernel unavailable (%s): %s", exc, _FALLBACK)
+    lib = load_library("cpu_elementwise", [SOURCE], [HEADER], _FALLBACK)
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.poise_rms_norm_bf16.argtypes = [

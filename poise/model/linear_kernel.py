@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from poise.model.cpu_build import build_library
+from poise.model.cpu_build import load_library
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +60,8 @@ def load_linear_kernel() -> Any:
     if "avx512_bf16" not in flags or "avx512_vnni" not in flags:
         logger.info("no AVX512-BF16 / VNNI: %s", _FALLBACK)
         return None
-    target = build_library("cpu_linear", [SOURCE], HEADERS, _FALLBACK)
-    if target is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as exc:
-        logger.warning("linear kernel unavailable (%s): %s", exc, _FALLBACK)
+    lib = load_library("cpu_linear", [SOURCE], HEADERS, _FALLBACK)
+    if lib is None:
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.poise_linear.argtypes = [
