@@ -37,6 +37,7 @@ void stream_group(const Problem& p, int64_t g, const float* xsum) {
   else stream_int4_group<T>(p, g, xsum);
 }
 
+#if defined(PLK_AMX)
 // Tiled int4: rows [r_begin, r_end) of group g through AMX tdpbf16ps on the decoded weights,
 // 32 rows x 2 tiles per pass.
 void tiled_int4_group(const Problem& p, int64_t g, const uint16_t* x, int64_t r_begin,
@@ -102,6 +103,7 @@ bool request_amx() {
   constexpr long kReqPerm = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
   return syscall(SYS_arch_prctl, kReqPerm, kTileData) == 0;
 }
+#endif  // PLK_AMX
 
 bool shape_fits(int64_t k, int64_t n, int fmt, int t, bool tiled) {
   if ((t != 1 && t != 2 && t != 4) || n % (kTile * t)) return false;
@@ -126,7 +128,11 @@ extern "C" int poise_linear_bf16_rows(const uint16_t* x, int64_t m, int64_t k, c
 
 // Asks the OS for the AMX tile state once per process; 1 when the tiled path may run.
 extern "C" int poise_linear_init() {
+#if defined(PLK_AMX)
   static const bool ok = request_amx();
+#else
+  static const bool ok = false;  // built without AMX: the tiled path is not in this library
+#endif
   return ok ? 1 : 0;
 }
 
@@ -169,6 +175,7 @@ extern "C" int poise_linear(const uint16_t* x, int64_t m, int64_t k, const void*
     }
     return 0;
   }
+#if defined(PLK_AMX)
   std::vector<uint16_t> padded;
   const uint16_t* xs = x;
   if (fmt == kInt4 && m_pad != m) {
@@ -199,4 +206,7 @@ extern "C" int poise_linear(const uint16_t* x, int64_t m, int64_t k, const void*
     _tile_release();
   }
   return 0;
+#else
+  return 1;  // no tiled path in this build (poise_linear_init() said so)
+#endif
 }

@@ -7,6 +7,13 @@
 #include <cstdint>
 #include <cstring>
 
+// The tiled path needs AMX (int8 and bf16 tiles) from the compiler's -march=native: built only
+// where the build machine has it, so the same sources compile on AVX-512 CPUs without AMX (AMD
+// Zen 4), where poise_linear_init() reports no AMX and every call takes the streamed path.
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
+#define PLK_AMX 1
+#endif
+
 namespace plk {
 
 constexpr int kTile = 16;   // output channels per vector / AMX tile column block
@@ -57,6 +64,7 @@ inline void store_row(uint16_t* y, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
+#if defined(PLK_AMX)
 struct TileConfig {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];
@@ -74,5 +82,7 @@ inline void configure_tiles() {
   }
   _tile_loadconfig(&c);
 }
+
+#endif  // PLK_AMX
 
 }  // namespace plk

@@ -106,6 +106,7 @@ void stream_int4_group(const Problem& p, int64_t g, const float* xsum) {
   }
 }
 
+#if defined(PLK_AMX)
 // K block kb (one group: 16 input pairs) of tile t of group g as bf16 w = q * d + m into dst:
 // 16 rows of 64 bytes, one AMX B tile. Lanes 2j and 2j + 1 are channel j, so the scales are
 // spread the same way for the low and the high 16 lanes.
@@ -188,5 +189,7 @@ inline void tiled_int4_rows16(const Problem& p, int64_t g, const uint16_t* x, in
       store_row(p.y + (r0 + r) * p.n + (g * T + t) * kTile,
                 _mm512_loadu_ps(acc + r * width + t * kTile));
 }
+
+#endif  // PLK_AMX
 
 }  // namespace plk

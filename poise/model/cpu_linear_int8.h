@@ -109,6 +109,7 @@ void stream_int8_group(const Problem& p, int64_t g) {
   }
 }
 
+#if defined(PLK_AMX)
 // Tiled (AMX): rows [r_begin, r_end) of group g, 16 rows x 2 tiles per pass, B tiles read in
 // place.
 inline void tiled_int8_group(const Problem& p, int64_t g, int64_t r_begin, int64_t r_end,
@@ -149,5 +150,7 @@ inline void tiled_int8_group(const Problem& p, int64_t g, int64_t r_begin, int64
     }
   }
 }
+
+#endif  // PLK_AMX
 
 }  // namespace plk

@@ -21,7 +21,7 @@ from gguf.quants import quantize
 from poise.cli.options import add_engine_args, engine_config_from_args
 from poise.config import EngineConfig
 from poise.model.gguf_dequant import _dequant_torch
-from poise.model.linear_kernel import load_linear_kernel
+from poise.model.linear_kernel import amx_available, load_linear_kernel
 from poise.model.llama import Linear
 from poise.model.loader import load_model
 from poise.model.quant import (
@@ -50,6 +50,21 @@ def _layer(cls: type[QuantLinear], w: torch.Tensor, dtype: torch.dtype) -> Quant
 
 
 NO_KERNEL = "no AVX512-BF16 / VNNI or no C++ compiler"
+
+
+def _cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split()}
+
+
+@pytest.mark.skipif(
+    not {"avx512_bf16", "avx512_vnni"} <= _cpu_flags(), reason="no AVX512-BF16 / VNNI"
+)
+def test_linear_kernel_builds_where_the_cpu_can_run_it() -> None:
+    # Every kernel test below skips when the library is missing, so a build that fails on one
+    # kind of CPU (AMX intrinsics on an AVX-512 CPU without AMX did) would pass unseen.
+    assert load_linear_kernel() is not None
+    assert amx_available() == ("amx_bf16" in _cpu_flags() and "amx_int8" in _cpu_flags())
 
 
 @pytest.mark.skipif(load_linear_kernel() is None, reason=NO_KERNEL)
