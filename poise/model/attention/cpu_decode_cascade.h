@@ -15,6 +15,8 @@
 // a run whole when that saves at least as much as its best split (so 8 rows sharing 3.4k
 // tokens are not merged, at one block, with rows that share only a chat template's first
 // block with them).
+//
+// Also here, for the kernel's file size: the slot walk through a block table and the merge.
 #pragma once
 
 #include <algorithm>
@@ -153,6 +155,20 @@ inline DecodePlan plan_decode(const int64_t* tables, int64_t table_stride,
     }
   }
   return plan;
+}
+
+// Slot pointers of keys [begin, end) through a block table, block by block (no division per
+// key): slots[j] is key begin + j's row of 2 * Hkv heads (slot_stride elements).
+template <typename T>
+void fill_slots(const T* cache, const int64_t* table, int block_size, int begin, int end,
+                int64_t slot_stride, const T** slots) {
+  for (int pos = begin, j = 0; pos < end;) {
+    const int block = pos / block_size;
+    const int stop = std::min(end, (block + 1) * block_size);
+    const T* base = cache + table[block] * block_size * slot_stride;
+    for (int off = pos - block * block_size; pos < stop; ++pos, ++off, ++j)
+      slots[j] = base + off * slot_stride;
+  }
 }
 
 // One row's output from its partials (items [first, last): acc [H, hd], stats m [H], l [H]

@@ -215,21 +215,6 @@ void attend_heads_fixed(const float* q_f, const T* q_raw, float scale, int hd,
   pv_generic<T, NQ>(scores, n, hd, slots, n, v_offset, acc);
 }
 
-// Slot pointers of keys [begin, end) through a block table, block by block (no division per
-// key).
-template <typename T>
-void fill_slots(const Problem& p, const int64_t* table, int begin, int end, int64_t slot_stride,
-                const T** slots) {
-  const T* cache = static_cast<const T*>(p.kv_cache);
-  for (int pos = begin, j = 0; pos < end;) {
-    const int block = pos / p.block_size;
-    const int stop = std::min(end, (block + 1) * p.block_size);
-    const T* base = cache + table[block] * p.block_size * slot_stride;
-    for (int off = pos - block * p.block_size; pos < stop; ++pos, ++off, ++j)
-      slots[j] = base + off * slot_stride;
-  }
-}
-
 // One row's query heads of kv head g over n keys. q: the row's query as stored, q_f: the same
 // pre-scaled in float. Writes per head h: the running max m_out[h], the sum of exps l_out[h]
 // and acc[h] = sum_j exp(s_j - m) v_j (unnormalised).
@@ -284,8 +269,9 @@ void attend_unit(const Problem& p, const DecodePlan& plan, const DecodeUnit& uni
   const int* rows = plan.unit_rows.data() + unit.rows_begin;
   const int num = unit.rows_end - unit.rows_begin;
   const int64_t slot_stride = static_cast<int64_t>(2 * Hkv) * hd;
-  fill_slots<T>(p, p.tables + p.row_table[rows[0]] * p.table_stride, unit.begin, unit.end,
-                slot_stride, slots);
+  const int64_t* table = p.tables + p.row_table[rows[0]] * p.table_stride;
+  fill_slots(static_cast<const T*>(p.kv_cache), table, p.block_size, unit.begin, unit.end,
+             slot_stride, slots);
   for (int m = 0; m < num; ++m) {
     const T* q = static_cast<const T*>(p.q) + p.row_token[rows[m]] * p.q_token_stride;
     float* qf = q_f + static_cast<size_t>(m) * H * hd;
@@ -305,6 +291,12 @@ void attend_unit(const Problem& p, const DecodePlan& plan, const DecodeUnit& uni
 // Whether rows that share prefix blocks attend to them together (poise_decode_use_cascade).
 std::atomic<bool> use_cascade{true};
 
+// Query-key products (keys x heads x head dims) from which a decode call is split over the
+// threads. Below it the call is ~50 us or less and a worker woken for it (OMP_WAIT_POLICY=
+// PASSIVE) starts late enough to lose the gain: SmolLM2-1.7B at batch 1, context 64, spent
+// 7.0 ms of a step in attention over 2 threads, 3.6 ms on one.
+constexpr int64_t kParallelWork = int64_t(1) << 19;
+
 template <typename T, int HD_FIXED>
 void run(const Problem& p, int num_threads) {
   const int H = p.num_heads;
@@ -318,8 +310,13 @@ void run(const Problem& p, int num_threads) {
   // Per item and head: acc [hd], m, l.
   std::vector<float> acc(static_cast<size_t>(plan.num_items) * H * hd);
   std::vector<float> stats(static_cast<size_t>(plan.num_items) * H * 2);
+  // One thread for short work (a few rows of short contexts: tens of microseconds), where
+  // waking a sleeping worker costs more than it saves (see kParallelWork).
+  int64_t keys = 0;
+  for (int r = 0; r < p.num_rows; ++r) keys += p.context_len[r];
+  const int threads = keys * H * hd >= kParallelWork ? num_threads : 1;
 
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(threads)
   {
     // Scores of up to 4 heads plus their stats; the unit's q rows; slot pointers of one
     // partition.
