@@ -24,7 +24,7 @@ from poise.config_model import DTYPES as DTYPES
 from poise.config_model import QUANTIZATIONS as QUANTIZATIONS
 from poise.config_model import ModelConfig as ModelConfig
 from poise.config_model import _help, _require
-from poise.config_spec import SpeculativeConfig
+from poise.config_spec import SpeculativeConfig as SpeculativeConfig
 
 SchedulingPolicy = Literal["fifo", "prefill_first", "priority", "slo", "lpm", "static", "dynamic"]
 SCHEDULING_POLICIES: tuple[str, ...] = (

@@ -231,15 +231,15 @@ def current_tpot(request: Request) -> float | None:
 def build_speculation(
     config: SpeculativeConfig | None, proposer: Proposer | None, estimator: StepCostEstimator
 ) -> Speculation | None:
-    """The scheduler's speculation (None when off): prompt lookup unless a proposer (the draft
-    model's, built by the engine with the model runner) is given."""
+    """The scheduler's speculation (None when off): prompt lookup unless a proposer is given
+    (the draft model's would be built with the model runner; not written yet)."""
     if config is None:
         return None
     if proposer is None:
         if config.method != "ngram":
             raise ValueError(
-                f"speculative_config.method: {config.method} needs its proposer built with the "
-                "model (build_engine does)"
+                f"speculative_config.method: {config.method}'s proposer is not implemented yet "
+                "(docs/speculation.md); use ngram"
             )
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     return Speculation(config, proposer, estimator)
