@@ -24,6 +24,7 @@ from poise.config_model import DTYPES as DTYPES
 from poise.config_model import QUANTIZATIONS as QUANTIZATIONS
 from poise.config_model import ModelConfig as ModelConfig
 from poise.config_model import _help, _require
+from poise.config_spec import SpeculativeConfig as SpeculativeConfig
 
 SchedulingPolicy = Literal["fifo", "prefill_first", "priority", "slo", "lpm", "static", "dynamic"]
 SCHEDULING_POLICIES: tuple[str, ...] = (
@@ -259,8 +260,19 @@ class SchedulerConfig:
         "(None = unbounded).",
         default=None,
     )
+    speculative_config: SpeculativeConfig | None = _help(
+        'Speculative decoding, vLLM\'s JSON shape: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+        'or \'{"method": "draft_model", "model": PATH}\'; "adaptive": false keeps k '
+        "fixed instead of the scheduler's per-request depth. Off by default (docs/speculation.md).",
+        default=None,
+    )
 
     def __post_init__(self) -> None:
+        # JSON text (the flag) or vLLM's dict (LLM(speculative_config={...})), checked here.
+        object.__setattr__(
+            self, "speculative_config", SpeculativeConfig.of(self.speculative_config)
+        )
         _require(self.max_num_seqs > 0, "max_num_seqs", f"must be > 0, got {self.max_num_seqs}")
         _require(
             self.max_num_batched_tokens > 0,

@@ -54,6 +54,9 @@ class ScheduledRequest:
     # The request's structured-output matcher (read-only here: the runner masks the sampled
     # row's logits with what it allows; the stop rules advance it).
     grammar: GrammarState | None = None
+    # Speculative decoding: the last this many of token_ids are draft tokens to verify
+    # (sched/speculation.py); the row samples at each of its last 1 + this many positions.
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -107,6 +110,11 @@ class ModelRunnerOutput:
     # request_id -> why the step could not produce its token (its logits were NaN or inf):
     # the engine finishes those requests with an error; they have no sampled token.
     failed: dict[str, str] = field(default_factory=dict)
+    # Rows that verified drafts (num_draft_tokens > 0): the drafts the target accepted, a
+    # prefix, emitted before sampled_token_ids' token (the target's own at the first rejected
+    # position, or the bonus after the last draft), and their logprobs where asked.
+    accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
     def record_prompt_logprobs(self, request: Request, sched: ScheduledRequest) -> None:
         """Append the prompt logprobs ``sched``'s chunk scored (its span's targets, in order) to
@@ -172,8 +180,9 @@ def annotate_token_delta(
     if first:
         delta.slo = request.slo
     token = result.logprobs.get(request.request_id)
-    if token is not None:
-        delta.new_logprobs = [token]
+    if token is not None:  # after the accepted drafts' (speculative decoding), as emitted
+        kept = [*result.accepted_logprobs.get(request.request_id, []), token]
+        delta.new_logprobs = kept[: len(delta.new_token_ids)]
     if first and request.prompt_logprobs is not None:
         delta.prompt_logprobs = list(request.prompt_logprobs)
     return delta

@@ -161,6 +161,17 @@ class KVCacheManager:
             keys.append(key)
             self.pool.cache(table[i], key)
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Free the blocks past the first ``num_tokens`` tokens (tail first): speculative
+        decoding allocated slots for drafts the target rejected. Those blocks were taken this
+        step for positions never computed, so none is shared or registered in the cache."""
+        table = self._tables.get(request_id)
+        keep = self.blocks_for(num_tokens)
+        if table is None or len(table) <= keep:
+            return
+        self.pool.free(table[keep:][::-1])
+        del table[keep:]
+
     def free(self, request: Request) -> None:
         table = self._tables.pop(request.request_id, None)
         self._keys.pop(request.request_id, None)

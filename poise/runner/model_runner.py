@@ -4,7 +4,8 @@ Per step: build flat inputs (runner/inputs.py), one model forward over all sched
 with the attention backend the runner was built with (runner/attention.py chooses it),
 logits only at the sampled positions (the last token of each request with ``sample=True``),
 then the structured-output mask of constrained rows (runner/structured.py), then
-``sampler.sample``. The runner keeps no per-request state: everything it needs is in the
+``sampler.sample``. A row verifying speculative drafts is sampled at each of its positions and
+keeps the drafts the target agrees with (runner/verify.py). The runner keeps no per-request state: everything it needs is in the
 ``ScheduledRequest`` (tokens, start position, block table), so finished or preempted requests
 need no cleanup here.
 """
@@ -24,6 +25,7 @@ from poise.runner.logprobs import prompt_logprobs, raw_logprobs, sampled_logprob
 from poise.runner.nonfinite import NONFINITE_MESSAGE, nonfinite_rows
 from poise.runner.sampler import sample
 from poise.runner.structured import mask_logits
+from poise.runner.verify import collapse, expand, has_drafts, owner
 
 
 class ModelRunner:
@@ -85,30 +87,42 @@ class ModelRunner:
         )
         if not sampled:
             return ModelRunnerOutput(prompt_logprobs=prompt_lp)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V] float32
+        # Rows verifying drafts sample at each of their positions (runner/verify.py).
+        rows, index = sampled, inputs.logits_indices
+        if has_drafts(sampled):
+            last = inputs.logits_indices.tolist()
+            rows, flat = expand(sampled, last, inputs.flat_starts)
+            index = torch.tensor(flat, dtype=torch.int64, device=hidden.device)
+        logits = self.model.compute_logits(hidden[index])  # [S, V] float32
         # NaN / inf rows fail their request only (runner/nonfinite.py); their rows are zeroed.
-        failed = {sampled[i].request_id: NONFINITE_MESSAGE for i in nonfinite_rows(logits)}
+        failed = {owner(rows[i].request_id): NONFINITE_MESSAGE for i in nonfinite_rows(logits)}
         if failed:
             self._scrub_blocks([r.block_ids for r in sampled if r.request_id in failed])
         # Raw logprobs: from the logits before the sampler touches them.
-        raw = raw_logprobs(logits, sampled)
-        mask_logits(logits, [r.grammar for r in sampled])  # structured output: allowed tokens
+        raw = raw_logprobs(logits, rows)
+        mask_logits(logits, [r.grammar for r in rows])  # structured output: allowed tokens
         tokens = sample(
             logits,
-            [r.sampling_params for r in sampled],
-            [r.output_index for r in sampled],
+            [r.sampling_params for r in rows],
+            [r.output_index for r in rows],
             generator=self.generator,
-            histories=[r.token_history for r in sampled],
+            histories=[r.token_history for r in rows],
             eos_token_ids=self.eos_token_ids,
             logits_writable=True,  # raw logprobs are taken; the mask already wrote in them
         )
+        ids, lps, accepted, accepted_lps = collapse(
+            sampled, tokens, sampled_logprobs(raw, rows, tokens)
+        )
         out = ModelRunnerOutput(
-            {r.request_id: t for r, t in zip(sampled, tokens, strict=True)},
-            logprobs=sampled_logprobs(raw, sampled, tokens),
+            ids,
+            logprobs=lps,
             prompt_logprobs=prompt_lp,
             failed=failed,
+            accepted_draft_ids=accepted,
+            accepted_logprobs=accepted_lps,
         )
         for rid in failed:  # a token sampled from zeros means nothing
             out.sampled_token_ids.pop(rid)
             out.logprobs.pop(rid, None)
+            out.accepted_draft_ids.pop(rid, None)
         return out

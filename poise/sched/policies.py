@@ -6,7 +6,7 @@ The policies that order those candidates are in ``ordering.py``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from poise.core.outputs import ScheduledRequest, SchedulerOutput
@@ -31,6 +31,8 @@ class StepPlan:
     # freed blocks go to the running requests (as in vLLM); admitting onto them is what made
     # requests preempt each other for ever (docs/reliability.md).
     made_room: bool = False
+    # Per speculating request: the draft tokens it verifies (the last of its tokens this step).
+    drafts: dict[str, list[int]] = field(default_factory=dict)
     _ids: set[str] = field(default_factory=set)
 
     def add(self, request: Request, num_tokens: int, cached_tokens: int = 0) -> None:
@@ -49,6 +51,7 @@ class StepPlan:
             return
         self._ids.discard(request.request_id)
         self.cached_tokens.pop(request.request_id, None)
+        self.drafts.pop(request.request_id, None)
         for i, (r, n) in enumerate(self.items):
             if r is request:
                 del self.items[i]
@@ -65,16 +68,34 @@ def owed_prompt_blocks(running: Iterable[Request], kv: KVCacheManager) -> int:
     )
 
 
+def prefix_lookup(kv: KVCacheManager) -> Callable[[Request], int]:
+    """A step's ``PolicyContext.cached_tokens``: the cached prefix a waiting request would
+    reuse, one lookup per request per step."""
+    memo: dict[str, int] = {}
+
+    def cached_tokens(request: Request) -> int:
+        if request.num_computed_tokens or not kv.enable_prefix_caching:
+            return 0
+        rid = request.request_id
+        if rid not in memo:
+            memo[rid] = len(kv.find_cached_prefix(request)) * kv.block_size
+        return memo[rid]
+
+    return cached_tokens
+
+
 def build_output(plan: StepPlan, step_id: int, now: float, kv: KVCacheManager) -> SchedulerOutput:
     """The step as the executor sees it: per request its tokens, positions and block table."""
     out = SchedulerOutput(step_id=step_id, schedule_time=now)
     for request, n in plan.items:
         start = request.num_computed_tokens
-        sample = start + n == request.num_tokens
+        drafts = plan.drafts.get(request.request_id, [])
+        known = n - len(drafts)  # tokens of the request itself; drafts follow them
+        sample = start + known == request.num_tokens
         out.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
-                token_ids=request.token_ids_slice(start, start + n),
+                token_ids=request.token_ids_slice(start, start + known) + drafts,
                 start_position=start,
                 block_ids=list(kv.get_block_ids(request.request_id)),
                 sample=sample,
@@ -86,6 +107,7 @@ def build_output(plan: StepPlan, step_id: int, now: float, kv: KVCacheManager) -
                 else None,
                 prompt_logprobs=request.prompt_logprob_span(start, n),
                 grammar=request.grammar,
+                num_draft_tokens=len(drafts),
             )
         )
     out.preempted_request_ids = plan.preempted_ids

@@ -45,16 +45,24 @@ from poise.core.request import Request, RequestStatus
 from poise.kv.manager import KVCacheManager
 from poise.sched.limits import rejection_reason
 from poise.sched.ordering import PolicyContext, is_partial_prefill
-from poise.sched.policies import StepPlan, build_output, owed_prompt_blocks
+from poise.sched.policies import StepPlan, build_output, owed_prompt_blocks, prefix_lookup
 from poise.sched.predictor import Forecast, prefill_left
 from poise.sched.shares import ShareLedger
 from poise.sched.siblings import leader_blocks
+from poise.sched.speculation import build_speculation, emitted_tokens
 from poise.sched.steering import Steering
-from poise.sched.stopping import check_stop
+from poise.sched.stopping import append_until_stop
+from poise.spec.proposer import Proposer
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        proposer: Proposer | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv
         # A request may grow to this many tokens: the model's limit, and the whole pool (so a
@@ -78,6 +86,8 @@ class Scheduler:
         # Policy, classes, step-cost estimate, budget controller, forecasts (sched/steering.py).
         self.steer = Steering(config)
         self.policy = self.steer.policy
+        # Speculative decoding (None: off); ``proposer``: the draft model's, for draft_model.
+        self.spec = build_speculation(config.speculative_config, proposer, self.steer.estimator)
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -142,6 +152,8 @@ class Scheduler:
         request.status = status
         request.times.finished = now
         self.kv.free(request)
+        if self.spec is not None:
+            self.spec.forget(request.request_id)
         del self.requests[request.request_id]
         return finishing_delta(request, new_token_ids)
 
@@ -180,6 +192,8 @@ class Scheduler:
         self._had_decodes = any(not is_partial_prefill(r) for r in self.running)
         plan = StepPlan(budget=self.steer.step_budget(self.running, self.waiting, now))
         ctx = self.context(now)
+        if self.spec is not None:
+            self.spec.begin_step(self.running, self.waiting, plan.budget, self.config.max_num_seqs)
         # The policy's walk; the loop below is the same for every policy.
         candidates = self.policy.walk(self.running, self.waiting, ctx)
         ledger = self.steer.ledger(candidates, self.running, self._long_prefill_cap)
@@ -196,17 +210,7 @@ class Scheduler:
         return build_output(plan, self._step_id, now, self.kv)
 
     def context(self, now: float) -> PolicyContext:
-        memo: dict[str, int] = {}  # one prefix lookup per request per step
-
-        def cached_tokens(request: Request) -> int:
-            if request.num_computed_tokens or not self.kv.enable_prefix_caching:
-                return 0
-            rid = request.request_id
-            if rid not in memo:
-                memo[rid] = len(self.kv.find_cached_prefix(request)) * self.kv.block_size
-            return memo[rid]
-
-        return self.steer.context(now, cached_tokens)
+        return self.steer.context(now, prefix_lookup(self.kv))
 
     def _chunk_size(self, remaining: int, budget: int) -> int:
         """Tokens a request ``remaining`` tokens behind takes out of ``budget`` now.
@@ -233,6 +237,9 @@ class Scheduler:
         if n <= 0:
             ledger.passed(cls, prefill_left(request))
             return
+        spec = self.spec
+        if n == 1 and spec is not None and spec.schedule(request, plan, self.kv, self.max_len):
+            return  # a decode verifying drafts, its blocks allocated (never by preempting)
         if not self._make_room(request, n, plan, ctx):
             return
         plan.add(request, n)
@@ -355,27 +362,28 @@ class Scheduler:
             request = self.requests.get(sched.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += sched.num_tokens
-            self.kv.cache_full_blocks(request, request.num_computed_tokens)
+            # Drafts are computed only where accepted (below), each after the token before it.
+            request.num_computed_tokens += sched.num_tokens - sched.num_draft_tokens
             result.record_prompt_logprobs(request, sched)
             if request.times.first_token is None:
                 request.times.prefill_compute += now - output.schedule_time
             if not sched.sample:
+                self.kv.cache_full_blocks(request, request.num_computed_tokens)
                 continue
-            token = result.sampled_token_ids[sched.request_id]
-            request.output_token_ids.append(token)
             first = request.times.first_token is None
             if first:
                 request.times.first_token = now
                 self.steer.first_token(request, now)
-            request.times.token_times.append(now)
-            status = check_stop(request, token, self.max_len)
+            tokens = emitted_tokens(sched, result, self.spec)
+            tokens, status = append_until_stop(request, tokens, now, self.max_len)
+            self.kv.cache_full_blocks(request, request.num_computed_tokens)
+            if sched.num_draft_tokens:  # roll back the rejected drafts' slots
+                self.kv.trim(sched.request_id, request.num_computed_tokens)
             if status is None:
-                delta = RequestDelta(sched.request_id, [token], times=request.times)
-                deltas.append(annotate_token_delta(delta, request, result, first))
-                continue
-            self.running.remove(request)
-            delta = self._finish(request, status, now, [token])
+                delta = RequestDelta(sched.request_id, tokens, times=request.times)
+            else:
+                self.running.remove(request)
+                delta = self._finish(request, status, now, tokens)
             deltas.append(annotate_token_delta(delta, request, result, first))
         budget = self.steer.budget  # the one this step was scheduled under
         self.steer.observe_step(output.total_num_scheduled_tokens, output.schedule_time, now,

@@ -34,6 +34,25 @@ def check_stop(request: Request, token: int, max_len: int) -> RequestStatus | No
     return None
 
 
+def append_until_stop(
+    request: Request, tokens: list[int], now: float, max_len: int
+) -> tuple[list[int], RequestStatus | None]:
+    """Append a step's tokens to ``request`` one at a time under the stop rules: (those kept,
+    the finished status of the last or None). More than one token: speculative decoding's
+    accepted drafts and then the target's own; each token after the first follows a kept
+    draft, whose KV the step computed (``num_computed_tokens`` moves past it)."""
+    kept: list[int] = []
+    for i, token in enumerate(tokens):
+        request.num_computed_tokens += i > 0
+        request.output_token_ids.append(token)
+        request.times.token_times.append(now)
+        kept.append(token)
+        status = check_stop(request, token, max_len)
+        if status is not None:
+            return kept, status
+    return kept, None
+
+
 def _grammar_failed(request: Request) -> RequestStatus:
     """The mask allowed a token the grammar refuses, or offered only the end at a dead end (the
     sampled token then says nothing, so the message names none): the grammar needs bytes the

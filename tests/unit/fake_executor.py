@@ -31,6 +31,7 @@ class FakeExecutor:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(scheduler_output)
         sampled = {}
+        accepted: dict[str, list[int]] = {}
         for sched in scheduler_output.scheduled:
             end = sched.start_position + sched.num_tokens
             assert len(sched.block_ids) * self.block_size >= end, "block table too short"
@@ -40,9 +41,18 @@ class FakeExecutor:
             for offset, token in enumerate(sched.token_ids):
                 self.slots[self._slot(sched.block_ids, sched.start_position + offset)] = token
             context += sched.token_ids
-            if sched.sample:
+            k = sched.num_draft_tokens
+            if sched.sample and k:  # verify drafts: keep them while each is the model's token
+                known = len(context) - k
+                drafts = context[known:]
+                kept = 0
+                while kept < k and self.next_token(context[: known + kept]) == drafts[kept]:
+                    kept += 1
+                accepted[sched.request_id] = drafts[:kept]
+                sampled[sched.request_id] = self.next_token(context[: known + kept])
+            elif sched.sample:
                 sampled[sched.request_id] = self.next_token(context)
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+        return ModelRunnerOutput(sampled_token_ids=sampled, accepted_draft_ids=accepted)
 
 
 class TimedFakeExecutor(FakeExecutor):

@@ -24,12 +24,14 @@ ALLOWED: dict[str, set[str]] = {
     "__init__": {"core", "engine"},  # engine only lazily: `from poise import LLM`
     "__main__": {"cli"},
     "errors": set(),
-    "config": {"config_model"},
+    "config": {"config_model", "config_spec"},
     "config_model": set(),  # ModelConfig and the field helpers, re-exported by config
+    "config_spec": {"config_model"},  # SpeculativeConfig, re-exported by config
     "workload": set(),
     "core": {"config", "errors"},
     "kv": {"core", "config", "errors"},
-    "sched": {"kv", "core", "config", "errors"},
+    "sched": {"kv", "core", "config", "errors", "spec"},
+    "spec": {"core", "config"},  # proposers (speculative decoding), torch-free
     "engine": {"sched", "kv", "core", "config", "errors", "text", "runner"},
     "checkpoint": {"errors"},
     "text": {"checkpoint", "core", "config", "errors"},
@@ -78,6 +80,8 @@ BANNED: dict[str, set[str]] = {
             "errors",
             "config",
             "config_model",
+            "config_spec",
+            "spec",
             "workload",
             "core",
             "kv",

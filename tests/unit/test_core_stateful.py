@@ -80,14 +80,16 @@ class EngineMachine(RuleBasedStateMachine):
         budget=st.integers(8, 48),
         cap=st.sampled_from([0, 4, 8]),
         queue=st.sampled_from([None, 2, 6]),
+        spec=st.sampled_from([None, '{"num_speculative_tokens": 3, "adaptive": false}']),
     )
     def build(self, policy: str, classes: str | None, caching: bool, chunked: bool, blocks: int,
-              seqs: int, budget: int, cap: int, queue: int | None) -> None:  # fmt: skip
+              seqs: int, budget: int, cap: int, queue: int | None,
+              spec: str | None) -> None:  # fmt: skip
         config = EngineConfig.from_kwargs(
             block_size=BLOCK, scheduling_policy=policy, traffic_classes=classes,
             enable_prefix_caching=caching, enable_chunked_prefill=chunked,
             max_num_seqs=seqs, max_num_batched_tokens=budget, long_prefill_token_threshold=cap,
-            max_num_queued_requests=queue,
+            max_num_queued_requests=queue, speculative_config=spec,
         )  # fmt: skip
         self.executor = FlakyExecutor(VOCAB, BLOCK)
         self.engine = EngineCore(config, self.executor, num_kv_blocks=blocks,
@@ -185,6 +187,10 @@ class EngineMachine(RuleBasedStateMachine):
         for r in sched.running:
             slots = len(kv.get_block_ids(r.request_id)) * BLOCK
             assert r.num_computed_tokens <= min(slots, r.num_tokens), (r.request_id, slots)
+            # Exact between steps: no block past the computed tokens (rejected speculative
+            # drafts' slots are rolled back in the step's update).
+            assert len(kv.get_block_ids(r.request_id)) == kv.blocks_for(r.num_computed_tokens), (
+                r.request_id, "holds blocks past its computed tokens")  # fmt: skip
         if not self.live:
             assert kv.pool.num_used_blocks == 0, "blocks in use with no request alive"
 
