@@ -151,6 +151,13 @@ class RequestDelta:
     new_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
+    def keep_first(self, count: int) -> None:
+        """Drop the new tokens (and their logprobs) after the first ``count``: a stop string
+        completed inside a multi-token (speculative) delta ends the output there."""
+        del self.new_token_ids[count:]
+        if self.new_logprobs is not None:
+            del self.new_logprobs[count:]
+
 
 def finishing_delta(request: Request, new_token_ids: Sequence[int] = ()) -> RequestDelta:
     """The last delta of a finished request: its status, reason and what metrics need."""

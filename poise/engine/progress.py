@@ -91,10 +91,12 @@ def _apply(
     delta: RequestDelta,
     decode: Callable[[int], str | None],
 ) -> RequestDelta:
+    text = None if detok is None else detok.update(delta.new_token_ids, delta.finished)
+    if text is not None and text.kept_tokens is not None:
+        delta.keep_first(text.kept_tokens)
     completion.token_ids.extend(delta.new_token_ids)
     _apply_logprobs(out, completion, delta, decode)
-    if detok is not None:
-        text = detok.update(delta.new_token_ids, delta.finished)
+    if text is not None:
         completion.text += text.text
         if text.stopped:
             completion.stop_reason = text.stop_str

@@ -292,10 +292,12 @@ class Generator:
                                 lps if want_logprobs else None, cached,
                                 times=_times(delta, 0))  # fmt: skip
                     return
+                out = detok.update(delta.new_token_ids, delta.finished)
+                if out.kept_tokens is not None:  # a stop string inside a speculative delta
+                    delta.keep_first(out.kept_tokens)
                 n_tokens += len(delta.new_token_ids)
                 if delta.new_logprobs:
                     lps.extend(zip(delta.new_token_ids, delta.new_logprobs, strict=True))
-                out = detok.update(delta.new_token_ids, delta.finished)
                 text, echo = echo + out.text, ""
                 sent, lps = (lps if want_logprobs else None), []
                 if out.stopped and not delta.finished:

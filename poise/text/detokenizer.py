@@ -60,6 +60,10 @@ class TextDelta:
     # A stop string matched: the caller must finish the request with finish_reason "stop".
     stopped: bool = False
     stop_str: str | None = None
+    # A stop string matched before the update's last token (speculative decoding delivers
+    # several at once): how many of its tokens the output keeps, up to the one that completed
+    # it. None: all of them.
+    kept_tokens: int | None = None
 
 
 class TokenWindowDecoder:
@@ -158,6 +162,11 @@ class StopChecker:
         self.stop_str: str | None = None
 
     @property
+    def active(self) -> bool:
+        """There are stop strings to watch for."""
+        return bool(self._stops)
+
+    @property
     def text(self) -> str:
         """All text so far, cut at the stop string if one matched."""
         return "".join(self._streamed) + self._pending
@@ -229,7 +238,22 @@ class IncrementalDetokenizer:
         """
         if self._stop.stopped:
             return TextDelta("", True, self._stop.stop_str)
+        if len(new_token_ids) > 1 and self._stop.active:
+            return self._update_each(new_token_ids, finished)
         piece = self._decoder.update(new_token_ids, flush=finished)
         # vLLM: stop strings count only once more than min_tokens tokens were generated.
         check = len(self._decoder.output_token_ids) > self._min_tokens
         return self._stop.append(piece, finished=finished, check=check)
+
+    def _update_each(self, new_token_ids: Sequence[int], finished: bool) -> TextDelta:
+        """Several tokens with stop strings to watch: one at a time, so that the output ends
+        at the token that completed a stop string, as it does one token per step."""
+        text = []
+        for i, token in enumerate(new_token_ids):
+            last = i == len(new_token_ids) - 1
+            out = self.update([token], finished=finished and last)
+            text.append(out.text)
+            if out.stopped:
+                kept = None if last else i + 1
+                return TextDelta("".join(text), True, out.stop_str, kept_tokens=kept)
+        return TextDelta("".join(text))

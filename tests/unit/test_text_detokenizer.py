@@ -98,6 +98,21 @@ def test_stop_string_spanning_tokens(tok: Tokenizer) -> None:
     assert detok.update(ids[-1:]) == TextDelta("", True, stop)
 
 
+def test_stop_string_inside_a_multi_token_update(tok: Tokenizer) -> None:
+    """Speculative decoding delivers several tokens at once: the output still ends at the token
+    that completed the stop string, as when they come one per step."""
+    text = "The answer is 42. END OF ANSWER and then more words"
+    ids = tok.encode(text, add_special_tokens=False)
+    params = SamplingParams(stop=["END OF ANSWER"])
+    one_by_one, single = _stream(tok, ids, params)
+    kept = len(single.output_token_ids)
+    assert kept < len(ids) - 2
+    deltas, detok = _stream(tok, ids, params, chunks=[kept - 3, len(ids) - kept + 3])
+    assert deltas[-1].stopped and deltas[-1].kept_tokens == 3
+    assert "".join(d.text for d in deltas) == "".join(d.text for d in one_by_one)
+    assert detok.output_token_ids == single.output_token_ids
+
+
 def test_include_stop_str_in_output(tok: Tokenizer) -> None:
     text = "用三句话解释。第二句。第三句。"
     ids = tok.encode(text, add_special_tokens=False)
