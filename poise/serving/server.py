@@ -61,6 +61,7 @@ def build_state(
     enable_per_request_metrics: bool = False,
     tool_parser: str | None = None,
     otlp_traces_endpoint: str | None = None,
+    server_args: dict[str, Any] | None = None,
 ) -> ServingState:
     names = served_model_names or [model_name]
     metrics = ServingMetrics(names[0], log_requests=log_requests)
@@ -70,9 +71,16 @@ def build_state(
     generator = Generator(engine, tokenizer, max_model_len=max_len, vocab_size=vocab_size,
                           default_sampling=default_sampling, limits=limits,
                           tool_parser=tool_parser)  # fmt: skip
-    info = describe(getattr(core, "config", None), model=names[0], version=VERSION,
-                    max_model_len=max_len, dtype=dtype, device=device,
-                    num_kv_blocks=num_kv_blocks)  # fmt: skip
+    info = describe(
+        getattr(core, "config", None),
+        model=names[0],
+        version=VERSION,
+        max_model_len=max_len,
+        dtype=dtype,
+        device=device,
+        num_kv_blocks=num_kv_blocks,
+        server_args=server_args,
+    )
     metrics.registry.register(ConfigInfoCollector(info))
     tracer = None
     if otlp_traces_endpoint is not None:
@@ -124,6 +132,7 @@ def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> S
         enable_per_request_metrics=settings.enable_per_request_metrics,
         tool_parser=settings.auto_tool_parser,
         otlp_traces_endpoint=settings.otlp_traces_endpoint,
+        server_args=settings.server_args,
     )
 
 
