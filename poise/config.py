@@ -27,8 +27,14 @@ from poise.config_model import _help, _require
 
 SchedulingPolicy = Literal["fifo", "prefill_first", "priority", "slo", "lpm", "static", "dynamic"]
 SCHEDULING_POLICIES: tuple[str, ...] = (
-    "fifo", "prefill_first", "priority", "slo", "lpm", "static", "dynamic",
-)  # fmt: skip
+    "fifo",
+    "prefill_first",
+    "priority",
+    "slo",
+    "lpm",
+    "static",
+    "dynamic",
+)
 ADMISSION_CONTROLS: tuple[str, ...] = ("none", "predictive")
 # vLLM's default share of device memory.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9

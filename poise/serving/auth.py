@@ -86,9 +86,11 @@ class LoopbackOnlyMiddleware:
             client = scope.get("client")
             if client is None or not is_loopback(str(client[0])):
                 response = error_response(
-                    403, f"{scope['path']} is served to localhost only (--metrics-access "
-                    "localhost)", err_type="permission_error", code="localhost_only",
-                )  # fmt: skip
+                    403,
+                    f"{scope['path']} is served to localhost only (--metrics-access localhost)",
+                    err_type="permission_error",
+                    code="localhost_only",
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

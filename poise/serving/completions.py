@@ -29,10 +29,12 @@ class CompletionRequest(_SamplingRequest):
     )
     echo: bool = Field(False, description="Return the prompt before the completion.")
     logprobs: int | None = Field(
-        None, ge=0, le=MAX_LOGPROBS,
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
         description="Logprobs of each token and this many alternatives (of the prompt's "
         "tokens too with echo).",
-    )  # fmt: skip
+    )
     # Refused, not ignored: text after the insertion needs a fill-in-the-middle model. The
     # schema says so (at most 0 characters) and the message names the reason.
     suffix: str | None = Field(None, max_length=0, description="Not supported: empty or null.")
