@@ -334,8 +334,8 @@ def full_response(
                 index=i,
                 message=_message(r),
                 finish_reason=r.finish_reason,
-                logprobs=formatters.shape(i, r.logprobs, chat),
-            )  # type: ignore[arg-type]
+                logprobs=formatters.shape(i, r.logprobs, chat),  # type: ignore[arg-type]
+            )
             for i, r in enumerate(results)
         ]
         body = ChatCompletionResponse(
@@ -347,8 +347,8 @@ def full_response(
                 index=i,
                 text=r.text,
                 finish_reason=r.finish_reason,
-                logprobs=formatters.shape(i, r.logprobs, chat),
-            )  # type: ignore[arg-type]
+                logprobs=formatters.shape(i, r.logprobs, chat),  # type: ignore[arg-type]
+            )
             for i, r in enumerate(results)
         ]
         body = CompletionResponse(id=rid, model=model, choices=cs, usage=usage, metrics=metrics)
