@@ -21,7 +21,7 @@ import hmac
 import os
 from typing import Any
 
-from poise.serving.app import error_response
+from poise.serving.errors import error_response
 from poise.serving.hosts import is_loopback
 
 PROBES = frozenset({"/health", "/ready", "/version"})

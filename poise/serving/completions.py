@@ -76,5 +76,5 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(p, str):
             return [p]
         if isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
-        return [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[union-attr]
+            return [list(p)]
+        return [x if isinstance(x, str) else list(x) for x in p]

@@ -65,7 +65,7 @@ def describe(
     ``server_args`` every ``poise serve`` option as given or defaulted (the flag registry,
     poise/cli/serve_flags.py), the API key only as "set"."""
     engine_config = config.to_flat_dict() if config is not None else {}
-    return json.loads(
+    described: dict[str, Any] = json.loads(
         json.dumps(
             {
                 "engine": "poise",
@@ -83,6 +83,7 @@ def describe(
             default=str,
         )
     )
+    return described
 
 
 class ConfigInfoCollector(Collector):

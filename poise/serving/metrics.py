@@ -68,13 +68,13 @@ class ServingMetrics:
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             h = Histogram(P + name, doc, ["model_name"], buckets=buckets, registry=r)
-            return h.labels(**labels)  # type: ignore[no-any-return]
+            return h.labels(**labels)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(P + name, doc, ["model_name"], registry=r).labels(**labels)  # type: ignore[no-any-return]
+            return Gauge(P + name, doc, ["model_name"], registry=r).labels(**labels)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(P + name, doc, ["model_name"], registry=r).labels(**labels)  # type: ignore[no-any-return]
+            return Counter(P + name, doc, ["model_name"], registry=r).labels(**labels)
 
         def by_class(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(P + name, doc, ["model_name", "class"], buckets=buckets, registry=r)

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.config import JsonDict
 
 from poise.errors import InvalidRequestError
-from poise.serving.protocol import ChatMessage
+from poise.serving.messages import ChatMessage
 from poise.serving.tool_calls import ToolDefinition, checked_template_kwargs
 from poise.text.tokenizer import apply_chat_template, encode_prompt
 
@@ -73,7 +73,8 @@ class DetokenizeRequest(BaseModel):
 
 
 def add_tokenize_routes(app: FastAPI, state: Any) -> None:
-    from poise.serving.app import ERRORS, error_response, map_exception
+    from poise.serving.app import ERRORS
+    from poise.serving.errors import error_response, map_exception
 
     def unknown_model(name: str | None) -> JSONResponse | None:
         if name is None or name in state.served_model_names:
