@@ -23,7 +23,8 @@ from poise.config_model import ATTENTION_BACKENDS as ATTENTION_BACKENDS
 from poise.config_model import DTYPES as DTYPES
 from poise.config_model import QUANTIZATIONS as QUANTIZATIONS
 from poise.config_model import ModelConfig as ModelConfig
-from poise.config_model import _help, _require
+from poise.config_model import _help as _help
+from poise.config_model import _require as _require
 
 SchedulingPolicy = Literal["fifo", "prefill_first", "priority", "slo", "lpm", "static", "dynamic"]
 SCHEDULING_POLICIES: tuple[str, ...] = (
