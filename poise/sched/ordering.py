@@ -55,17 +55,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from poise.config import SCHEDULING_POLICIES
 from poise.core.request import Request
 
-POLICIES: tuple[str, ...] = (
-    "fifo",
-    "prefill_first",
-    "priority",
-    "slo",
-    "lpm",
-    "static",
-    "dynamic",
-)
+# The names the config accepts: one list, in config.py.
+POLICIES: tuple[str, ...] = SCHEDULING_POLICIES
 
 # Waiting requests the lpm policy orders by cached prefix each step (SGLang: 128).
 LPM_LOOKAHEAD = 128

@@ -189,25 +189,11 @@ async def sse(
             counts[i] = piece.num_tokens
             cached[i] = piece.num_cached_tokens or cached[i]
             lp = formatters.shape(i, piece.logprobs, chat)
-            if piece.finish_reason is None:
-                yield _event(
-                    _chunk(
-                        rid,
-                        model,
-                        created,
-                        chat,
-                        piece.text,
-                        None,
-                        usage=so_far(),
-                        index=i,
-                        logprobs=lp,
-                        tool_calls=piece.tool_calls,
-                    )
-                )
-                continue
-            finished += 1
-            metrics = piece.metrics  # the choice finishing last gives the request's timing
-            last = None if include_usage or finished < n else metrics
+            last = None
+            if piece.finish_reason is not None:
+                finished += 1
+                metrics = piece.metrics  # the choice finishing last gives the request's timing
+                last = None if include_usage or finished < n else metrics
             yield _event(
                 _chunk(
                     rid,
