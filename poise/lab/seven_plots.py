@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from poise.lab.seven_answers import diagnose
+from poise.lab.seven_answers_late import diagnose
 from poise.lab.seven_data import LabData, percentile
 
 

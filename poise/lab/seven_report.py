@@ -12,7 +12,8 @@ from typing import Any
 
 import yaml
 
-from poise.lab.seven_answers import ANSWERS, Section
+from poise.lab.seven_answers import Section
+from poise.lab.seven_answers_late import ANSWERS
 from poise.lab.seven_data import LabData, load
 from poise.lab.seven_plan import QUESTIONS
 from poise.lab.seven_plots import PLOTS
