@@ -46,9 +46,9 @@ lint: $(STAMP)
 	$(BIN)/ruff check poise tests benchmarks
 	$(BIN)/ruff format --check poise tests benchmarks
 
-# Packages held to `mypy --strict` (the torch-free core); imports outside them are followed
+# Packages held to `mypy --strict` (the torch-free core and the HTTP server); imports outside them are followed
 # silently, so their looser typing is not reported here (plain `mypy` checks them).
-STRICT_PACKAGES := poise/core poise/kv poise/sched poise/engine
+STRICT_PACKAGES := poise/core poise/kv poise/sched poise/engine poise/serving
 
 typecheck: $(STAMP) typecheck-strict
 	$(BIN)/mypy

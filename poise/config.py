@@ -23,13 +23,20 @@ from poise.config_model import ATTENTION_BACKENDS as ATTENTION_BACKENDS
 from poise.config_model import DTYPES as DTYPES
 from poise.config_model import QUANTIZATIONS as QUANTIZATIONS
 from poise.config_model import ModelConfig as ModelConfig
-from poise.config_model import _help, _require
+from poise.config_model import _help as _help
+from poise.config_model import _require as _require
 from poise.config_spec import SpeculativeConfig as SpeculativeConfig
 
 SchedulingPolicy = Literal["fifo", "prefill_first", "priority", "slo", "lpm", "static", "dynamic"]
 SCHEDULING_POLICIES: tuple[str, ...] = (
-    "fifo", "prefill_first", "priority", "slo", "lpm", "static", "dynamic",
-)  # fmt: skip
+    "fifo",
+    "prefill_first",
+    "priority",
+    "slo",
+    "lpm",
+    "static",
+    "dynamic",
+)
 ADMISSION_CONTROLS: tuple[str, ...] = ("none", "predictive")
 # vLLM's default share of device memory.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9

@@ -18,51 +18,19 @@ import math
 import secrets
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
-from urllib.parse import urlsplit
 
 from poise import workload as wl
 from poise.bench.metrics import SLO
 
+# The flag-value parsers and URL helpers, re-exported: they live in bench/parsing.py.
+from poise.bench.parsing import api_root as api_root
+from poise.bench.parsing import class_priorities as class_priorities
+from poise.bench.parsing import float_list as float_list
+from poise.bench.parsing import int_list as int_list
+from poise.bench.parsing import server_root as server_root
+
 DEFAULT_CONCURRENCY = 8  # closed-loop streams when --concurrency is not given
 SALT_SCOPES = ("run", "cell", "request")
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    """``8,16,32`` -> (8, 16, 32)."""
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
-def float_list(text: str) -> tuple[float, ...]:
-    """``0,0.25,inf`` -> (0.0, 0.25, inf)."""
-    return tuple(float(x) for x in text.split(",") if x.strip())
-
-
-def class_priorities(text: str) -> dict[str, int]:
-    """``short=0,long=1`` -> {"short": 0, "long": 1}."""
-    out: dict[str, int] = {}
-    for item in filter(None, (i.strip() for i in text.split(","))):
-        name, eq, value = item.partition("=")
-        try:
-            if not eq or not name.strip():
-                raise ValueError
-            out[name.strip()] = int(value)
-        except ValueError:
-            raise ValueError(f"--priority: {item!r} is not CLASS=INTEGER") from None
-    return out
-
-
-def api_root(url: str) -> str:
-    """The OpenAI API root of a server URL: ``http://h:8000`` and ``http://h:8000/v1`` both give
-    ``http://h:8000/v1``; a URL with another path (``http://h/openai/v1``, ``http://h/api``) is
-    kept as given, since some servers mount the API elsewhere."""
-    root = url.rstrip("/")
-    return root + "/v1" if urlsplit(root).path in ("", "/") else root
-
-
-def server_root(url: str) -> str:
-    """The server's root (where /metrics, /health live): the API root without its ``/v1``."""
-    root = api_root(url)
-    return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
 def _m(help_text: str, **cli: Any) -> dict[str, Any]:
@@ -79,59 +47,134 @@ class WorkloadSpec:
     is the cell matrix (``cells()``); everything else holds for every cell.
     """
 
-    concurrency: tuple[int, ...] = field(default=(), metadata=_m(
-        "Closed-loop client streams, list (8,16,32,64); with --request-rate: a cap on requests "
-        f"in flight (default: {DEFAULT_CONCURRENCY} streams in closed loop, no cap in open loop).",
-        type=int_list, metavar="N[,N...]", axis=True))  # fmt: skip
-    request_rate: tuple[float, ...] = field(default=(math.inf,), metadata=_m(
-        "Open-loop arrival rates (requests/s), list; inf = closed loop. (default: inf)",
-        type=float_list, metavar="R[,R...]", axis=True))  # fmt: skip
-    burstiness: float = field(default=1.0, metadata=_m(
-        "Gamma shape of open-loop arrival gaps (1 = Poisson, < 1 burstier)."))  # fmt: skip
-    long_ratio: tuple[float, ...] = field(default=(0.0,), metadata=_m(
-        "Fractions of the seed's LONG prompts among its SHORT ones, list (0,0.25,0.5); ignored "
-        "with --class / --jsonl.", type=float_list, metavar="F[,F...]", axis=True))  # fmt: skip
-    long_repeat: int = field(default=wl.SEED_LONG_REPEAT, metadata=_m(
-        "Repeats of the seed's log line in the LONG prompt (the seed's 220: ~3.3k tokens with "
-        "SmolLM2's template; smaller for a CPU)."))  # fmt: skip
-    max_tokens: int = field(default=wl.DEFAULT_MAX_TOKENS, metadata=_m(
-        "max_tokens per request (the output length, with ignore_eos)."))  # fmt: skip
-    classes: tuple[wl.RequestClass, ...] = field(default=(), metadata=_m(
-        "A request class (repeatable) instead of the seed's SHORT/LONG mix: "
-        "name:weight:prompt_len:output_len, e.g. chat:3:normal/200/50:128 or "
-        "short:1:seed-short:160.", flag="--class", metavar="NAME:W:PLEN:OLEN"))  # fmt: skip
-    jsonl: str | None = field(default=None, metadata=_m(
-        "Prompts file instead of the seed mix: {prompt|messages, max_tokens?, class?} per line.",
-        metavar="FILE"))  # fmt: skip
-    num_requests: int | None = field(default=None, metadata=_m(
-        "Measured requests per cell (default: 4 x concurrency, >= 16; 64 in open loop)."))  # fmt: skip
-    duration: float | None = field(default=None, metadata=_m(
-        "Seconds per cell instead of a request count (virtual seconds in the simulator)."))  # fmt: skip
-    warmup: int | None = field(default=None, metadata=_m(
-        "Warmup requests per cell, run under the same load and excluded (default: one wave = "
-        "concurrency; 4 in open loop)."))  # fmt: skip
-    seed: int = field(default=0, metadata=_m(
-        "Seed of the request sample and arrival times (and of the simulator's spreads).",
-        flag="--workload-seed"))  # fmt: skip
-    timeout_s: float = field(default=600.0, metadata=_m(
-        "Per-request timeout, seconds (a slower request counts as timed out).",
-        flag="--request-timeout", metavar="S"))  # fmt: skip
-    salt: str | None = field(default="auto", metadata=_m(
-        "Prompt prefix against prefix caches: auto (random per run) | none | TEXT.",
-        metavar="auto|none|TEXT"))  # fmt: skip
-    salt_scope: str = field(default="cell", metadata=_m(
-        "What one salt covers: run | cell | request.", choices=SALT_SCOPES))  # fmt: skip
-    ignore_eos: bool = field(default=True, metadata=_m(
-        "Send ignore_eos, so every request produces max_tokens tokens."))  # fmt: skip
+    concurrency: tuple[int, ...] = field(
+        default=(),
+        metadata=_m(
+            "Closed-loop client streams, list (8,16,32,64); with --request-rate: a cap on requests "
+            f"in flight (default: {DEFAULT_CONCURRENCY} streams in closed loop, no cap in open loop).",
+            type=int_list,
+            metavar="N[,N...]",
+            axis=True,
+        ),
+    )
+    request_rate: tuple[float, ...] = field(
+        default=(math.inf,),
+        metadata=_m(
+            "Open-loop arrival rates (requests/s), list; inf = closed loop. (default: inf)",
+            type=float_list,
+            metavar="R[,R...]",
+            axis=True,
+        ),
+    )
+    burstiness: float = field(
+        default=1.0,
+        metadata=_m("Gamma shape of open-loop arrival gaps (1 = Poisson, < 1 burstier)."),
+    )
+    long_ratio: tuple[float, ...] = field(
+        default=(0.0,),
+        metadata=_m(
+            "Fractions of the seed's LONG prompts among its SHORT ones, list (0,0.25,0.5); ignored "
+            "with --class / --jsonl.",
+            type=float_list,
+            metavar="F[,F...]",
+            axis=True,
+        ),
+    )
+    long_repeat: int = field(
+        default=wl.SEED_LONG_REPEAT,
+        metadata=_m(
+            "Repeats of the seed's log line in the LONG prompt (the seed's 220: ~3.3k tokens with "
+            "SmolLM2's template; smaller for a CPU)."
+        ),
+    )
+    max_tokens: int = field(
+        default=wl.DEFAULT_MAX_TOKENS,
+        metadata=_m("max_tokens per request (the output length, with ignore_eos)."),
+    )
+    classes: tuple[wl.RequestClass, ...] = field(
+        default=(),
+        metadata=_m(
+            "A request class (repeatable) instead of the seed's SHORT/LONG mix: "
+            "name:weight:prompt_len:output_len, e.g. chat:3:normal/200/50:128 or "
+            "short:1:seed-short:160.",
+            flag="--class",
+            metavar="NAME:W:PLEN:OLEN",
+        ),
+    )
+    jsonl: str | None = field(
+        default=None,
+        metadata=_m(
+            "Prompts file instead of the seed mix: {prompt|messages, max_tokens?, class?} per line.",
+            metavar="FILE",
+        ),
+    )
+    num_requests: int | None = field(
+        default=None,
+        metadata=_m(
+            "Measured requests per cell (default: 4 x concurrency, >= 16; 64 in open loop)."
+        ),
+    )
+    duration: float | None = field(
+        default=None,
+        metadata=_m(
+            "Seconds per cell instead of a request count (virtual seconds in the simulator)."
+        ),
+    )
+    warmup: int | None = field(
+        default=None,
+        metadata=_m(
+            "Warmup requests per cell, run under the same load and excluded (default: one wave = "
+            "concurrency; 4 in open loop)."
+        ),
+    )
+    seed: int = field(
+        default=0,
+        metadata=_m(
+            "Seed of the request sample and arrival times (and of the simulator's spreads).",
+            flag="--workload-seed",
+        ),
+    )
+    timeout_s: float = field(
+        default=600.0,
+        metadata=_m(
+            "Per-request timeout, seconds (a slower request counts as timed out).",
+            flag="--request-timeout",
+            metavar="S",
+        ),
+    )
+    salt: str | None = field(
+        default="auto",
+        metadata=_m(
+            "Prompt prefix against prefix caches: auto (random per run) | none | TEXT.",
+            metavar="auto|none|TEXT",
+        ),
+    )
+    salt_scope: str = field(
+        default="cell",
+        metadata=_m("What one salt covers: run | cell | request.", choices=SALT_SCOPES),
+    )
+    ignore_eos: bool = field(
+        default=True, metadata=_m("Send ignore_eos, so every request produces max_tokens tokens.")
+    )
     temperature: float = field(default=0.0, metadata=_m("Sampling temperature."))
     # Scheduling inputs sent with each request: its workload class name as ``class`` (for a
     # server with traffic classes of those names) and a priority per workload class.
-    send_class: bool = field(default=False, metadata=_m(
-        "Send each request's workload class (short / long / --class NAME) as the 'class' field, "
-        "for a server with traffic classes of those names (poise --traffic-classes)."))  # fmt: skip
-    class_priority: dict[str, int] = field(default_factory=dict, metadata=_m(
-        "Send 'priority' per workload class (vLLM: lower first), e.g. short=0,long=1.",
-        flag="--priority", type=class_priorities, metavar="CLASS=P[,CLASS=P...]"))  # fmt: skip
+    send_class: bool = field(
+        default=False,
+        metadata=_m(
+            "Send each request's workload class (short / long / --class NAME) as the 'class' field, "
+            "for a server with traffic classes of those names (poise --traffic-classes)."
+        ),
+    )
+    class_priority: dict[str, int] = field(
+        default_factory=dict,
+        metadata=_m(
+            "Send 'priority' per workload class (vLLM: lower first), e.g. short=0,long=1.",
+            flag="--priority",
+            type=class_priorities,
+            metavar="CLASS=P[,CLASS=P...]",
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.salt_scope not in SALT_SCOPES:

@@ -32,9 +32,12 @@ from poise.bench.config import server_root
 
 HISTORY = 120  # points kept (one a second): the sparklines' width
 _SPARKS = "▁▂▃▄▅▆▇█"
-_PARTS = (("ingress", "way in", "magenta"), ("queue", "queue", "yellow"),
-          ("prefill_compute", "prefill", "cyan"),
-          ("first_token_sched", "1st-token sched", "blue"))  # fmt: skip
+_PARTS = (
+    ("ingress", "way in", "magenta"),
+    ("queue", "queue", "yellow"),
+    ("prefill_compute", "prefill", "cyan"),
+    ("first_token_sched", "1st-token sched", "blue"),
+)
 
 
 class FeedReader:
@@ -112,8 +115,13 @@ def _config_line(config: dict[str, Any] | None) -> str:
     if not config:
         return ""
     engine = config.get("engine_config") or {}
-    keys = ("max_num_batched_tokens", "max_num_seqs", "scheduling_policy",
-            "enable_chunked_prefill", "enable_prefix_caching")  # fmt: skip
+    keys = (
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "scheduling_policy",
+        "enable_chunked_prefill",
+        "enable_prefix_caching",
+    )
     knobs = ", ".join(f"{k}={engine[k]}" for k in keys if k in engine)
     head = " · ".join(str(config[k]) for k in ("model", "dtype", "device") if config.get(k))
     return f"{head}  {knobs}".strip()
@@ -136,17 +144,27 @@ def render(reader: FeedReader, progress: RenderableType | None = None) -> Render
     table.add_column(style="bold")
     table.add_column()
     table.add_row("running / waiting", f"{p['running']} / {p['waiting']}")
-    table.add_row("KV usage", f"{_pct(p['kv_usage'])}   prefix cache hits "
-                  f"{_pct(p.get('prefix_cache_hit_rate'))}")  # fmt: skip
-    table.add_row("steps", f"{p['steps_per_s']:.1f}/s, budget {p.get('token_budget')} tokens, "
-                  f"used {_pct(p['budget_utilisation'])}")  # fmt: skip
-    table.add_row("tokens/s", f"prefill {p['prefill_tokens_per_s']:.0f}, "
-                  f"decode {p['decode_tokens_per_s']:.0f}")  # fmt: skip
-    table.add_row("requests/step", f"prefill {p['prefill_requests_per_step']:.2f}, "
-                  f"decode {p['decode_requests_per_step']:.2f}")  # fmt: skip
+    table.add_row(
+        "KV usage",
+        f"{_pct(p['kv_usage'])}   prefix cache hits {_pct(p.get('prefix_cache_hit_rate'))}",
+    )
+    table.add_row(
+        "steps",
+        f"{p['steps_per_s']:.1f}/s, budget {p.get('token_budget')} tokens, "
+        f"used {_pct(p['budget_utilisation'])}",
+    )
+    table.add_row(
+        "tokens/s",
+        f"prefill {p['prefill_tokens_per_s']:.0f}, decode {p['decode_tokens_per_s']:.0f}",
+    )
+    table.add_row(
+        "requests/step",
+        f"prefill {p['prefill_requests_per_step']:.2f}, decode {p['decode_requests_per_step']:.2f}",
+    )
     minute = history[-60:]
-    table.add_row("preemptions", f"{sum(q['preemptions'] for q in minute)} in the last "
-                  f"{len(minute)} s")  # fmt: skip
+    table.add_row(
+        "preemptions", f"{sum(q['preemptions'] for q in minute)} in the last {len(minute)} s"
+    )
     ttft = (
         f"mean {_ms(p['ttft_mean'])}, max {_ms(p['ttft_max'])} ({p['first_tokens']} first tokens)"
     )
@@ -169,12 +187,16 @@ class LiveView:
     """Shows ``render`` in a rich Live display while the bench runs; ``progress`` (a rich
     Progress, not started on its own: rich allows one live display at a time) is drawn in it."""
 
-    def __init__(self, console: Console, base_url: str, api_key: str | None,
-                 progress: RenderableType | None) -> None:  # fmt: skip
+    def __init__(
+        self, console: Console, base_url: str, api_key: str | None, progress: RenderableType | None
+    ) -> None:
         self.reader = FeedReader(base_url, api_key)
         self.progress = progress
-        self.live = Live(console=console, refresh_per_second=2,
-                         get_renderable=lambda: render(self.reader, self.progress))  # fmt: skip
+        self.live = Live(
+            console=console,
+            refresh_per_second=2,
+            get_renderable=lambda: render(self.reader, self.progress),
+        )
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> LiveView:

@@ -76,9 +76,17 @@ def plot_ttft_vs_throughput(
     for i, points in enumerate(by_workload.values()):
         front = pareto_front(points)
         # Hollow squares mark frontier points (a one-point frontier has no line to see).
-        ax.plot([p[0] for p in front], [p[1] for p in front], "k--", lw=1.5, alpha=0.6,
-                marker="s", markersize=13, markerfacecolor="none",
-                label="Pareto frontier (per workload)" if i == 0 else None)  # fmt: skip
+        ax.plot(
+            [p[0] for p in front],
+            [p[1] for p in front],
+            "k--",
+            lw=1.5,
+            alpha=0.6,
+            marker="s",
+            markersize=13,
+            markerfacecolor="none",
+            label="Pareto frontier (per workload)" if i == 0 else None,
+        )
     slo = slo_ttft_ms or _slo(records)
     if slo:
         ax.axhline(slo, color="red", ls=":", label=f"TTFT SLO {slo:g} ms")

@@ -101,8 +101,12 @@ class CellResult:
             "output_throughput": ov["output_tokens_per_s"],
             "duration": self.metrics.get("window_s"),
         }
-        for ours, theirs in (("ttft_ms", "ttft"), ("tpot_ms", "tpot"), ("icl_ms", "itl"),
-                             ("e2e_ms", "e2el")):  # fmt: skip
+        for ours, theirs in (
+            ("ttft_ms", "ttft"),
+            ("tpot_ms", "tpot"),
+            ("icl_ms", "itl"),
+            ("e2e_ms", "e2el"),
+        ):
             summary = ov[ours]
             out[f"mean_{theirs}_ms"] = summary["mean"]
             out[f"median_{theirs}_ms"] = summary["p50"]

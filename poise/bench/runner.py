@@ -302,7 +302,7 @@ async def run_matrix(
             experiment={
                 **experiment_block(cfg, ep.model, engine, version, described),
                 "replicas": replicas,
-            },  # fmt: skip
+            },
             cells=[],
             capabilities={**ep.capabilities, "ignore_eos_requested": cfg.ignore_eos},
             provenance=_provenance(cfg),

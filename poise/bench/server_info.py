@@ -42,7 +42,9 @@ async def _get_json(session: aiohttp.ClientSession, url: str) -> dict[str, Any] 
 def from_poise(data: dict[str, Any]) -> ServerInfo | None:
     if data.get("engine") != "poise" or not isinstance(data.get("engine_config"), dict):
         return None
-    args = dict(data["engine_config"])
+    # Every server option (the flag registry), then the engine config over it.
+    server_args = data.get("server_args")
+    args = {**(server_args if isinstance(server_args, dict) else {}), **data["engine_config"]}
     # The effective values (the config may say "auto") replace the configured ones.
     for key in ("dtype", "device", "num_kv_blocks", "max_model_len"):
         if data.get(key) is not None:

@@ -23,18 +23,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "plus per-request JSONL. `poise bench plot RECORD...` draws the plots.",
     )
     g = parser.add_argument_group("target")
-    g.add_argument("--base-url", help="The server, e.g. http://127.0.0.1:8000 (its /v1 "
-                   "is added when the URL has no path).")  # fmt: skip
+    g.add_argument(
+        "--base-url",
+        help="The server, e.g. http://127.0.0.1:8000 (its /v1 is added when the URL has no path).",
+    )
     g.add_argument("--model", help="Model name (default: the first of /v1/models).")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer token.")
     lab_options.add_workload_args(parser)
     lab_options.add_slo_args(parser)
     _add_metrics_args(parser)
     _add_record_args(parser)
-    lab_options.add_output_args(parser, "YAML record path, or a folder for <time>.yaml "
-                    "(default: bench-results/).", label=True, plots=False)  # fmt: skip
-    lab_options.deprecate(parser, seed="--workload-seed", timeout="--request-timeout", output="--out",
-              slo_ttft_ms="--slo-ttft-p95-ms", slo_tpot_ms="--slo-tpot-p50-ms")  # fmt: skip
+    lab_options.add_output_args(
+        parser,
+        "YAML record path, or a folder for <time>.yaml (default: bench-results/).",
+        label=True,
+        plots=False,
+    )
+    lab_options.deprecate(
+        parser,
+        seed="--workload-seed",
+        timeout="--request-timeout",
+        output="--out",
+        slo_ttft_ms="--slo-ttft-p95-ms",
+        slo_tpot_ms="--slo-tpot-p50-ms",
+    )
     sub = parser.add_subparsers(dest="bench_command", metavar="{plot}")
     plot = sub.add_parser("plot", help="Plots and an HTML report from experiment records.")
     plot.add_argument("records", nargs="+", help="YAML experiment records.")

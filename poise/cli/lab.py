@@ -25,23 +25,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "which questions this run answers).",
     )
     g = parser.add_argument_group("target")
-    g.add_argument("--device", default="cpu", help="Live servers' device: cpu (scaled down) "
-                   "or cuda (the seed's sizes).")  # fmt: skip
-    g.add_argument("--model", default=None, help="Model for the live servers (default: the "
-                   "embedded SmolLM2-135M-Instruct).")  # fmt: skip
-    g.add_argument("--scale", type=int, default=None,
-                   help="Size divisor (CPU default 8, GPU and simulator 1).")  # fmt: skip
-    g.add_argument("--kv-base", default=None, metavar="BYTES",
-                   help="CPU: KV bytes at memory fraction 1.0 (default 512MiB).")  # fmt: skip
-    g.add_argument("--simulate", action="store_true",
-                   help="Run every cell through the simulator instead of live servers.")  # fmt: skip
+    g.add_argument(
+        "--device",
+        default="cpu",
+        help="Live servers' device: cpu (scaled down) or cuda (the seed's sizes).",
+    )
+    g.add_argument(
+        "--model",
+        default=None,
+        help="Model for the live servers (default: the embedded SmolLM2-135M-Instruct).",
+    )
+    g.add_argument(
+        "--scale", type=int, default=None, help="Size divisor (CPU default 8, GPU and simulator 1)."
+    )
+    g.add_argument(
+        "--kv-base",
+        default=None,
+        metavar="BYTES",
+        help="CPU: KV bytes at memory fraction 1.0 (default 512MiB).",
+    )
+    g.add_argument(
+        "--simulate",
+        action="store_true",
+        help="Run every cell through the simulator instead of live servers.",
+    )
     g.add_argument("--accelerator", help="--simulate: roofline GPU (a10, l40s, a100, h100, h200).")
-    g.add_argument("--model-shape", help="--simulate: roofline model shape (e.g. "
-                   "Qwen2.5-7B-Instruct).")  # fmt: skip
+    g.add_argument(
+        "--model-shape", help="--simulate: roofline model shape (e.g. Qwen2.5-7B-Instruct)."
+    )
     g.add_argument("--profile", help="--simulate: step-cost profile from `poise profile`.")
-    g.add_argument("--only", default=None, metavar="GROUP[,GROUP...]",
-                   help=f"Run only these groups ({', '.join(GROUPS)}); the report uses every "
-                   "record in --out.")  # fmt: skip
+    g.add_argument(
+        "--only",
+        default=None,
+        metavar="GROUP[,GROUP...]",
+        help=f"Run only these groups ({', '.join(GROUPS)}); the report uses every record in --out.",
+    )
     g.add_argument(
         "--report-only",
         action="store_true",
@@ -61,8 +79,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     lab_options.add_slo_args(parser, per_class=False)
     lab_options.add_server_args(parser)
-    lab_options.add_output_args(parser, "Output folder (default lab-<time>); re-use it to resume "
-                                "a live run.", plots=True)  # fmt: skip
+    lab_options.add_output_args(
+        parser, "Output folder (default lab-<time>); re-use it to resume a live run.", plots=True
+    )
     parser.set_defaults(func=run)
 
 
@@ -87,16 +106,30 @@ def run(args: argparse.Namespace) -> int:
         slo_ttft, slo_tpot = lab_options.single_slos(args)
         target = "simulated" if args.simulate else args.device
         kv = parse_bytes(args.kv_base) if args.kv_base else DEFAULT_KV_BASE_BYTES
-        lab = plan(target, scale=args.scale, out_dir=out, kv_base_bytes=kv,
-                   delay_ms=args.max_batch_delay_ms, slo_ttft_p95_ms=slo_ttft,
-                   slo_tpot_p50_ms=slo_tpot, max_probes=args.max_probes)  # fmt: skip
+        lab = plan(
+            target,
+            scale=args.scale,
+            out_dir=out,
+            kv_base_bytes=kv,
+            delay_ms=args.max_batch_delay_ms,
+            slo_ttft_p95_ms=slo_ttft,
+            slo_tpot_p50_ms=slo_tpot,
+            max_probes=args.max_probes,
+        )
         sim = _sim_target(args) if args.simulate else None
     except (ValueError, OSError) as exc:
         print(f"poise lab: error: {exc}", file=sys.stderr)
         return 2
     command = "poise " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    run_lab(lab, out, model=args.model, env=lab_options.server_env(args), sim=sim,
-            groups=only, command=command)  # fmt: skip
+    run_lab(
+        lab,
+        out,
+        model=args.model,
+        env=lab_options.server_env(args),
+        sim=sim,
+        groups=only,
+        command=command,
+    )
     print(f"report: {write_report(out, plots=args.plots)}")
     return 0
 

@@ -176,16 +176,30 @@ def add_slo_args(
     """``--slo-ttft-p95-ms`` (and ``--slo-tpot-p50-ms`` unless ``tpot`` is False, for a
     command that has no use for it); ``per_class=False``: one number (see ``single_slos``)."""
     group = parser.add_argument_group(
-        "SLO", "Latency targets: a config meets them when its TTFT p95 and TPOT p50 are within "
+        "SLO",
+        "Latency targets: a config meets them when its TTFT p95 and TPOT p50 are within "
         "them; goodput counts the requests that meet both.",
-    )  # fmt: skip
+    )
     shape = "MS[,CLASS=MS...]" if per_class else "MS"
     per = ", optionally per class: 500 or 500,long=5000" if per_class else ""
-    group.add_argument("--slo-ttft-p95-ms", dest="slo_ttft", type=slo_arg, metavar=shape,
-                       required=required, default=(None, {}), help=f"TTFT p95 target{per}.")  # fmt: skip
+    group.add_argument(
+        "--slo-ttft-p95-ms",
+        dest="slo_ttft",
+        type=slo_arg,
+        metavar=shape,
+        required=required,
+        default=(None, {}),
+        help=f"TTFT p95 target{per}.",
+    )
     if tpot:
-        group.add_argument("--slo-tpot-p50-ms", dest="slo_tpot", type=slo_arg, metavar=shape,
-                           default=(None, {}), help=f"TPOT p50 target{per}.")  # fmt: skip
+        group.add_argument(
+            "--slo-tpot-p50-ms",
+            dest="slo_tpot",
+            type=slo_arg,
+            metavar=shape,
+            default=(None, {}),
+            help=f"TPOT p50 target{per}.",
+        )
     else:
         parser.set_defaults(slo_tpot=(None, {}))
 
@@ -193,18 +207,26 @@ def add_slo_args(
 def slo_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The BenchConfig SLO fields from the SLO flags."""
     (ttft, ttft_class), (tpot, tpot_class) = args.slo_ttft, args.slo_tpot
-    return {"slo_ttft_ms": ttft, "slo_tpot_ms": tpot,
-            "class_slo_ttft_ms": ttft_class, "class_slo_tpot_ms": tpot_class}  # fmt: skip
+    return {
+        "slo_ttft_ms": ttft,
+        "slo_tpot_ms": tpot,
+        "class_slo_ttft_ms": ttft_class,
+        "class_slo_tpot_ms": tpot_class,
+    }
 
 
 def single_slos(args: argparse.Namespace) -> tuple[float | None, float | None]:
     """(TTFT p95, TPOT p50) for commands that judge a whole cell; per-class targets there would
     be ignored, so they are refused."""
-    for flag, (_, per_class) in (("--slo-ttft-p95-ms", args.slo_ttft),
-                                 ("--slo-tpot-p50-ms", args.slo_tpot)):  # fmt: skip
+    for flag, (_, per_class) in (
+        ("--slo-ttft-p95-ms", args.slo_ttft),
+        ("--slo-tpot-p50-ms", args.slo_tpot),
+    ):
         if per_class:
-            raise ValueError(f"{flag}: per-class targets apply to `poise bench` / `simulate` "
-                             "goodput only; give one number here")  # fmt: skip
+            raise ValueError(
+                f"{flag}: per-class targets apply to `poise bench` / `simulate` "
+                "goodput only; give one number here"
+            )
     return args.slo_ttft[0], args.slo_tpot[0]
 
 
@@ -219,8 +241,12 @@ def add_output_args(
     if label:
         group.add_argument("--label", help="A name for this run (legends).")
     if plots is not None:
-        group.add_argument("--plots", action=argparse.BooleanOptionalAction, default=plots,
-                           help="Plots and an HTML report beside the results.")  # fmt: skip
+        group.add_argument(
+            "--plots",
+            action=argparse.BooleanOptionalAction,
+            default=plots,
+            help="Plots and an HTML report beside the results.",
+        )
 
 
 def default_out(prefix: str) -> Path:
@@ -239,9 +265,14 @@ def record_path(out: str | None, folder: str) -> Path:
 def add_server_args(parser: argparse.ArgumentParser) -> Any:
     """Flags for the servers a command starts (sweep, tune); returns the group for more."""
     group = parser.add_argument_group("servers", "How started servers run.")
-    group.add_argument("--omp-num-threads", type=int, default=None, metavar="N",
-                       help="OMP_NUM_THREADS for started servers (any engine; poise's own "
-                       "torch threads are the engine flag --num-threads).")  # fmt: skip
+    group.add_argument(
+        "--omp-num-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="OMP_NUM_THREADS for started servers (any engine; poise's own "
+        "torch threads are the engine flag --num-threads).",
+    )
     return group
 
 
@@ -254,17 +285,33 @@ def server_env(args: argparse.Namespace) -> dict[str, str]:
 class _DeprecatedAlias(argparse.Action):
     """An old spelling: does what the new flag does, after a line on stderr."""
 
-    def __init__(self, option_strings: Sequence[str], dest: str, *, target: argparse.Action,
-                 new: str) -> None:  # fmt: skip
+    def __init__(
+        self, option_strings: Sequence[str], dest: str, *, target: argparse.Action, new: str
+    ) -> None:
         parse = target.type if callable(target.type) else None  # flags here never name a type
-        super().__init__(option_strings, dest, nargs=target.nargs, type=parse,
-                         choices=target.choices, metavar=target.metavar, help=argparse.SUPPRESS)  # fmt: skip
+        super().__init__(
+            option_strings,
+            dest,
+            nargs=target.nargs,
+            type=parse,
+            choices=target.choices,
+            metavar=target.metavar,
+            help=argparse.SUPPRESS,
+        )
         self.target, self.new = target, new
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:  # fmt: skip
-        print(f"{parser.prog}: {option_string} is deprecated, use {self.new} (the old spelling "
-              "goes in the next release)", file=sys.stderr)  # fmt: skip
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(
+            f"{parser.prog}: {option_string} is deprecated, use {self.new} (the old spelling "
+            "goes in the next release)",
+            file=sys.stderr,
+        )
         self.target(parser, namespace, values, self.new)
 
 
@@ -273,5 +320,10 @@ def deprecate(parser: argparse.ArgumentParser, **renames: str) -> None:
     ``--timeout`` an alias of ``--request-timeout`` (hidden from --help)."""
     for old, new in renames.items():
         target = parser._option_string_actions[new]  # argparse keeps no public lookup
-        parser.add_argument("--" + old.replace("_", "-"), dest=target.dest, action=_DeprecatedAlias,
-                            target=target, new=new)  # fmt: skip
+        parser.add_argument(
+            "--" + old.replace("_", "-"),
+            dest=target.dest,
+            action=_DeprecatedAlias,
+            target=target,
+            new=new,
+        )

@@ -1,11 +1,11 @@
-"""Engine knobs as argparse flags, generated from the config dataclasses' field metadata.
+"""Engine knobs as flag records (poise.cli.flags), generated from the config dataclasses.
 
-Every field of ModelConfig, CacheConfig and SchedulerConfig becomes one flag spelled like
-vLLM's (``max_num_seqs`` -> ``--max-num-seqs``), in one argument group per dataclass, with the
+Every field of ModelConfig, CacheConfig and SchedulerConfig becomes one ``Flag`` spelled like
+vLLM's (``max_num_seqs`` -> ``--max-num-seqs``), in one registry group per dataclass, with the
 field's ``metadata["help"]`` (what the knob trades) and its default. Aliases from
 ``poise.config.ALIASES`` become extra spellings of the same flag (``--max-num-queued-reqs``,
 ``--watermark``...). Other config dataclasses (``RequestLimitsConfig`` for ``poise serve``) get
-their flags the same way through ``add_config_group`` / ``config_from_args``; fields named
+their flags the same way through ``config_flags`` / ``config_from_args``; fields named
 ``*_bytes`` accept sizes such as ``8MiB``.
 
 Invariants:
@@ -25,6 +25,7 @@ import types
 import typing
 from typing import Any
 
+from poise.cli.flags import Flag, add_flags
 from poise.config import (
     ADMISSION_CONTROLS,
     ALIASES,
@@ -40,22 +41,42 @@ from poise.config import (
 
 T = typing.TypeVar("T")
 
-# (title, description, dataclass): one argparse group each, in this order.
-GROUPS: tuple[tuple[str, str, type], ...] = (
-    ("model", "What to load and how.", ModelConfig),
-    (
-        "KV cache",
-        "The KV-cache budget: how many tokens of context the engine can hold at once.",
-        CacheConfig,
-    ),
-    (
-        "scheduler",
-        "The token budget per step, the request cap and the waiting queue: the TTFT / "
-        "throughput trade-off of continuous batching.",
-        SchedulerConfig,
-    ),
+# (flag group, dataclass): the engine's flags, one group per config dataclass.
+ENGINE_GROUPS: tuple[tuple[str, type], ...] = (
+    ("model", ModelConfig),
+    ("scheduler", SchedulerConfig),
+    ("cache", CacheConfig),
 )
 
+# Engine options vLLM has too, with vLLM's spelling (the docs' vLLM column); the others are
+# poise's own.
+VLLM_SPELLINGS: dict[str, str] = {
+    **{
+        name: "--" + name.replace("_", "-")
+        for name in (
+            "model",
+            "tokenizer",
+            "dtype",
+            "device",
+            "seed",
+            "generation_config",
+            "max_model_len",
+            "enforce_eager",
+            "quantization",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "enable_chunked_prefill",
+            "long_prefill_token_threshold",
+            "scheduling_policy",
+            "block_size",
+            "gpu_memory_utilization",
+            "kv_cache_memory_bytes",
+            "enable_prefix_caching",
+            "kv_cache_dtype",
+        )
+    },
+    "num_kv_blocks": "--num-gpu-blocks-override",
+}
 _POLICY_NAMES = [p.replace("_", "-") for p in SCHEDULING_POLICIES]
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
@@ -103,38 +124,75 @@ def _default_text(field: dataclasses.Field[Any]) -> str:
     if value is None:
         return ""
     if isinstance(value, bool):
-        return f" (default: {'on' if value else 'off'})"
+        return "on" if value else "off"
     if field.name == "scheduling_policy":
         value = str(value).replace("_", "-")
-    return f" (default: {value})"
+    return str(value)
 
 
-def _aliases_of(name: str) -> list[str]:
-    return [_flag(alias) for alias, target in ALIASES.items() if target == name]
+def _aliases_of(name: str) -> tuple[str, ...]:
+    return tuple(_flag(alias) for alias, target in ALIASES.items() if target == name)
 
 
-def _kwargs_for(field: dataclasses.Field[Any], hint: Any) -> dict[str, Any]:
-    """argparse keyword arguments for one config field."""
-    help_text = field.metadata.get("help", "") + _default_text(field)
-    kwargs: dict[str, Any] = {"dest": field.name, "default": None, "help": help_text}
+def _parse_kwargs(field: dataclasses.Field[Any], hint: Any) -> dict[str, Any]:
+    """How one config field's value is parsed: type, choices, metavar or action."""
     base = _base_type(hint)
     if base is bool:
-        kwargs["action"] = argparse.BooleanOptionalAction
-    elif field.name == "scheduling_policy":
-        kwargs.update(type=policy_choice, metavar="{" + ",".join(_POLICY_NAMES) + "}")
-    elif field.name == "admission_control":
-        kwargs.update(choices=ADMISSION_CONTROLS)
-    elif field.name == "dtype":
-        kwargs.update(choices=DTYPES)
-    elif field.name == "quantization":
-        kwargs.update(choices=QUANTIZATIONS)
-    elif field.name.endswith("_bytes") or field.name == "kv_cache_memory_base":
-        kwargs.update(type=parse_bytes, metavar="BYTES")
-    elif base in (int, float):
-        kwargs.update(type=base, metavar=base.__name__.upper())
-    else:
-        kwargs.update(metavar="STR")
-    return kwargs
+        return {"action": argparse.BooleanOptionalAction}
+    if field.name == "scheduling_policy":
+        return {"type": policy_choice, "metavar": "{" + ",".join(_POLICY_NAMES) + "}"}
+    for name, choices in (
+        ("admission_control", ADMISSION_CONTROLS),
+        ("dtype", DTYPES),
+        ("quantization", QUANTIZATIONS),
+    ):
+        if field.name == name:
+            return {"choices": choices}
+    if field.name.endswith("_bytes") or field.name == "kv_cache_memory_base":
+        return {"type": parse_bytes, "metavar": "BYTES"}
+    if base in (int, float):
+        return {"type": base, "metavar": base.__name__.upper()}
+    return {"metavar": "STR"}
+
+
+def config_flags(cls: type, group: str) -> list[Flag]:
+    """One flag per field of the config dataclass ``cls``: its help is the field's
+    ``metadata["help"]``, its default note the field's default, and the flag itself defaults
+    to None, so only what the user gave reaches the dataclass."""
+    hints = typing.get_type_hints(cls)
+    return [
+        Flag(
+            dest=field.name,
+            group=group,
+            help=field.metadata.get("help", ""),
+            default_text=_default_text(field),
+            aliases=_aliases_of(field.name),
+            vllm=VLLM_SPELLINGS.get(field.name),
+            **_parse_kwargs(field, hints[field.name]),
+        )
+        for field in dataclasses.fields(cls)
+    ]
+
+
+def engine_flags() -> list[Flag]:
+    """The engine's flags, in ``ENGINE_GROUPS`` order."""
+    return [flag for group, cls in ENGINE_GROUPS for flag in config_flags(cls, group)]
+
+
+def model_positional(flags: list[Flag]) -> dict[str, Any]:
+    """``poise serve [MODEL]``: the model as an optional positional, ``--model`` as a second
+    spelling (its own dest, merged by ``engine_kwargs_from_args``)."""
+    model = next(f for f in flags if f.dest == "model")
+    flags.remove(model)
+
+    def add(group: Any) -> None:
+        help_text = model.argparse_kwargs()["help"]
+        group.add_argument("model", nargs="?", default=None, metavar="MODEL", help=help_text)
+        group.add_argument(
+            "--model", dest="model_flag", default=None, metavar="STR", help="Same as MODEL."
+        )
+
+    return {model.group: add}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool = False) -> None:
@@ -143,33 +201,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     ``positional_model=True`` makes the model an optional positional (``poise serve [MODEL]``)
     and keeps ``--model`` as a second spelling; otherwise only ``--model`` exists.
     """
-    for title, description, cls in GROUPS:
-        group = parser.add_argument_group(title, description)
-        hints = typing.get_type_hints(cls)
-        for field in dataclasses.fields(cls):
-            kwargs = _kwargs_for(field, hints[field.name])
-            if field.name == "model" and positional_model:
-                group.add_argument(
-                    "model", nargs="?", default=None, metavar="MODEL", help=kwargs["help"]
-                )
-                group.add_argument(
-                    "--model", dest="model_flag", default=None, metavar="STR",
-                    help="Same as MODEL.",
-                )  # fmt: skip
-                continue
-            group.add_argument(_flag(field.name), *_aliases_of(field.name), **kwargs)
-
-
-def add_config_group(
-    parser: argparse.ArgumentParser, title: str, description: str, cls: type
-) -> None:
-    """One flag per field of the config dataclass ``cls``, in one argument group."""
-    group = parser.add_argument_group(title, description)
-    hints = typing.get_type_hints(cls)
-    for field in dataclasses.fields(cls):
-        group.add_argument(
-            _flag(field.name), *_aliases_of(field.name), **_kwargs_for(field, hints[field.name])
-        )
+    flags = engine_flags()
+    first = model_positional(flags) if positional_model else None
+    add_flags(parser, flags, first=first)
 
 
 def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
@@ -188,7 +222,7 @@ def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags the user gave, as flat ``EngineConfig.from_kwargs`` keywords."""
     out: dict[str, Any] = {}
-    for _, _, cls in GROUPS:
+    for _, cls in ENGINE_GROUPS:
         for field in dataclasses.fields(cls):
             value = getattr(args, field.name, None)
             if field.name == "model" and value is None:

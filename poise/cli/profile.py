@@ -264,14 +264,26 @@ def _kv_bytes_per_token(runner: Any, info: Any) -> int:
 
 
 def _print_summary(coef: dict[str, float], fit: dict[str, float], overhead: float) -> None:
-    units = {"const": "ms/step", "tokens": "ms/token", "seqs": "ms/request",
-             "sampled": "ms/sampled", "prefill_attn": "ms/1k pairs", "decode_ctx": "ms/1k ctx",
-             "decode_unique_ctx": "ms/1k unique ctx",
-             "decode_padded": "ms/1k padded ctx", "decode_padded_excess": "ms/1k past knee",
-             "prefill_chunks": "ms/chunk"}  # fmt: skip
+    units = {
+        "const": "ms/step",
+        "tokens": "ms/token",
+        "seqs": "ms/request",
+        "sampled": "ms/sampled",
+        "prefill_attn": "ms/1k pairs",
+        "decode_ctx": "ms/1k ctx",
+        "decode_unique_ctx": "ms/1k unique ctx",
+        "decode_padded": "ms/1k padded ctx",
+        "decode_padded_excess": "ms/1k past knee",
+        "prefill_chunks": "ms/chunk",
+    }
     for name, value in coef.items():
-        per_k = ("prefill_attn", "decode_ctx", "decode_unique_ctx", "decode_padded",
-                 "decode_padded_excess")  # fmt: skip
+        per_k = (
+            "prefill_attn",
+            "decode_ctx",
+            "decode_unique_ctx",
+            "decode_padded",
+            "decode_padded_excess",
+        )
         scale = 1e6 if name in per_k else 1e3
         print(f"  {name:<13} {value * scale:10.4f} {units[name]}")
     print(f"  engine overhead {overhead * 1e3:.3f} ms/step (outside the runner)")

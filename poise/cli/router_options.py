@@ -5,44 +5,69 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from poise.cli.flags import Flag, add_flags
 from poise.router.policies import POLICIES
 from poise.router.router import RouterConfig
 
-_DEFAULTS = RouterConfig()
+_ROUTER = RouterConfig()
+
+# The replica and router options, the same in `poise serve` and `poise simulate`.
+SCALE_OUT_FLAGS: tuple[Flag, ...] = (
+    Flag(
+        "replicas",
+        "scale-out",
+        "Engine replicas behind the router.",
+        1,
+        type=int,
+        metavar="N",
+        default_text="1: no router",
+    ),
+    Flag(
+        "router",
+        "scale-out",
+        "How a request picks its replica.",
+        _ROUTER.policy,
+        choices=sorted(POLICIES),
+    ),
+    Flag(
+        "router_pools",
+        "scale-out",
+        "Class pool of each replica, comma-separated: 'long', 'interactive' or 'any' (e.g. "
+        "long,interactive,interactive). A request goes to its class's pool, idle replicas of "
+        "another pool take spill-over.",
+        metavar="POOL,POOL,...",
+        default_text="every replica serves all",
+    ),
+    Flag(
+        "long_prompt_tokens",
+        "scale-out",
+        "With pools: a prompt this long is long traffic unless its request names a class.",
+        _ROUTER.long_prompt_tokens,
+        type=int,
+        metavar="N",
+    ),
+    Flag(
+        "router_prefix_blocks",
+        "scale-out",
+        "Opening KV blocks of a prompt the prefix table follows.",
+        _ROUTER.prefix_blocks,
+        type=int,
+        metavar="N",
+    ),
+    Flag(
+        "router_max_imbalance",
+        "scale-out",
+        "prefix_affinity: in-flight requests the affine replica may lead the least loaded one "
+        "by before the request goes by load.",
+        _ROUTER.max_imbalance,
+        type=int,
+        metavar="N",
+    ),
+)
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group(
-        "replicas and router",
-        "N engine replicas behind poise's router (docs/scale-out.md: which policy when).",
-    )
-    g.add_argument("--replicas", type=int, default=1, metavar="N",
-                   help="Engine replicas behind the router. (default: 1: no router)")  # fmt: skip
-    g.add_argument(
-        "--router", choices=sorted(POLICIES), default=_DEFAULTS.policy,
-        help=f"How a request picks its replica. (default: {_DEFAULTS.policy})",
-    )  # fmt: skip
-    g.add_argument(
-        "--router-pools", default=None, metavar="POOL,POOL,...",
-        help="Class pool of each replica, comma-separated: 'long', 'interactive' or 'any' "
-        "(e.g. long,interactive,interactive). A request goes to its class's pool, idle "
-        "replicas of another pool take spill-over. (default: every replica serves all)",
-    )  # fmt: skip
-    g.add_argument(
-        "--long-prompt-tokens", type=int, default=_DEFAULTS.long_prompt_tokens, metavar="N",
-        help="With pools: a prompt this long is long traffic unless its request names a class. "
-        f"(default: {_DEFAULTS.long_prompt_tokens})",
-    )  # fmt: skip
-    g.add_argument(
-        "--router-prefix-blocks", type=int, default=_DEFAULTS.prefix_blocks, metavar="N",
-        help="Opening KV blocks of a prompt the prefix table follows. "
-        f"(default: {_DEFAULTS.prefix_blocks})",
-    )  # fmt: skip
-    g.add_argument(
-        "--router-max-imbalance", type=int, default=_DEFAULTS.max_imbalance, metavar="N",
-        help="prefix_affinity: in-flight requests the affine replica may lead the least loaded "
-        f"one by before the request goes by load. (default: {_DEFAULTS.max_imbalance})",
-    )  # fmt: skip
+    add_flags(parser, SCALE_OUT_FLAGS)
 
 
 def router_from_args(args: argparse.Namespace, block_size: int) -> dict[str, Any]:

@@ -39,54 +39,87 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--compute-efficiency", type=float, default=None, help="Roofline MFU (0.5).")
     g.add_argument("--bandwidth-efficiency", type=float, default=None, help="Roofline (0.8).")
     g.add_argument(
-        "--request-overhead-ms", type=float, default=None,
+        "--request-overhead-ms",
+        type=float,
+        default=None,
         help="Per-request time before the engine sees it (HTTP, template, tokenize).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--request-overhead-cv", type=float, default=0.0, metavar="CV",
+        "--request-overhead-cv",
+        type=float,
+        default=0.0,
+        metavar="CV",
         help="Spread of the request overhead (coefficient of variation; seeded lognormal): "
         "requests sent together reach the engine in a random order. (default: 0)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--way-in-workers", type=int, default=0, metavar="N",
+        "--way-in-workers",
+        type=int,
+        default=0,
+        metavar="N",
         help="Requests prepared at once by the server (poise serve: 1, its tokenizer thread); "
         "others queue in send order. 0 (default): no queue.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--way-in-us-per-token", type=float, default=0.0, metavar="US",
+        "--way-in-us-per-token",
+        type=float,
+        default=0.0,
+        metavar="US",
         help="How long a request holds a way-in worker, per prompt token, in microseconds (the "
         "serial part of the request overhead: chat template and tokenization). (default: 0)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--step-overhead-ms", type=float, default=None,
+        "--step-overhead-ms",
+        type=float,
+        default=None,
         help="Per-step engine-loop time outside the forward (default: the profile's).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--time-scale", type=float, default=1.0,
+        "--time-scale",
+        type=float,
+        default=1.0,
         help="Multiply every modelled step time (the machine is busier now than when profiled).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--step-jitter", type=float, default=0.0, metavar="CV",
+        "--step-jitter",
+        type=float,
+        default=0.0,
+        metavar="CV",
         help="Spread of real step times around the model (coefficient of variation, e.g. 0.15): "
         "each step gets a seeded lognormal factor of mean 1. 0 (default): deterministic steps.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--calibrate-from", nargs="+", default=None, metavar="RECORD",
+        "--calibrate-from",
+        nargs="+",
+        default=None,
+        metavar="RECORD",
         help="Bench records (YAML, with their step traces where linked) whose concurrency-1 "
         "cells set the request overhead (and its spread without way-in workers), the way in "
         "per token (when prompt lengths vary), the time scale and the step jitter; a term "
         "set by a flag is kept (docs/simulator.md, Calibration).",
-    )  # fmt: skip
-    lab_options.add_workload_args(parser, description="The traffic, as `poise bench` (the simulator ends "
-                      "every request at max_tokens and does not sample: --no-ignore-eos and a "
-                      "temperature are refused).")  # fmt: skip
+    )
+    lab_options.add_workload_args(
+        parser,
+        description="The traffic, as `poise bench` (the simulator ends "
+        "every request at max_tokens and does not sample: --no-ignore-eos and a "
+        "temperature are refused).",
+    )
     lab_options.add_slo_args(parser)
-    lab_options.add_output_args(parser, "YAML record path, or a folder for <time>.yaml "
-                    "(default: sim-results/).", label=True, plots=False)  # fmt: skip
+    lab_options.add_output_args(
+        parser,
+        "YAML record path, or a folder for <time>.yaml (default: sim-results/).",
+        label=True,
+        plots=False,
+    )
     add_engine_args(parser)
     add_router_args(parser)
-    lab_options.deprecate(parser, output="--out", plot="--plots", slo_ttft_ms="--slo-ttft-p95-ms",
-              slo_tpot_ms="--slo-tpot-p50-ms")  # fmt: skip
+    lab_options.deprecate(
+        parser,
+        output="--out",
+        plot="--plots",
+        slo_ttft_ms="--slo-ttft-p95-ms",
+        slo_tpot_ms="--slo-tpot-p50-ms",
+    )
     parser.set_defaults(func=run)
 
 
@@ -170,8 +203,11 @@ def _workload(args: argparse.Namespace) -> Any:
     request sample, as it did before ``--workload-seed`` existed."""
     spec = lab_options.workload_from_args(args)
     if getattr(args, "seed", None) is not None and "seed" not in lab_options.given_workload(args):
-        print("poise simulate: --seed seeds the request sample only until the next release; "
-              "use --workload-seed", file=sys.stderr)  # fmt: skip
+        print(
+            "poise simulate: --seed seeds the request sample only until the next release; "
+            "use --workload-seed",
+            file=sys.stderr,
+        )
         spec = dataclasses.replace(spec, seed=args.seed)
     return spec
 

@@ -21,21 +21,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("configs", nargs="*", metavar="CONFIG", help="Config YAML files.")
     g = parser.add_argument_group("configs")
-    g.add_argument("--preset", choices=("lab", "policy"), default=None,
-                   help="Built-in configs: lab (A, B, C) or policy (C fifo vs prefill-first).")  # fmt: skip
-    g.add_argument("--model", default=None, help="Model for poise configs without one "
-                   "(default: the embedded SmolLM2-135M-Instruct).")  # fmt: skip
+    g.add_argument(
+        "--preset",
+        choices=("lab", "policy"),
+        default=None,
+        help="Built-in configs: lab (A, B, C) or policy (C fifo vs prefill-first).",
+    )
+    g.add_argument(
+        "--model",
+        default=None,
+        help="Model for poise configs without one (default: the embedded SmolLM2-135M-Instruct).",
+    )
     g.add_argument("--device", default="cpu", help="Device for presets: cpu or cuda.")
-    g.add_argument("--scale", type=int, default=None,
-                   help="Preset size divisor (CPU default 8, GPU 1).")  # fmt: skip
-    g.add_argument("--kv-base", default=None, metavar="BYTES",
-                   help="CPU presets: KV bytes at memory fraction 1.0 (default 512MiB).")  # fmt: skip
+    g.add_argument(
+        "--scale", type=int, default=None, help="Preset size divisor (CPU default 8, GPU 1)."
+    )
+    g.add_argument(
+        "--kv-base",
+        default=None,
+        metavar="BYTES",
+        help="CPU presets: KV bytes at memory fraction 1.0 (default 512MiB).",
+    )
     lab_options.add_server_args(parser)
-    lab_options.add_workload_args(parser, description="The traffic, as `poise bench`; every flag given "
-                      "overrides the preset's workload.")  # fmt: skip
+    lab_options.add_workload_args(
+        parser,
+        description="The traffic, as `poise bench`; every flag given "
+        "overrides the preset's workload.",
+    )
     lab_options.add_slo_args(parser, per_class=False)
-    lab_options.add_output_args(parser, "Output folder (default sweep-<time>); re-use it to resume.",
-                    plots=True)  # fmt: skip
+    lab_options.add_output_args(
+        parser, "Output folder (default sweep-<time>); re-use it to resume.", plots=True
+    )
     lab_options.deprecate(parser, threads="--omp-num-threads")
     parser.set_defaults(func=run)
 
@@ -56,8 +72,13 @@ def run(args: argparse.Namespace) -> int:
         base = WorkloadSpec()
         if args.preset:
             kv = parse_bytes(args.kv_base) if args.kv_base else presets.DEFAULT_KV_BASE_BYTES
-            plan = presets.plan(args.preset, device=args.device, scale=args.scale,
-                                kv_base_bytes=kv, model=args.model)  # fmt: skip
+            plan = presets.plan(
+                args.preset,
+                device=args.device,
+                scale=args.scale,
+                kv_base_bytes=kv,
+                model=args.model,
+            )
             specs += [spec_from_dict(d, d["name"], args.model, env) for d in plan.configs]
             base = plan.workload
             for note in plan.notes:
@@ -69,8 +90,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"poise sweep: error: {exc}", file=sys.stderr)
         return 2
     out = args.out or str(lab_options.default_out("sweep"))
-    result = run_sweep(specs, workload, out, slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot,
-                       plots=args.plots)  # fmt: skip
+    result = run_sweep(
+        specs, workload, out, slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot, plots=args.plots
+    )
     for o in result.outcomes:
         state = f"FAILED: {o.error}" if o.error else "ok"
         print(f"{o.name}: measured {len(o.measured)}, reused {len(o.reused)}: {state}")

@@ -30,41 +30,75 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     lab_options.add_slo_args(parser, required=True, per_class=False)
     g = parser.add_argument_group("search")
-    g.add_argument("--budgets", type=int_list, default=None,
-                   help=f"Token-budget ladder, ascending; the first is the baseline (CPU default {','.join(map(str, CPU_BUDGETS))}).")  # fmt: skip
-    g.add_argument("--seqs", type=int_list, default=None,
-                   help=f"max_num_seqs ladder, ascending (CPU default {','.join(map(str, CPU_SEQS))}).")  # fmt: skip
+    g.add_argument(
+        "--budgets",
+        type=int_list,
+        default=None,
+        help=f"Token-budget ladder, ascending; the first is the baseline (CPU default {','.join(map(str, CPU_BUDGETS))}).",
+    )
+    g.add_argument(
+        "--seqs",
+        type=int_list,
+        default=None,
+        help=f"max_num_seqs ladder, ascending (CPU default {','.join(map(str, CPU_SEQS))}).",
+    )
     g.add_argument(
         "--min-gain", type=float, default=0.03, help="Throughput gain that counts (0.03)."
     )
-    g.add_argument("--tail-tolerance", type=float, default=0.10,
-                   help="TTFT p95 growth that counts as a worse tail (0.10).")  # fmt: skip
-    g.add_argument("--kv-headroom", type=float, default=0.90,
-                   help="Peak KV usage at or above this means no headroom (0.90).")  # fmt: skip
+    g.add_argument(
+        "--tail-tolerance",
+        type=float,
+        default=0.10,
+        help="TTFT p95 growth that counts as a worse tail (0.10).",
+    )
+    g.add_argument(
+        "--kv-headroom",
+        type=float,
+        default=0.90,
+        help="Peak KV usage at or above this means no headroom (0.90).",
+    )
     g.add_argument("--max-probes", type=int, default=30, help="At most this many probes.")
     g.add_argument("--no-policies", action="store_true", help="Do not try the other policy.")
     g.add_argument("--no-trade", action="store_true", help="Do not trade budget for seqs.")
-    g.add_argument("--no-slo-scheduling", action="store_true", help="Do not try policy slo "
-                   "with traffic classes, their shares and the token budget controller "
-                   "(poise only; off with --command-template).")  # fmt: skip
-    g.add_argument("--no-latency-search", action="store_true",
-                   help="Skip the latency-first descent.")  # fmt: skip
+    g.add_argument(
+        "--no-slo-scheduling",
+        action="store_true",
+        help="Do not try policy slo "
+        "with traffic classes, their shares and the token budget controller "
+        "(poise only; off with --command-template).",
+    )
+    g.add_argument(
+        "--no-latency-search", action="store_true", help="Skip the latency-first descent."
+    )
     t = lab_options.add_server_args(parser)
     t.description = "poise by default; or another engine (a command template); or --simulate."
-    t.add_argument("--command-template", default=None,
-                   help="Start another engine: e.g. 'vllm serve M --port {port} "
-                   "--max-num-batched-tokens {max_num_batched_tokens} --max-num-seqs {max_num_seqs}'.")  # fmt: skip
-    t.add_argument("--base-url", default="http://127.0.0.1:{port}/v1",
-                   help="Base URL template (its /v1 is added when the URL has no path).")  # fmt: skip
-    t.add_argument("--ready-path", action="append", default=None,
-                   help="Readiness path(s) (default /ready, /health, /v1/models).")  # fmt: skip
+    t.add_argument(
+        "--command-template",
+        default=None,
+        help="Start another engine: e.g. 'vllm serve M --port {port} "
+        "--max-num-batched-tokens {max_num_batched_tokens} --max-num-seqs {max_num_seqs}'.",
+    )
+    t.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:{port}/v1",
+        help="Base URL template (its /v1 is added when the URL has no path).",
+    )
+    t.add_argument(
+        "--ready-path",
+        action="append",
+        default=None,
+        help="Readiness path(s) (default /ready, /health, /v1/models).",
+    )
     t.add_argument("--startup-timeout", type=float, default=300.0, help="Seconds to get ready.")
     t.add_argument("--simulate", action="store_true", help="Probe the simulator, not a server.")
     t.add_argument("--profile", help="--simulate: step-cost profile from `poise profile`.")
     t.add_argument("--accelerator", help="--simulate: roofline GPU (a10, l40s, a100, h100, h200).")
     t.add_argument("--model-shape", help="--simulate: roofline model shape.")
-    lab_options.add_workload_args(parser, description="The traffic, as `poise bench`, held fixed while the "
-                      "knobs move: one cell (the first value of each list).")  # fmt: skip
+    lab_options.add_workload_args(
+        parser,
+        description="The traffic, as `poise bench`, held fixed while the "
+        "knobs move: one cell (the first value of each list).",
+    )
     lab_options.add_output_args(parser, "Output folder (default tune-<time>); re-use it to resume.")
     add_engine_args(parser)
     lab_options.deprecate(parser, threads="--omp-num-threads")
@@ -162,9 +196,14 @@ def run(args: argparse.Namespace) -> int:
     policy = engine.pop("scheduling_policy", "fifo")
     fixed = {k: v for k, v in engine.items() if k not in TUNED}
     gpu = str(fixed.get("device", "cpu")).startswith("cuda") or bool(args.command_template)
-    base_wl = WorkloadSpec(concurrency=(32,) if gpu else (4,), long_ratio=(0.0,),
-                          max_tokens=160 if gpu else 32, num_requests=None if gpu else 12,
-                          warmup=None if gpu else 2, long_repeat=220 if gpu else 27)  # fmt: skip
+    base_wl = WorkloadSpec(
+        concurrency=(32,) if gpu else (4,),
+        long_ratio=(0.0,),
+        max_tokens=160 if gpu else 32,
+        num_requests=None if gpu else 12,
+        warmup=None if gpu else 2,
+        long_repeat=220 if gpu else 27,
+    )
     out = args.out or str(lab_options.default_out("tune"))
     try:
         workload = lab_options.workload_from_args(args, base_wl, single=True)
@@ -173,13 +212,20 @@ def run(args: argparse.Namespace) -> int:
         if slo_ttft is None:
             raise ValueError("--slo-ttft-p95-ms: give the TTFT p95 target in ms")
         settings = TuneSettings(
-            slo_ttft, slo_tpot, budgets=budgets, seqs=seqs,
-            policy=policy, try_policies=try_policies, trade=not args.no_trade,
+            slo_ttft,
+            slo_tpot,
+            budgets=budgets,
+            seqs=seqs,
+            policy=policy,
+            try_policies=try_policies,
+            trade=not args.no_trade,
             slo_scheduling=not (args.no_slo_scheduling or args.command_template),
-            latency_search=not args.no_latency_search, min_gain=args.min_gain,
-            tail_tolerance=args.tail_tolerance, kv_headroom=args.kv_headroom,
+            latency_search=not args.no_latency_search,
+            min_gain=args.min_gain,
+            tail_tolerance=args.tail_tolerance,
+            kv_headroom=args.kv_headroom,
             max_probes=args.max_probes,
-        )  # fmt: skip
+        )
         probe = _probe(args, fixed, workload, out)
     except (ValueError, OSError) as exc:
         print(f"poise tune: error: {exc}", file=sys.stderr)

@@ -229,9 +229,16 @@ class StepStats:
 
     @classmethod
     def of(
-        cls, output: SchedulerOutput, now: float, *, running: int, waiting: int,
-        kv_cache_usage: float, finished: int, budget: int,
-    ) -> StepStats:  # fmt: skip
+        cls,
+        output: SchedulerOutput,
+        now: float,
+        *,
+        running: int,
+        waiting: int,
+        kv_cache_usage: float,
+        finished: int,
+        budget: int,
+    ) -> StepStats:
         """The stats of the step ``output`` scheduled, its results applied at ``now``."""
         return cls(
             step_id=output.step_id,

@@ -49,7 +49,7 @@ class _IngressDeployment(Ingress):
                 pool=spec.pools[i] if spec.pools else None,
                 budget=spec.config.scheduler.max_num_batched_tokens,
                 max_num_seqs=spec.config.scheduler.max_num_seqs,
-            )  # fmt: skip
+            )
             for i, name in enumerate(replica_names(spec.replicas))
         ]
         model = spec.config.model
@@ -65,15 +65,20 @@ def build_app(spec: DeploySpec) -> Any:
     handles = {}
     for name in names:
         dep = serve.deployment(
-            name=name, num_replicas=1,
+            name=name,
+            num_replicas=1,
             ray_actor_options={"num_cpus": spec.num_cpus, "num_gpus": spec.num_gpus},
-            health_check_period_s=2, health_check_timeout_s=30, max_ongoing_requests=1000,
-        )(EngineReplica)  # fmt: skip
+            health_check_period_s=2,
+            health_check_timeout_s=30,
+            max_ongoing_requests=1000,
+        )(EngineReplica)
         handles[name] = dep.bind(spec.config, name, served)
     ingress = serve.deployment(
-        name="router", num_replicas=1, max_ongoing_requests=10000,
+        name="router",
+        num_replicas=1,
+        max_ongoing_requests=10000,
         ray_actor_options={"num_cpus": 0},
-    )(_IngressDeployment)  # fmt: skip
+    )(_IngressDeployment)
     return ingress.bind(handles, spec)
 
 
@@ -94,6 +99,12 @@ def app_builder(args: dict[str, str]) -> Any:
         block_size=config.cache.block_size,
         long_prompt_tokens=int(args.get("long_prompt_tokens", 1024)),
     )
-    spec = DeploySpec(config, int(args.get("replicas", 1)), router, pools,
-                      float(args.get("num_cpus", 1)), float(args.get("num_gpus", 0)))  # fmt: skip
+    spec = DeploySpec(
+        config,
+        int(args.get("replicas", 1)),
+        router,
+        pools,
+        float(args.get("num_cpus", 1)),
+        float(args.get("num_gpus", 0)),
+    )
     return build_app(spec)

@@ -45,12 +45,23 @@ async def call(
                 await out.put(None)
 
     scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-        "root_path": "", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 0),
-        "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
-                    *((k.lower().encode(), v.encode()) for k, v in headers or [])],
-    }  # fmt: skip
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "server": ("127.0.0.1", 80),
+        "client": ("127.0.0.1", 0),
+        "headers": [
+            (b"host", b"127.0.0.1"),
+            (b"content-type", b"application/json"),
+            *((k.lower().encode(), v.encode()) for k, v in headers or []),
+        ],
+    }
 
     async def run() -> None:
         try:

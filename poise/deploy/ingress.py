@@ -108,8 +108,11 @@ class Ingress:
             return Response(await self.metrics(), media_type="text/plain; version=0.0.4")
         if method == "GET" and path in ("/health", "/ready"):
             up = [n for n, r in self.router.replicas.items() if r.healthy]
-            return Response(json.dumps({"replicas_healthy": up}), status_code=200 if up else 503,
-                            media_type="application/json")  # fmt: skip
+            return Response(
+                json.dumps({"replicas_healthy": up}),
+                status_code=200 if up else 503,
+                media_type="application/json",
+            )
         raw = await request.body()
         req, stream = await self.route_request(path, raw)
         try:
@@ -121,8 +124,9 @@ class Ingress:
         headers["x-poise-replica"] = name  # which replica answered (logs, tests, debugging)
         return StreamingResponse(
             self._relay(req.request_id, name, first, gen, stream),
-            status_code=start["status"], headers=headers,
-        )  # fmt: skip
+            status_code=start["status"],
+            headers=headers,
+        )
 
     async def _open(self, req: RouteRequest, method: str, path: str, raw: bytes) -> tuple[Any, ...]:
         failures = _failure_types()

@@ -37,9 +37,13 @@ def _init_ray(cpus: int) -> None:
 
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
         try:
-            ray.init(num_cpus=cpus, object_store_memory=OBJECT_STORE_BYTES,
-                     include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)  # fmt: skip
+            ray.init(
+                num_cpus=cpus,
+                object_store_memory=OBJECT_STORE_BYTES,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+            )
             return
         except Exception as exc:  # Ray raises a bare Exception for this one
             if "timed out during startup" not in str(exc) or attempt == RAY_START_ATTEMPTS:
@@ -49,9 +53,12 @@ def _init_ray(cpus: int) -> None:
 
 
 def start_local(
-    spec: DeploySpec, host: str, port: int, num_cpus: int | None = None,
+    spec: DeploySpec,
+    host: str,
+    port: int,
+    num_cpus: int | None = None,
     on_signal: Callable[[int, Any], None] | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Start Ray (if not yet) and Serve on host:port, and deploy ``spec``; returns when ready.
     ``on_signal`` handles SIGINT/SIGTERM from Ray's start on."""
     import ray
@@ -90,8 +97,11 @@ def serve_replicas(spec: DeploySpec, host: str, port: int) -> int:
     old = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         start_local(spec, host, port, on_signal=_stop)
-        print(f"poise: {spec.replicas} replicas behind the {spec.router.policy} router on "
-              f"http://{host}:{port}", flush=True)  # fmt: skip
+        print(
+            f"poise: {spec.replicas} replicas behind the {spec.router.policy} router on "
+            f"http://{host}:{port}",
+            flush=True,
+        )
         done.wait()
     finally:
         stop_local()

@@ -25,9 +25,10 @@ def relabelled(texts: Mapping[str, str]) -> list[Metric]:
 
 def router_metrics(router: Router) -> list[Metric]:
     decisions = CounterMetricFamily(
-        "poise_router_decisions", "Requests routed, by the reason for the replica chosen.",
+        "poise_router_decisions",
+        "Requests routed, by the reason for the replica chosen.",
         labels=["policy", "reason"],
-    )  # fmt: skip
+    )
     for reason, n in sorted(router.decisions.items()):
         decisions.add_metric([router.config.policy, reason], n)
     retries = CounterMetricFamily(
@@ -40,10 +41,12 @@ def router_metrics(router: Router) -> list[Metric]:
         "Share of routed prompts sent to a replica expected to hold their opening KV blocks.",
     )
     hit.add_metric([], router.affinity_hit_rate)
-    healthy = GaugeMetricFamily("poise_router_replica_healthy", "1 while in the rotation.",
-                                labels=["replica"])  # fmt: skip
-    inflight = GaugeMetricFamily("poise_router_in_flight", "Requests the router has on a replica.",
-                                 labels=["replica"])  # fmt: skip
+    healthy = GaugeMetricFamily(
+        "poise_router_replica_healthy", "1 while in the rotation.", labels=["replica"]
+    )
+    inflight = GaugeMetricFamily(
+        "poise_router_in_flight", "Requests the router has on a replica.", labels=["replica"]
+    )
     for name, r in router.replicas.items():
         healthy.add_metric([name], 1.0 if r.healthy else 0.0)
         inflight.add_metric([name], r.load)

@@ -216,10 +216,12 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             priority=sampling_params.priority,
             slo=self.scheduler.steer.classes.targets(
-                len(prompt_token_ids), sampling_params.traffic_class,
-                sampling_params.ttft_slo_ms, sampling_params.tpot_slo_ms,
+                len(prompt_token_ids),
+                sampling_params.traffic_class,
+                sampling_params.ttft_slo_ms,
+                sampling_params.tpot_slo_ms,
             ),
-        )  # fmt: skip
+        )
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestDelta]:
         return self.scheduler.finish_requests(

@@ -97,9 +97,13 @@ class LLM:
         token_lists: list[list[int]] = []
         for conv in conversations:
             text = render_chat(
-                self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template, tools=tools, **(chat_template_kwargs or {}),
-            )  # fmt: skip
+                self.tokenizer,
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                tools=tools,
+                **(chat_template_kwargs or {}),
+            )
             texts.append(text)
             token_lists.append(list(self.tokenizer.encode(text, add_special_tokens=False)))
         return self._run(texts, token_lists, sampling_params, use_tqdm)
@@ -117,8 +121,9 @@ class LLM:
         if self.tokenizer is None and any(sp.stop for sp in params):
             raise ValueError("stop: stop strings need a tokenizer; this model has none")
         ids = [str(next(self._ids)) for _ in token_lists]
-        return run_requests(self.engine, self.tokenizer, ids, texts, token_lists, params,
-                            use_tqdm=use_tqdm)  # fmt: skip
+        return run_requests(
+            self.engine, self.tokenizer, ids, texts, token_lists, params, use_tqdm=use_tqdm
+        )
 
 
 def _prompt_text(prompt: Prompt) -> str | None:

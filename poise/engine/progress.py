@@ -45,8 +45,9 @@ def run_requests(
     for rid, text, tokens, sp in zip(ids, texts, token_lists, params, strict=True):
         out = outputs[rid] = RequestOutput(rid, text, tokens, [])
         for child in fan_out(rid, sp):
-            engine.add_request(child.request_id, tokens, child.params,
-                               prompt_leader=child.prompt_leader)  # fmt: skip
+            engine.add_request(
+                child.request_id, tokens, child.params, prompt_leader=child.prompt_leader
+            )
             completion = CompletionOutput(child.index, "", [])
             if sp.logprobs is not None:
                 completion.logprobs, completion.cumulative_logprob = [], 0.0

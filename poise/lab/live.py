@@ -27,8 +27,14 @@ class LiveProbe:
     """``base`` holds the fixed server arguments (poise) or the command template (another
     engine, with ``{max_num_batched_tokens}``, ``{max_num_seqs}``... placeholders)."""
 
-    def __init__(self, base: ServerSpec, workload: WorkloadSpec, cell: CellSpec, out_dir: str | Path,
-                 runner: Any = run_cells) -> None:  # fmt: skip
+    def __init__(
+        self,
+        base: ServerSpec,
+        workload: WorkloadSpec,
+        cell: CellSpec,
+        out_dir: str | Path,
+        runner: Any = run_cells,
+    ) -> None:
         self.base = base
         self.workload = workload
         self.cell = cell
@@ -43,8 +49,13 @@ class LiveProbe:
         return dataclasses.replace(self.base, name=cand.key, args=args)
 
     def fingerprint(self, spec: ServerSpec) -> dict[str, Any]:
-        return {"model": spec.model, "args": spec.args, "command": spec.command,
-                "workload": self.workload.fingerprint(), "cell": self.cell.label}  # fmt: skip
+        return {
+            "model": spec.model,
+            "args": spec.args,
+            "command": spec.command,
+            "workload": self.workload.fingerprint(),
+            "cell": self.cell.label,
+        }
 
     def measure(self, candidate: Candidate) -> CellMetrics:
         spec = self.spec_for(candidate)
@@ -79,8 +90,14 @@ class SimProbe:
     """The candidate through the simulator (``poise simulate``'s bench bridge): the real
     scheduler in virtual time, step costs from a profile or a roofline model."""
 
-    def __init__(self, base_args: dict[str, Any], workload: WorkloadSpec, cell: CellSpec,
-                 cost_model: Any, lengths: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        base_args: dict[str, Any],
+        workload: WorkloadSpec,
+        cell: CellSpec,
+        cost_model: Any,
+        lengths: Any,
+    ) -> None:
         from poise.lab.sim_bridge import check_simulable
 
         check_simulable(workload)  # at once, not as every probe's failure

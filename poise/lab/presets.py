@@ -51,8 +51,12 @@ class LabConfig:
 LAB_A = LabConfig("A-conservative", "latency-first start", 16, 4096, 4096, 0.85, False)
 LAB_B = LabConfig("B-throughput", "bigger batches and budget", 64, 8192, 4096, 0.90, False)
 LAB_C = LabConfig("C-long-prompts", "long context, chunked prefill", 64, 8192, 8192, 0.90, True)
-LAB_C_PF = replace(LAB_C, name="C-prefill-first", description="C with prefill-first",
-                   scheduling_policy="prefill_first")  # fmt: skip
+LAB_C_PF = replace(
+    LAB_C,
+    name="C-prefill-first",
+    description="C with prefill-first",
+    scheduling_policy="prefill_first",
+)
 
 PRESETS: dict[str, tuple[str, tuple[LabConfig, ...]]] = {
     "lab": ("the seed lab's three configs A, B, C", (LAB_A, LAB_B, LAB_C)),
@@ -77,13 +81,19 @@ def is_gpu(device: str) -> bool:
 
 
 def scaled_args(c: LabConfig, device: str, scale: int, kv_base_bytes: int) -> dict[str, Any]:
-    args: dict[str, Any] = {"scheduling_policy": c.scheduling_policy,
-                            "enable_chunked_prefill": c.chunked_prefill}  # fmt: skip
+    args: dict[str, Any] = {
+        "scheduling_policy": c.scheduling_policy,
+        "enable_chunked_prefill": c.chunked_prefill,
+    }
     if device != "cpu":
         args["device"] = device
     if is_gpu(device):
-        args.update(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-                    max_model_len=c.max_model_len, gpu_memory_utilization=c.memory_fraction)  # fmt: skip
+        args.update(
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            max_model_len=c.max_model_len,
+            gpu_memory_utilization=c.memory_fraction,
+        )
         return args
     model_len = max(256, c.max_model_len // scale)
     budget = max(256, c.max_num_batched_tokens // scale)
@@ -112,8 +122,14 @@ def scaled_workload(device: str, scale: int) -> WorkloadSpec:
     )
 
 
-def plan(name: str, *, device: str = "cpu", scale: int | None = None,
-         kv_base_bytes: int = DEFAULT_KV_BASE_BYTES, model: str | None = None) -> PresetPlan:  # fmt: skip
+def plan(
+    name: str,
+    *,
+    device: str = "cpu",
+    scale: int | None = None,
+    kv_base_bytes: int = DEFAULT_KV_BASE_BYTES,
+    model: str | None = None,
+) -> PresetPlan:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
     scale = scale or (1 if is_gpu(device) else DEFAULT_CPU_SCALE)

@@ -25,8 +25,20 @@ logger = logging.getLogger(__name__)
 
 Grid = dict[str, dict[str, CellMetrics]]  # config -> cell label -> metrics
 
-CELL_HEADER = ("config", "TTFT p50", "TTFT p95", "short TTFT p95", "long TTFT p95", "TPOT p50",
-               "E2E p95", "out tok/s", "KV peak", "preempt", "waiting", "errors")  # fmt: skip
+CELL_HEADER = (
+    "config",
+    "TTFT p50",
+    "TTFT p95",
+    "short TTFT p95",
+    "long TTFT p95",
+    "TPOT p50",
+    "E2E p95",
+    "out tok/s",
+    "KV peak",
+    "preempt",
+    "waiting",
+    "errors",
+)
 
 
 def collect(result: SweepResult, store: CellStore) -> tuple[Grid, dict[str, list[dict[str, Any]]]]:
@@ -86,7 +98,7 @@ def build_records(
                 "server_args": dict(spec.args),
                 "command": spec.command,
                 "workload": result.workload.fingerprint(),
-            },  # fmt: skip
+            },
             cells=cells,
             provenance={"label": spec.name, "tool_version": "poise sweep"},
         )
@@ -109,8 +121,14 @@ def write_plots(
         return {}
 
 
-def write_sweep_report(result: SweepResult, store: CellStore, *, slo_ttft_ms: float | None = None,
-                       slo_tpot_ms: float | None = None, plots: bool = True) -> Path:  # fmt: skip
+def write_sweep_report(
+    result: SweepResult,
+    store: CellStore,
+    *,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+    plots: bool = True,
+) -> Path:
     grid, entries = collect(result, store)
     named = build_records(result, entries)
     if plots:
@@ -136,10 +154,13 @@ def _workload_text(w: WorkloadSpec) -> str:
         mix = f"prompts from {w.jsonl}"
     else:
         mix = f"long-prompt ratio {list(w.long_ratio)}, long prompt = seed line x {w.long_repeat}"
-    loads = "; ".join(dict.fromkeys(CellSpec(c.concurrency, c.request_rate).describe
-                                    for c in w.cells()))  # fmt: skip
-    return (f"Workload: {loads}; {mix}; max_tokens {w.max_tokens}, measured requests per cell "
-            f"{w.num_requests or 'bench default'}.")  # fmt: skip
+    loads = "; ".join(
+        dict.fromkeys(CellSpec(c.concurrency, c.request_rate).describe for c in w.cells())
+    )
+    return (
+        f"Workload: {loads}; {mix}; max_tokens {w.max_tokens}, measured requests per cell "
+        f"{w.num_requests or 'bench default'}."
+    )
 
 
 def _configs_section(result: SweepResult) -> list[str]:
@@ -180,8 +201,11 @@ class Slo(NamedTuple):
 def _cells_section(result: SweepResult, grid: Grid, slo: Slo) -> list[str]:
     out = ["## Results per cell", ""]
     for cell in result.workload.cells():
-        rows = [(n, grid[n][cell.label]) for n in (s.name for s in result.specs)
-                if cell.label in grid.get(n, {})]  # fmt: skip
+        rows = [
+            (n, grid[n][cell.label])
+            for n in (s.name for s in result.specs)
+            if cell.label in grid.get(n, {})
+        ]
         out.append(f"### {cell.label} ({cell.describe})")
         out.append("")
         if not rows:
@@ -193,8 +217,14 @@ def _cells_section(result: SweepResult, grid: Grid, slo: Slo) -> list[str]:
 
 
 def _picks(rows: list[tuple[str, CellMetrics]], slo: Slo) -> list[str]:
-    ok = [(n, m) for n, m in rows if m.ttft_p95_ms is not None and m.output_tokens_per_s is not None
-          and not m.num_errors and slo.met(m)]  # fmt: skip
+    ok = [
+        (n, m)
+        for n, m in rows
+        if m.ttft_p95_ms is not None
+        and m.output_tokens_per_s is not None
+        and not m.num_errors
+        and slo.met(m)
+    ]
     if not ok:
         return [f"No config meets {slo.text()} here."] if slo.text() else []
     thr = max(ok, key=lambda nm: nm[1].output_tokens_per_s or 0.0)

@@ -70,8 +70,13 @@ def mean(xs: list[float]) -> float | None:
 def _cell(config: str, c: Any) -> Cell:
     from poise.bench.metrics import derive
 
-    cell = Cell(config, c.label, c.load.get("long_prompt_ratio"),
-                CellMetrics.from_bench(c.to_dict()), dict(c.server or {}))  # fmt: skip
+    cell = Cell(
+        config,
+        c.label,
+        c.load.get("long_prompt_ratio"),
+        CellMetrics.from_bench(c.to_dict()),
+        dict(c.server or {}),
+    )
     for r in c.records:
         if r.warmup or not r.ok:
             continue
@@ -99,8 +104,9 @@ class LabData:
     def configs(self, group: str) -> dict[str, dict[str, Any]]:
         return dict(self.group(group).get("configs") or {})
 
-    def get(self, group: str, config: str, long_ratio: float | None = None,
-            last: bool = False) -> Cell | None:  # fmt: skip
+    def get(
+        self, group: str, config: str, long_ratio: float | None = None, last: bool = False
+    ) -> Cell | None:
         """A config's cell: the one of that long ratio, else the first (``last``: the last)."""
         cells = self.cells.get(group, {}).get(config, [])
         if long_ratio is not None:

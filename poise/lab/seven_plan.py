@@ -82,10 +82,17 @@ def _div(x: int, scale: int, floor: int = 1) -> int:
     return max(floor, x // scale)
 
 
-def plan(target: str, *, scale: int | None = None, out_dir: str | Path = ".",
-         kv_base_bytes: int = DEFAULT_KV_BASE_BYTES, delay_ms: float | None = None,
-         slo_ttft_p95_ms: float | None = None, slo_tpot_p50_ms: float | None = None,
-         max_probes: int | None = None) -> LabPlan:  # fmt: skip
+def plan(
+    target: str,
+    *,
+    scale: int | None = None,
+    out_dir: str | Path = ".",
+    kv_base_bytes: int = DEFAULT_KV_BASE_BYTES,
+    delay_ms: float | None = None,
+    slo_ttft_p95_ms: float | None = None,
+    slo_tpot_p50_ms: float | None = None,
+    max_probes: int | None = None,
+) -> LabPlan:
     """The lab's cells for ``target`` (``cpu``, ``cuda``, or ``simulated``: the GPU's sizes
     without a device)."""
     gpu_sizes = target != "cpu"
@@ -100,13 +107,25 @@ def plan(target: str, *, scale: int | None = None, out_dir: str | Path = ".",
     n_req = None if gpu_sizes else 16
     # A salt per request: the seed's prompts are identical texts, and with the prefix cache on
     # every long prompt after the first would cost nothing (Q6 measures the cache on purpose).
-    seed_mix = WorkloadSpec(concurrency=(conc,), long_ratio=(0.0, 0.5), max_tokens=max_tokens,
-                            long_repeat=repeat, num_requests=n_req, salt_scope="request",
-                            warmup=None if gpu_sizes else 2)  # fmt: skip
-    chat = wl.RequestClass("chat", prompt=wl.SHORT_PROMPT, output_tokens=wl.LengthDist(
-        "uniform", 0.55 * max_tokens, 0.45 * max_tokens, low=1, high=max_tokens))  # fmt: skip
-    batching = replace(seed_mix, classes=(chat,), long_ratio=(0.0,),
-                       num_requests=None if gpu_sizes else 16)  # fmt: skip
+    seed_mix = WorkloadSpec(
+        concurrency=(conc,),
+        long_ratio=(0.0, 0.5),
+        max_tokens=max_tokens,
+        long_repeat=repeat,
+        num_requests=n_req,
+        salt_scope="request",
+        warmup=None if gpu_sizes else 2,
+    )
+    chat = wl.RequestClass(
+        "chat",
+        prompt=wl.SHORT_PROMPT,
+        output_tokens=wl.LengthDist(
+            "uniform", 0.55 * max_tokens, 0.45 * max_tokens, low=1, high=max_tokens
+        ),
+    )
+    batching = replace(
+        seed_mix, classes=(chat,), long_ratio=(0.0,), num_requests=None if gpu_sizes else 16
+    )
     delay = delay_ms if delay_ms is not None else (50.0 if gpu_sizes else 250.0)
     modes = {
         "continuous": {**base, "scheduling_policy": "fifo"},
@@ -125,7 +144,7 @@ def plan(target: str, *, scale: int | None = None, out_dir: str | Path = ".",
                 "decode-first": {**base, "scheduling_policy": "fifo"},
                 "prefill-first": {**base, "scheduling_policy": "prefill_first"},
             },
-        ),  # fmt: skip
+        ),
         _waiting_group(base, seed_mix, hi_conc, repeat, max_tokens, s),
         _prefix_group(base, conc, max_tokens, s, gpu_sizes, Path(out_dir)),
     ]
@@ -137,24 +156,32 @@ def plan(target: str, *, scale: int | None = None, out_dir: str | Path = ".",
         budgets=(512, 1024, 2048, 4096, 8192) if gpu_sizes else (256, 512, 1024),
         seqs=(4, 8, 16, 32) if gpu_sizes else (1, 2, 4),
         max_probes=max_probes or (20 if gpu_sizes else 6),
-        base_args={k: v for k, v in base.items()
-                   if k not in ("max_num_seqs", "max_num_batched_tokens")},
-    )  # fmt: skip
+        base_args={
+            k: v for k, v in base.items() if k not in ("max_num_seqs", "max_num_batched_tokens")
+        },
+    )
     return LabPlan(target, s, tuple(groups), tune)
 
 
-def _waiting_group(base: dict[str, Any], mix: WorkloadSpec, conc: int, repeat: int,
-                   max_tokens: int, s: int) -> Group:  # fmt: skip
+def _waiting_group(
+    base: dict[str, Any], mix: WorkloadSpec, conc: int, repeat: int, max_tokens: int, s: int
+) -> Group:
     long_tokens = int(repeat * _TOKENS_PER_LONG_REPEAT) + 60
     # Room for about three long requests: far fewer than the clients want at once.
     kv_blocks = 3 * (long_tokens + max_tokens) // _BLOCK + 1
     workload = replace(mix, concurrency=(conc,), long_ratio=(0.25,))
-    return Group("waiting", (5,), workload, {
-        "C": dict(base),
-        "cap": {**base, "max_num_seqs": max(1, conc // 4)},
-        "kv": {**base, "num_kv_blocks": kv_blocks},
-        "budget": {**base, "max_num_batched_tokens": _div(512, s, 64)},
-    }, note=f"KV variant: {kv_blocks} blocks of {_BLOCK} tokens (about three long requests)")  # fmt: skip
+    return Group(
+        "waiting",
+        (5,),
+        workload,
+        {
+            "C": dict(base),
+            "cap": {**base, "max_num_seqs": max(1, conc // 4)},
+            "kv": {**base, "num_kv_blocks": kv_blocks},
+            "budget": {**base, "max_num_batched_tokens": _div(512, s, 64)},
+        },
+        note=f"KV variant: {kv_blocks} blocks of {_BLOCK} tokens (about three long requests)",
+    )
 
 
 def doc_prompts(n_docs: int, doc_words: int, question: str = wl.SHORT_PROMPT) -> list[str]:
@@ -166,8 +193,9 @@ def doc_prompts(n_docs: int, doc_words: int, question: str = wl.SHORT_PROMPT) ->
     ]
 
 
-def _prefix_group(base: dict[str, Any], conc: int, max_tokens: int, s: int, gpu_sizes: bool,
-                  out_dir: Path) -> Group:  # fmt: skip
+def _prefix_group(
+    base: dict[str, Any], conc: int, max_tokens: int, s: int, gpu_sizes: bool, out_dir: Path
+) -> Group:
     doc_words = _div(1600, s, 64)
     seqs = max(2, conc // 4)
     # The pool holds the running requests' documents plus two more, half the documents, so in
@@ -181,15 +209,27 @@ def _prefix_group(base: dict[str, Any], conc: int, max_tokens: int, s: int, gpu_
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     per_request = doc_words + 60 + max_tokens  # words ~ tokens, plus the template and question
     kv_blocks = (seqs + 2) * (-(-per_request // _BLOCK) + 1)
-    workload = WorkloadSpec(concurrency=(clients,), jsonl=str(path), max_tokens=max_tokens,
-                            num_requests=None if gpu_sizes else 32,
-                            warmup=None if gpu_sizes else 4)  # fmt: skip
+    workload = WorkloadSpec(
+        concurrency=(clients,),
+        jsonl=str(path),
+        max_tokens=max_tokens,
+        num_requests=None if gpu_sizes else 32,
+        warmup=None if gpu_sizes else 4,
+    )
     args = {**base, "max_num_seqs": seqs, "num_kv_blocks": kv_blocks}
-    note = (f"{docs} documents of {doc_words} words asked in turn, {clients} clients, "
-            f"max_num_seqs {seqs}, {kv_blocks} KV blocks (the running documents and about two "
-            "more)")  # fmt: skip
-    return Group("prefix", (6,), workload, {
-        "cache-off": {**args, "enable_prefix_caching": False},
-        "cache-on": {**args, "enable_prefix_caching": True},
-        "cache-on-lpm": {**args, "enable_prefix_caching": True, "scheduling_policy": "lpm"},
-    }, note=note)  # fmt: skip
+    note = (
+        f"{docs} documents of {doc_words} words asked in turn, {clients} clients, "
+        f"max_num_seqs {seqs}, {kv_blocks} KV blocks (the running documents and about two "
+        "more)"
+    )
+    return Group(
+        "prefix",
+        (6,),
+        workload,
+        {
+            "cache-off": {**args, "enable_prefix_caching": False},
+            "cache-on": {**args, "enable_prefix_caching": True},
+            "cache-on-lpm": {**args, "enable_prefix_caching": True, "scheduling_policy": "lpm"},
+        },
+        note=note,
+    )

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from poise.lab.seven_answers import diagnose
+from poise.lab.seven_answers_late import diagnose
 from poise.lab.seven_data import LabData, percentile
 
 
@@ -57,8 +57,11 @@ def plot_averages(d: LabData, path: Path) -> bool:
         bins = 20 if max(xs) - min(xs) > 0.01 else 1  # a simulated cell may be all alike
         ax.hist(xs, bins=bins, alpha=0.6, label=f"{name} ({len(xs)})")
     for q, style in (("p50", ":"), ("mean", "-"), ("p95", "--")):
-        v = (sum(c.ttft_ms) / len(c.ttft_ms) if q == "mean"
-             else percentile(c.ttft_ms, 50 if q == "p50" else 95))  # fmt: skip
+        v = (
+            sum(c.ttft_ms) / len(c.ttft_ms)
+            if q == "mean"
+            else percentile(c.ttft_ms, 50 if q == "p50" else 95)
+        )
         if v is not None:
             ax.axvline(v, color="k", linestyle=style, label=f"{q} {v:.0f} ms")
     _axes(
@@ -98,8 +101,12 @@ def plot_long_prompts(d: LabData, path: Path) -> bool:
     if not drawn:
         plt.close(fig)
         return False
-    _axes(ax, "TTFT of SHORT requests (ms)", "fraction of requests",
-          "Q4: short prompts' TTFT with and without long prompts")  # fmt: skip
+    _axes(
+        ax,
+        "TTFT of SHORT requests (ms)",
+        "fraction of requests",
+        "Q4: short prompts' TTFT with and without long prompts",
+    )
     return _save(fig, path)
 
 
@@ -116,8 +123,13 @@ def plot_waiting(d: LabData, path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(8, 4))
     bars = ax.bar([r[0] for r in rows], [r[1] for r in rows], color="tab:orange")
     for bar, (_, _, why) in zip(bars, rows, strict=True):
-        ax.annotate(why, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", fontsize=8)  # fmt: skip
+        ax.annotate(
+            why,
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylabel("waiting requests (mean)")
     ax.set_title("Q5: what held `waiting` up, per variant")
     return _save(fig, path)
@@ -149,14 +161,25 @@ def plot_tune(d: LabData, path: Path) -> bool:
     ok = [(m, e) for m, e in pts if e.get("meets_slo")]
     bad = [(m, e) for m, e in pts if not e.get("meets_slo")]
     for group, color, label in ((ok, "tab:green", "meets SLO"), (bad, "tab:gray", "misses")):
-        ax.scatter([m["output_tokens_per_s"] for m, _ in group],
-                   [m["ttft_p95_ms"] for m, _ in group], c=color, label=label)  # fmt: skip
+        ax.scatter(
+            [m["output_tokens_per_s"] for m, _ in group],
+            [m["ttft_p95_ms"] for m, _ in group],
+            c=color,
+            label=label,
+        )
     for key, marker in (("throughput_first", "*"), ("latency_first", "D")):
         pick = t.get(key) or {}
         m = pick.get("metrics") or {}
         if m.get("ttft_p95_ms"):
-            ax.scatter([m["output_tokens_per_s"]], [m["ttft_p95_ms"]], marker=marker, s=200,
-                       facecolors="none", edgecolors="k", label=key.replace("_", "-"))  # fmt: skip
+            ax.scatter(
+                [m["output_tokens_per_s"]],
+                [m["ttft_p95_ms"]],
+                marker=marker,
+                s=200,
+                facecolors="none",
+                edgecolors="k",
+                label=key.replace("_", "-"),
+            )
     slo = (t.get("slo") or {}).get("ttft_p95_ms")
     if slo:
         ax.axhline(slo, color="r", linestyle="--", label=f"SLO TTFT p95 {slo:g} ms")

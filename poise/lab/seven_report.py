@@ -12,7 +12,8 @@ from typing import Any
 
 import yaml
 
-from poise.lab.seven_answers import ANSWERS, Section
+from poise.lab.seven_answers import Section
+from poise.lab.seven_answers_late import ANSWERS
 from poise.lab.seven_data import LabData, load
 from poise.lab.seven_plan import QUESTIONS
 from poise.lab.seven_plots import PLOTS
@@ -25,8 +26,10 @@ def _header(d: LabData) -> list[str]:
     m = d.manifest
     if d.simulated:
         cost = m.get("cost_model") or {}
-        what = (f"simulated (`poise simulate`'s engine in virtual time), cost model "
-                f"{cost.get('name') or cost.get('kind') or cost}")  # fmt: skip
+        what = (
+            f"simulated (`poise simulate`'s engine in virtual time), cost model "
+            f"{cost.get('name') or cost.get('kind') or cost}"
+        )
     else:
         what = f"measured live on {m.get('target')}, model {m.get('model')}"
     lines = [
@@ -50,11 +53,18 @@ def _groups(d: LabData) -> list[str]:
         configs = g.get("configs") or {}
         w = g.get("workload") or {}
         load = f"concurrency {w.get('concurrency')}, max_tokens {w.get('max_tokens')}"
-        mix = (f"long ratio {w.get('long_ratio')}" if not w.get("classes") and not w.get("jsonl")
-               else "classes" if w.get("classes") else "documents (JSONL)")  # fmt: skip
+        mix = (
+            f"long ratio {w.get('long_ratio')}"
+            if not w.get("classes") and not w.get("jsonl")
+            else "classes"
+            if w.get("classes")
+            else "documents (JSONL)"
+        )
         qs = ", ".join(f"Q{q}" for q in g.get("questions", []))
-        out.append(f"- **{name}** ({qs}): {', '.join(configs)}; {load}; {mix}"
-                   + (f"; {g['note']}" if g.get("note") else ""))  # fmt: skip
+        out.append(
+            f"- **{name}** ({qs}): {', '.join(configs)}; {load}; {mix}"
+            + (f"; {g['note']}" if g.get("note") else "")
+        )
     return out + [""]
 
 
@@ -96,5 +106,6 @@ def _record_answers(out: Path, sections: list[Section]) -> None:
         f"Q{s.question}": {"answered": s.answered, **({"why_not": s.why_not} if s.why_not else {})}
         for s in sections
     }
-    path.write_text(yaml.safe_dump(manifest, sort_keys=False, allow_unicode=True, width=100),
-                    encoding="utf-8")  # fmt: skip
+    path.write_text(
+        yaml.safe_dump(manifest, sort_keys=False, allow_unicode=True, width=100), encoding="utf-8"
+    )

@@ -64,16 +64,20 @@ def open_loop_group(group: Group, out: Path) -> Group | None:
     if not rps:
         return None
     rate = float(f"{rps * OPEN_LOOP_FRACTION:.3g}")
-    note = (f"Poisson arrivals at {rate:g} req/s, {OPEN_LOOP_FRACTION:g} x the {rps:.3g} req/s "
-            "continuous batching served in the closed loop")  # fmt: skip
+    note = (
+        f"Poisson arrivals at {rate:g} req/s, {OPEN_LOOP_FRACTION:g} x the {rps:.3g} req/s "
+        "continuous batching served in the closed loop"
+    )
     return replace(group, workload=replace(group.workload, request_rate=(rate,)), note=note)
 
 
 def _run_group_live(group: Group, out: Path, model: str | None, env: dict[str, str]) -> None:
     from poise.lab.sweep import run_sweep, spec_from_dict
 
-    specs = [spec_from_dict({"name": n, "model": model, "args": a}, n, model, env)
-             for n, a in group.configs.items()]  # fmt: skip
+    specs = [
+        spec_from_dict({"name": n, "model": model, "args": a}, n, model, env)
+        for n, a in group.configs.items()
+    ]
     run_sweep(specs, group.workload, out / group.name, plots=False)
 
 
@@ -82,17 +86,18 @@ def _run_group_sim(group: Group, out: Path, sim: SimTarget) -> None:
     from poise.config import EngineConfig
     from poise.lab.sim_bridge import simulate_matrix
 
-    cfg = BenchConfig.for_workload(group.workload, base_url="simulated://",
-                                   model=sim.cost_model.name, scrape=False)  # fmt: skip
+    cfg = BenchConfig.for_workload(
+        group.workload, base_url="simulated://", model=sim.cost_model.name, scrape=False
+    )
     for name, args in group.configs.items():
-        record = simulate_matrix(cfg, EngineConfig.from_kwargs(**args), sim.cost_model,
-                                 sim.lengths)  # fmt: skip
+        record = simulate_matrix(cfg, EngineConfig.from_kwargs(**args), sim.cost_model, sim.lengths)
         record.provenance["label"] = name
         record.save(record_path(out, group.name, name))
 
 
-def _run_tune(plan: LabPlan, out: Path, model: str | None, env: dict[str, str],
-              sim: SimTarget | None) -> dict[str, Any]:  # fmt: skip
+def _run_tune(
+    plan: LabPlan, out: Path, model: str | None, env: dict[str, str], sim: SimTarget | None
+) -> dict[str, Any]:
     from poise.lab.live import LiveProbe, SimProbe
     from poise.lab.server import ServerSpec
     from poise.lab.tune import Tuner, TuneSettings
@@ -106,8 +111,13 @@ def _run_tune(plan: LabPlan, out: Path, model: str | None, env: dict[str, str],
     else:
         spec = ServerSpec(name="tune", model=model, args=fixed, env=env)
         probe = LiveProbe(spec, t.workload, cell, out / "tune")
-    settings = TuneSettings(t.slo_ttft_p95_ms, t.slo_tpot_p50_ms, budgets=t.budgets,
-                            seqs=t.seqs, max_probes=t.max_probes)  # fmt: skip
+    settings = TuneSettings(
+        t.slo_ttft_p95_ms,
+        t.slo_tpot_p50_ms,
+        budgets=t.budgets,
+        seqs=t.seqs,
+        max_probes=t.max_probes,
+    )
     result = Tuner(probe, settings, fixed).run()
     record = result.to_dict()
     record["workload"] = asdict(t.workload)
@@ -118,10 +128,17 @@ def _run_tune(plan: LabPlan, out: Path, model: str | None, env: dict[str, str],
     return record
 
 
-def run_lab(plan: LabPlan, out_dir: str | Path, *, model: str | None = None,
-            env: dict[str, str] | None = None, sim: SimTarget | None = None,
-            groups: tuple[str, ...] | None = None, command: str | None = None,
-            say: Callable[[str], None] = print) -> Path:  # fmt: skip
+def run_lab(
+    plan: LabPlan,
+    out_dir: str | Path,
+    *,
+    model: str | None = None,
+    env: dict[str, str] | None = None,
+    sim: SimTarget | None = None,
+    groups: tuple[str, ...] | None = None,
+    command: str | None = None,
+    say: Callable[[str], None] = print,
+) -> Path:
     """Run the plan's groups (all, or those named) and the tuning; write the manifest."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -139,8 +156,10 @@ def run_lab(plan: LabPlan, out_dir: str | Path, *, model: str | None = None,
         if group.name == "batching-open" and group.workload.request_rate[0] == math.inf:
             say("lab: batching-open skipped: no closed-loop continuous record to set its rate")
             continue
-        say(f"lab: {group.name} (Q{', Q'.join(map(str, group.questions))}): "
-            f"{', '.join(group.configs)}")  # fmt: skip
+        say(
+            f"lab: {group.name} (Q{', Q'.join(map(str, group.questions))}): "
+            f"{', '.join(group.configs)}"
+        )
         t1 = time.perf_counter()
         if sim is not None:
             _run_group_sim(group, out, sim)
@@ -173,7 +192,7 @@ def run_lab(plan: LabPlan, out_dir: str | Path, *, model: str | None = None,
                 "records": {
                     n: str(record_path(out, g.name, n).relative_to(out)) for n in g.configs
                 },
-            }  # fmt: skip
+            }
             for g in resolved.values()
         },
         "tune": {
@@ -189,6 +208,7 @@ def run_lab(plan: LabPlan, out_dir: str | Path, *, model: str | None = None,
         manifest["wall_s"] = round(sum(manifest["group_wall_s"].values()), 1)
         manifest["started_at"] = old.get("started_at", started)
         manifest["command"] = f"{old.get('command')}; {command}"
-    path.write_text(yaml.safe_dump(manifest, sort_keys=False, allow_unicode=True, width=100),
-                    encoding="utf-8")  # fmt: skip
+    path.write_text(
+        yaml.safe_dump(manifest, sort_keys=False, allow_unicode=True, width=100), encoding="utf-8"
+    )
     return path

@@ -29,11 +29,19 @@ def _records(result: Any, timeout_s: float) -> list[Any]:
         times = [t for t in r.token_times if t <= deadline]
         late = len(times) < len(r.token_times) or (r.finished or 0.0) > deadline
         rec = RequestRecord.from_token_times(
-            r.index, r.class_name, r.sent, times,
-            intended=r.intended, max_tokens=r.max_tokens, usage_prompt_tokens=r.num_prompt_tokens,
-            ok=r.ok and not late, error="timeout" if late else r.error, warmup=r.warmup,
-            finish_reason=None if late else r.finish_reason, timed_out=late,
-        )  # fmt: skip
+            r.index,
+            r.class_name,
+            r.sent,
+            times,
+            intended=r.intended,
+            max_tokens=r.max_tokens,
+            usage_prompt_tokens=r.num_prompt_tokens,
+            ok=r.ok and not late,
+            error="timeout" if late else r.error,
+            warmup=r.warmup,
+            finish_reason=None if late else r.finish_reason,
+            timed_out=late,
+        )
         if not times:
             rec.end = deadline if late else r.finished
         # poise serve sends response headers when the engine takes a request, at a step
@@ -94,8 +102,10 @@ def check_simulable(workload: Any) -> None:
     """Refuse what the simulator cannot honour (rather than ignore it): it ends every request
     at max_tokens and does not sample."""
     if not workload.ignore_eos or workload.temperature != 0:
-        raise ValueError("the simulator ends every request at max_tokens and does not sample: "
-                         "--no-ignore-eos and --temperature need a live server")  # fmt: skip
+        raise ValueError(
+            "the simulator ends every request at max_tokens and does not sample: "
+            "--no-ignore-eos and --temperature need a live server"
+        )
 
 
 def simulate_bench_cell(
@@ -123,8 +133,10 @@ def simulate_bench_cell(
     reqs = cell_requests(cfg, spec)
     sched = {"send_class": cfg.send_class, "class_priority": cfg.class_priority}
     if salt and cfg.salt_scope == "request":
-        sims = [to_sim_requests([r], lengths, salt=f"{salt}-{r.index}", num_warmup=warmup,
-                                **sched)[0] for r in reqs]  # fmt: skip
+        sims = [
+            to_sim_requests([r], lengths, salt=f"{salt}-{r.index}", num_warmup=warmup, **sched)[0]
+            for r in reqs
+        ]
     else:
         sims = to_sim_requests(reqs, lengths, salt=salt, num_warmup=warmup, **sched)
     cell = SimCell(
@@ -138,9 +150,13 @@ def simulate_bench_cell(
         from poise.sim.cluster import simulate_cluster
 
         result = simulate_cluster(
-            engine_config, cost_model, cell, seed=cfg.seed, arrival=arrival or ArrivalModel(),
+            engine_config,
+            cost_model,
+            cell,
+            seed=cfg.seed,
+            arrival=arrival or ArrivalModel(),
             **cluster,
-        )  # fmt: skip
+        )
     else:
         result = simulate_cell(
             engine_config, cost_model, cell, seed=cfg.seed, arrival=arrival or ArrivalModel()
@@ -165,9 +181,13 @@ def simulate_bench_cell(
 
 
 def simulate_matrix(
-    cfg: Any, engine_config: Any, cost_model: Any, lengths: Any, arrival: Any = None,
+    cfg: Any,
+    engine_config: Any,
+    cost_model: Any,
+    lengths: Any,
+    arrival: Any = None,
     cluster: dict[str, Any] | None = None,
-) -> Any:  # fmt: skip
+) -> Any:
     """Every cell of a BenchConfig through the simulator: an ExperimentRecord (simulated)."""
     from poise.sim.arrival import ArrivalModel
 

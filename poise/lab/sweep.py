@@ -29,8 +29,19 @@ from poise.lab.store import CellStore, safe_name
 
 logger = logging.getLogger(__name__)
 
-SPEC_KEYS = {"name", "model", "args", "server_args", "command", "base_url", "ready_paths", "env",
-             "startup_timeout_s", "grace_s", "description"}  # fmt: skip
+SPEC_KEYS = {
+    "name",
+    "model",
+    "args",
+    "server_args",
+    "command",
+    "base_url",
+    "ready_paths",
+    "env",
+    "startup_timeout_s",
+    "grace_s",
+    "description",
+}
 SERVER_ONLY_ARGS = {"served_model_name", "log_interval", "shutdown_grace_period"}
 
 Runner = Callable[..., dict[str, Any]]  # run_cells' signature
@@ -47,8 +58,12 @@ def validate_poise_args(name: str, args: dict[str, Any]) -> None:
         raise ValueError(f"config {name!r}: {exc}") from exc
 
 
-def spec_from_dict(d: dict[str, Any], default_name: str, model: str | None = None,
-                   env: dict[str, str] | None = None) -> ServerSpec:  # fmt: skip
+def spec_from_dict(
+    d: dict[str, Any],
+    default_name: str,
+    model: str | None = None,
+    env: dict[str, str] | None = None,
+) -> ServerSpec:
     name = str(d.get("name") or default_name)
     args = d.get("args", d.get("server_args"))
     if args is None:
@@ -70,8 +85,9 @@ def spec_from_dict(d: dict[str, Any], default_name: str, model: str | None = Non
     )
 
 
-def load_specs(path: str | Path, model: str | None = None,
-               env: dict[str, str] | None = None) -> list[ServerSpec]:  # fmt: skip
+def load_specs(
+    path: str | Path, model: str | None = None, env: dict[str, str] | None = None
+) -> list[ServerSpec]:
     p = Path(path)
     data = yaml.safe_load(p.read_text(encoding="utf-8"))
     items = data.get("configs") if isinstance(data, dict) and "configs" in data else data
@@ -114,8 +130,14 @@ class SweepResult:
     plots: dict[str, Path] = field(default_factory=dict)
 
 
-def sweep_config(spec: ServerSpec, workload: WorkloadSpec, store: CellStore, salt: str | None,
-                 out_dir: Path, runner: Runner = run_cells) -> ConfigOutcome:  # fmt: skip
+def sweep_config(
+    spec: ServerSpec,
+    workload: WorkloadSpec,
+    store: CellStore,
+    salt: str | None,
+    out_dir: Path,
+    runner: Runner = run_cells,
+) -> ConfigOutcome:
     """Measure the cells of one config that the store does not hold yet."""
     outcome = ConfigOutcome(spec.name)
     fp = fingerprint(spec, workload)
@@ -148,10 +170,16 @@ def sweep_config(spec: ServerSpec, workload: WorkloadSpec, store: CellStore, sal
     return outcome
 
 
-def run_sweep(specs: list[ServerSpec], workload: WorkloadSpec, out_dir: str | Path, *,
-              slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
-              runner: Runner = run_cells,
-              plots: bool = True) -> SweepResult:  # fmt: skip
+def run_sweep(
+    specs: list[ServerSpec],
+    workload: WorkloadSpec,
+    out_dir: str | Path,
+    *,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+    runner: Runner = run_cells,
+    plots: bool = True,
+) -> SweepResult:
     from poise.lab.report import write_sweep_report
 
     names = [s.name for s in specs]

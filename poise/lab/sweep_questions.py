@@ -34,8 +34,10 @@ def long_ratio_answer(result: SweepResult, grid: Grid) -> list[str]:
     w = result.workload
     ratios = sorted(w.long_ratio)
     if not w.mixes_by_ratio or len(ratios) < 2 or ratios[0] != 0.0:
-        return out + ["Not measured: sweep the seed mix with long ratios including 0 and one "
-                      "above it.", ""]  # fmt: skip
+        return out + [
+            "Not measured: sweep the seed mix with long ratios including 0 and one above it.",
+            "",
+        ]
     loads = list(dict.fromkeys(CellSpec(c.concurrency, c.request_rate) for c in w.cells()))
     growth: list[tuple[float, str]] = []
     for spec in result.specs:
@@ -60,18 +62,24 @@ def long_ratio_answer(result: SweepResult, grid: Grid) -> list[str]:
     best, worst = min(growth), max(growth)
     span = f"x{best[0]:.1f} ({best[1]}) to x{worst[0]:.1f} ({worst[1]})"
     if best[0] < 0.9 and worst[0] > 1.1:
-        verdict = (f"Mixed: short requests' TTFT p95 moved by {span}. Where it rose, short "
-                   "prompts waited behind long prefills sharing the token budget; where it fell, "
-                   "the difference is within this sample's noise (few requests per cell: raise "
-                   "--num-requests to separate the two).")  # fmt: skip
+        verdict = (
+            f"Mixed: short requests' TTFT p95 moved by {span}. Where it rose, short "
+            "prompts waited behind long prefills sharing the token budget; where it fell, "
+            "the difference is within this sample's noise (few requests per cell: raise "
+            "--num-requests to separate the two)."
+        )
     elif worst[0] < 1.1:
-        verdict = (f"Here long prompts did not measurably slow short ones ({span}): at this load "
-                   "the token budget absorbed the long prefills.")  # fmt: skip
+        verdict = (
+            f"Here long prompts did not measurably slow short ones ({span}): at this load "
+            "the token budget absorbed the long prefills."
+        )
     else:
-        verdict = (f"Here long prompts multiply short requests' TTFT p95 by {span}: short "
-                   "prompts wait behind long prefills that share the token budget. Smaller "
-                   "budgets, long_prefill_token_threshold or chunked prefill bound that wait; "
-                   "separate pools remove it.")  # fmt: skip
+        verdict = (
+            f"Here long prompts multiply short requests' TTFT p95 by {span}: short "
+            "prompts wait behind long prefills that share the token budget. Smaller "
+            "budgets, long_prefill_token_threshold or chunked prefill bound that wait; "
+            "separate pools remove it."
+        )
     return out + ["", verdict, ""]
 
 
@@ -102,8 +110,11 @@ def policy_answer(result: SweepResult, grid: Grid) -> list[str]:
     out = ["### What do prefill-first and FIFO each sacrifice here?", ""]
     pairs = policy_pairs(result)
     if not pairs:
-        return out + ["Not measured: no two configs differ only in scheduling_policy "
-                      "(`poise sweep --preset policy` has such a pair).", ""]  # fmt: skip
+        return out + [
+            "Not measured: no two configs differ only in scheduling_policy "
+            "(`poise sweep --preset policy` has such a pair).",
+            "",
+        ]
     for fifo, pf in pairs:
         for cell in result.workload.cells():
             a, b = grid.get(fifo, {}).get(cell.label), grid.get(pf, {}).get(cell.label)
@@ -136,19 +147,25 @@ def _policy_verdict(result: SweepResult, grid: Grid, pairs: list[tuple[str, str]
         return "No cell measured both policies."
     dt, dp = sum(ttft) / len(ttft), sum(tpot) / len(tpot)
     if dt < -0.05 and dp > 0.05:
-        return (f"Here prefill-first bought first tokens (TTFT p95 {_pct(dt)} on average) with "
-                f"decode smoothness (TPOT p50 {_pct(dp)}); FIFO keeps TPOT steady and makes "
-                "queued prompts wait.")  # fmt: skip
+        return (
+            f"Here prefill-first bought first tokens (TTFT p95 {_pct(dt)} on average) with "
+            f"decode smoothness (TPOT p50 {_pct(dp)}); FIFO keeps TPOT steady and makes "
+            "queued prompts wait."
+        )
     if dt < -0.05 and dp < -0.05:
-        return (f"Here prefill-first improved TTFT p95 ({_pct(dt)}) and TPOT p50 ({_pct(dp)}) "
-                "alike. A policy trades one for the other, so a gain on both sides points to a "
-                "difference in machine load between the two configs' runs (they run one after "
-                "the other); re-measure them back to back, with more requests per cell.")  # fmt: skip
+        return (
+            f"Here prefill-first improved TTFT p95 ({_pct(dt)}) and TPOT p50 ({_pct(dp)}) "
+            "alike. A policy trades one for the other, so a gain on both sides points to a "
+            "difference in machine load between the two configs' runs (they run one after "
+            "the other); re-measure them back to back, with more requests per cell."
+        )
     if dt < -0.05:
         return f"Here prefill-first cut TTFT p95 ({_pct(dt)}) at little TPOT cost ({_pct(dp)})."
-    return (f"Here prefill-first did not pay (TTFT p95 {_pct(dt)}, TPOT p50 {_pct(dp)} on "
-            "average): the queue was not prefill-bound at this load, so FIFO (decode-first) "
-            "sacrifices nothing; raise the load or the long ratio to see the trade.")  # fmt: skip
+    return (
+        f"Here prefill-first did not pay (TTFT p95 {_pct(dt)}, TPOT p50 {_pct(dp)} on "
+        "average): the queue was not prefill-bound at this load, so FIFO (decode-first) "
+        "sacrifices nothing; raise the load or the long ratio to see the trade."
+    )
 
 
 def waiting_answer(result: SweepResult, grid: Grid) -> list[str]:
@@ -163,14 +180,19 @@ def waiting_answer(result: SweepResult, grid: Grid) -> list[str]:
                     f"KV cache (peak {fmt_pct(m.kv_usage_peak)}, {m.preemptions or 0} preemptions)"
                 )
             else:
-                why = (f"request cap or token budget (KV peak {fmt_pct(m.kv_usage_peak)}: "
-                       "headroom left)")  # fmt: skip
+                why = (
+                    f"request cap or token budget (KV peak {fmt_pct(m.kv_usage_peak)}: "
+                    "headroom left)"
+                )
             rows.append(
                 f"- {spec.name} {label}: waiting {m.waiting_mean:.1f} on average; limit: {why}"
             )
     if not rows:
-        return out + ["No cell kept requests waiting (mean waiting < 1), or the server exposes "
-                      "no waiting gauge.", ""]  # fmt: skip
+        return out + [
+            "No cell kept requests waiting (mean waiting < 1), or the server exposes "
+            "no waiting gauge.",
+            "",
+        ]
     return out + rows + [""]
 
 

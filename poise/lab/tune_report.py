@@ -39,8 +39,23 @@ def evidence_rows(result: TuneResult) -> list[tuple[str, ...]]:
             marks.append("L")
         slo = ("yes" if e.meets_slo else "no") + (f" [{','.join(marks)}]" if marks else "")
         if m is None:
-            rows.append((str(e.index), e.phase, str(c.max_num_batched_tokens), str(c.max_num_seqs),
-                         c.scheduling_policy, "error", "", "", "", "", "", "", slo))  # fmt: skip
+            rows.append(
+                (
+                    str(e.index),
+                    e.phase,
+                    str(c.max_num_batched_tokens),
+                    str(c.max_num_seqs),
+                    c.scheduling_policy,
+                    "error",
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                    slo,
+                )
+            )
             continue
         rows.append(
             (
@@ -98,8 +113,10 @@ def format_result(result: TuneResult, command: CommandFn) -> str:
     if result.throughput_first is not None and result.latency_first is not None:
         out += _answer("Throughput-first", result.throughput_first, command)
         if result.latency_first is result.throughput_first:
-            out.append("Latency-first: the same config: no probed config has a lower TTFT p95 "
-                       "within the SLO, so nothing is traded here.")  # fmt: skip
+            out.append(
+                "Latency-first: the same config: no probed config has a lower TTFT p95 "
+                "within the SLO, so nothing is traded here."
+            )
         else:
             out += _answer("Latency-first", result.latency_first, command)
     else:

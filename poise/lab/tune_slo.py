@@ -43,8 +43,16 @@ def with_share(classes: ClassSet, share: float) -> ClassSet | None:
             new = (1.0 - share) * c.share / total
         else:
             new = (1.0 - share) / len(rest)
-        out.append(TrafficClass(c.name, c.ttft_ms, c.tpot_ms, round(new, 4),
-                                c.min_prompt_tokens, c.max_prompt_tokens))  # fmt: skip
+        out.append(
+            TrafficClass(
+                c.name,
+                c.ttft_ms,
+                c.tpot_ms,
+                round(new, 4),
+                c.min_prompt_tokens,
+                c.max_prompt_tokens,
+            )
+        )
     return ClassSet(tuple(out))
 
 

@@ -37,17 +37,31 @@ def load_elementwise_kernel() -> Any:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.poise_rms_norm_bf16.argtypes = [
-        ptr, i64,  # x, its row stride
-        ptr, i64,  # delta (or null), its row stride
+        ptr,
+        i64,  # x, its row stride
+        ptr,
+        i64,  # delta (or null), its row stride
         ptr,  # weight [dim]
-        ptr, i64,  # out, its row stride
-        i64, i64, ctypes.c_float, ctypes.c_int,  # rows, dim, eps, threads
-    ]  # fmt: skip
+        ptr,
+        i64,  # out, its row stride
+        i64,
+        i64,
+        ctypes.c_float,
+        ctypes.c_int,  # rows, dim, eps, threads
+    ]
     lib.poise_silu_mul_bf16.argtypes = [ptr, i64, ptr, i64, i64, i64, ctypes.c_int]
     lib.poise_rope_bf16.argtypes = [
-        ptr, i64, i64, ctypes.c_int, ctypes.c_int,  # x, token and head strides, heads, hd
-        ptr, ptr, i64, i64, ctypes.c_int,  # cos, sin, their row stride, tokens, threads
-    ]  # fmt: skip
+        ptr,
+        i64,
+        i64,
+        ctypes.c_int,
+        ctypes.c_int,  # x, token and head strides, heads, hd
+        ptr,
+        ptr,
+        i64,
+        i64,
+        ctypes.c_int,  # cos, sin, their row stride, tokens, threads
+    ]
     for fn in (lib.poise_rms_norm_bf16, lib.poise_silu_mul_bf16, lib.poise_rope_bf16):
         fn.restype = ctypes.c_int
     return lib
@@ -70,11 +84,18 @@ def rms_norm(
     rows, dim = x.shape
     out = torch.empty(rows, dim, dtype=x.dtype)
     rc = lib.poise_rms_norm_bf16(
-        x.data_ptr(), x.stride(0),
-        None if delta is None else delta.data_ptr(), 0 if delta is None else delta.stride(0),
-        weight.data_ptr(), out.data_ptr(), out.stride(0), rows, dim, eps,
+        x.data_ptr(),
+        x.stride(0),
+        None if delta is None else delta.data_ptr(),
+        0 if delta is None else delta.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        rows,
+        dim,
+        eps,
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     if rc != 0:
         raise ValueError(f"rms_norm kernel rejected shape [{rows}, {dim}]")
     return out
@@ -87,9 +108,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n = width // 2
     out = torch.empty(rows, n, dtype=gate_up.dtype)
     rc = lib.poise_silu_mul_bf16(
-        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), rows, n,
+        gate_up.data_ptr(),
+        gate_up.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        rows,
+        n,
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     if rc != 0:
         raise ValueError(f"silu_mul kernel rejected shape [{rows}, {width}]")
     return out
@@ -114,9 +140,17 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     lib = load_elementwise_kernel()
     tokens, heads, hd = x.shape
     rc = lib.poise_rope_bf16(
-        x.data_ptr(), x.stride(0), x.stride(1), heads, hd, cos.data_ptr(), sin.data_ptr(),
-        cos.stride(0), tokens, torch.get_num_threads(),
-    )  # fmt: skip
+        x.data_ptr(),
+        x.stride(0),
+        x.stride(1),
+        heads,
+        hd,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.stride(0),
+        tokens,
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise ValueError(f"rope kernel rejected shape [{tokens}, {heads}, {hd}]")
 

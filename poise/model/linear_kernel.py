@@ -65,12 +65,20 @@ def load_linear_kernel() -> Any:
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.poise_linear.argtypes = [
-        ptr, i64, i64,  # x [m, k] bf16, m, k
-        ptr, c_int, c_int,  # packed weight, format, tiles per group
-        ptr, ptr,  # int8: scale [n] float32; int4: d and m [n / 16, k / 32, 2, 16] bf16
+        ptr,
+        i64,
+        i64,  # x [m, k] bf16, m, k
+        ptr,
+        c_int,
+        c_int,  # packed weight, format, tiles per group
+        ptr,
+        ptr,  # int8: scale [n] float32; int4: d and m [n / 16, k / 32, 2, 16] bf16
         ptr,  # int8: sum of q per channel [n] int32
-        i64, ptr, c_int, c_int,  # n, y [m, n] bf16, tiled, threads
-    ]  # fmt: skip
+        i64,
+        ptr,
+        c_int,
+        c_int,  # n, y [m, n] bf16, tiled, threads
+    ]
     lib.poise_linear_bf16_rows.argtypes = [ptr, i64, i64, ptr, i64, ptr, c_int]
     for fn in (lib.poise_linear, lib.poise_linear_bf16_rows, lib.poise_linear_init):
         fn.restype = c_int
@@ -168,10 +176,18 @@ class PackedWeight:
         y = torch.empty(m, self.out_features, dtype=torch.bfloat16)
         extras = (self.scale, self.dm, self.rowsum)
         rc = lib.poise_linear(
-            x.data_ptr(), m, self.in_features, self.packed.data_ptr(), FORMATS[self.fmt],
-            self.tiles, *(t.data_ptr() if t is not None else None for t in extras),
-            self.out_features, y.data_ptr(), int(self.tiled(m)), torch.get_num_threads(),
-        )  # fmt: skip
+            x.data_ptr(),
+            m,
+            self.in_features,
+            self.packed.data_ptr(),
+            FORMATS[self.fmt],
+            self.tiles,
+            *(t.data_ptr() if t is not None else None for t in extras),
+            self.out_features,
+            y.data_ptr(),
+            int(self.tiled(m)),
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise ValueError(
                 f"linear kernel: [{m}, {self.in_features}] x [{self.out_features}, "

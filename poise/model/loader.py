@@ -79,8 +79,11 @@ def load_model(
     if quantization is not None and dtype != torch.bfloat16:
         # Correct but slow: torch's int8/int4 CPU kernels are fast in bfloat16 only (~5x
         # slower than a float32 matmul at batch 1), and our int8 kernel is bfloat16 only.
-        logger.warning("quantization %s with dtype %s is slow: use --dtype bfloat16",
-                       quantization, str(dtype).removeprefix("torch."))  # fmt: skip
+        logger.warning(
+            "quantization %s with dtype %s is slow: use --dtype bfloat16",
+            quantization,
+            str(dtype).removeprefix("torch."),
+        )
     if source.kind == "dummy":
         from poise.model.loader_dummy import load_dummy
 

@@ -86,13 +86,21 @@ class Router:
 
     def route(self, req: RouteRequest, exclude: Iterable[str] = ()) -> Decision:
         candidates, lent = self.candidates(req, exclude)
-        keys = [hash(k) for k in prefix_keys(req.token_ids[:-1], self.config.block_size,
-                                             self.config.prefix_blocks)]  # fmt: skip
+        keys = [
+            hash(k)
+            for k in prefix_keys(
+                req.token_ids[:-1], self.config.block_size, self.config.prefix_blocks
+            )
+        ]
         # What every candidate holds (a chat template's header, once each served something)
         # tells them apart no more than nothing does.
         floor = min(self._cached_tokens(keys, r.name) for r in candidates)
-        ctx = PolicyContext(lambda name: self._cached_tokens(keys, name), self._turn,
-                            self.config.max_imbalance, floor)  # fmt: skip
+        ctx = PolicyContext(
+            lambda name: self._cached_tokens(keys, name),
+            self._turn,
+            self.config.max_imbalance,
+            floor,
+        )
         decision = self.policy(req, candidates, ctx)
         if decision.replica in lent:
             decision = Decision(

@@ -191,8 +191,11 @@ def to_inline(classes: ClassSet) -> str:
     """The inline spec that ``parse_inline`` reads back as ``classes`` (for flags and records)."""
 
     def one(c: TrafficClass) -> str:
-        fields = [f"{k}={v:g}" for k, v in (("ttft_p95_ms", c.ttft_ms), ("tpot_p50_ms", c.tpot_ms))
-                  if v is not None]  # fmt: skip
+        fields = [
+            f"{k}={v:g}"
+            for k, v in (("ttft_p95_ms", c.ttft_ms), ("tpot_p50_ms", c.tpot_ms))
+            if v is not None
+        ]
         fields.append(f"share={c.share:g}")
         if c.min_prompt_tokens:
             fields.append(f"prompt_tokens>={c.min_prompt_tokens}")

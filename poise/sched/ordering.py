@@ -55,11 +55,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from poise.config import SCHEDULING_POLICIES
 from poise.core.request import Request
 
-POLICIES: tuple[str, ...] = (
-    "fifo", "prefill_first", "priority", "slo", "lpm", "static", "dynamic",
-)  # fmt: skip
+# The names the config accepts: one list, in config.py.
+POLICIES: tuple[str, ...] = SCHEDULING_POLICIES
 
 # Waiting requests the lpm policy orders by cached prefix each step (SGLang: 128).
 LPM_LOOKAHEAD = 128
@@ -327,26 +327,45 @@ class Policy:
 _REGISTRY: dict[str, Policy] = {
     "fifo": Policy("fifo", walk_fifo, victim_last_admitted, always_block, never_displace, None),
     "prefill_first": Policy(
-        "prefill_first", walk_prefill_first, victim_last_admitted, always_block,
-        never_displace, None,
+        "prefill_first",
+        walk_prefill_first,
+        victim_last_admitted,
+        always_block,
+        never_displace,
+        None,
     ),
     "priority": Policy(
-        "priority", walk_priority, victim_lowest_priority, is_overdue,
-        displace_lower_priority, priority_key,
+        "priority",
+        walk_priority,
+        victim_lowest_priority,
+        is_overdue,
+        displace_lower_priority,
+        priority_key,
     ),
     "slo": Policy(
-        "slo", walk_slo, victim_cost_aware, is_overdue, displace_lower_priority,
-        slo_coarse_key, paces=True, reserves_prompts=True,
+        "slo",
+        walk_slo,
+        victim_cost_aware,
+        is_overdue,
+        displace_lower_priority,
+        slo_coarse_key,
+        paces=True,
+        reserves_prompts=True,
     ),
     "lpm": Policy("lpm", walk_lpm, victim_last_admitted, always_block, never_displace, None),
     "static": Policy(
         "static", walk_static, victim_last_admitted, always_block, never_displace, None
     ),
     "dynamic": Policy(
-        "dynamic", walk_dynamic, victim_last_admitted, always_block, never_displace, None,
+        "dynamic",
+        walk_dynamic,
+        victim_last_admitted,
+        always_block,
+        never_displace,
+        None,
         wake_dynamic,
     ),
-}  # fmt: skip
+}
 
 
 def get_policy(name: str) -> Policy:

@@ -118,8 +118,13 @@ class _Replay:
 def forecast(est: StepCost, backlog: Backlog, waited_s: float = 0.0) -> Forecast:
     replay = _Replay(est, backlog)
     ttft = replay.ttft(backlog.own_tokens)
-    busy = min(backlog.budget, len(backlog.decodes) + backlog.own_tokens + backlog.other_prefill
-               + sum(q[0] for q in backlog.ahead))  # fmt: skip
+    busy = min(
+        backlog.budget,
+        len(backlog.decodes)
+        + backlog.own_tokens
+        + backlog.other_prefill
+        + sum(q[0] for q in backlog.ahead),
+    )
     return Forecast(ttft_s=waited_s + ttft, step_s=est.step_time(busy))
 
 

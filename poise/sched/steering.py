@@ -57,9 +57,11 @@ class Steering:
                     "target_tpot_ms, or traffic classes with tpot_p50_ms)"
                 )
             self.controller = TokenBudgetController(
-                self.estimator, tpot_s, config.min_num_batched_tokens,
+                self.estimator,
+                tpot_s,
+                config.min_num_batched_tokens,
                 config.max_num_batched_tokens,
-            )  # fmt: skip
+            )
         self.pacing = (
             pacing_for(self.classes, config.min_num_batched_tokens) if self.policy.paces else None
         )
@@ -175,9 +177,14 @@ class Steering:
                 slots[cls] += 1
         by_class = Counter(r.slo.class_name for r in running)
         return ShareLedger(
-            self.shares, self.budget, self.config.max_num_seqs, by_class, demand, slots,
+            self.shares,
+            self.budget,
+            self.config.max_num_seqs,
+            by_class,
+            demand,
+            slots,
             self.caps,
-        )  # fmt: skip
+        )
 
     def observe_step(
         self, num_tokens: int, start: float, end: float, had_decodes: bool, busy_after: bool
@@ -202,17 +209,24 @@ class Steering:
         ctx: PolicyContext,
     ) -> Backlog:
         backlog = backlog_for(
-            request, running, waiting, self.policy, ctx, self.shares, self.budget,
+            request,
+            running,
+            waiting,
+            self.policy,
+            ctx,
+            self.shares,
+            self.budget,
             self.config.max_num_seqs,
-        )  # fmt: skip
+        )
         if self.pacing is None:
             return backlog
         others = {c for c in self.shares if c != request.slo.class_name}
         return replace(
-            backlog, pace_tokens=self.pacing.tokens(self.estimator),
+            backlog,
+            pace_tokens=self.pacing.tokens(self.estimator),
             own_paced=request.slo.class_name in self.pacing.paced,
             others_paced=bool(others) and others <= self.pacing.paced,
-        )  # fmt: skip
+        )
 
     def forecast(
         self,
@@ -285,10 +299,11 @@ class Steering:
             share=1.0,
             decodes=[
                 max(1, r.sampling_params.max_tokens - r.num_output_tokens)
-                for r in running if not is_partial_prefill(r)
+                for r in running
+                if not is_partial_prefill(r)
             ],
             ahead=[(prefill_left(r), 1, True) for r in running if is_partial_prefill(r)],
             own_tokens=prefill_left(head),
             other_prefill=0,
-        )  # fmt: skip
+        )
         return forecast(cost, backlog).ttft_s

@@ -60,8 +60,11 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def _generated(model: type) -> dict[int | str, dict[str, Any]]:
-    ok = {"model": model, "content": {"text/event-stream": {}},
-          "description": "The completion; with `stream`, SSE chunks then `data: [DONE]`."}  # fmt: skip
+    ok = {
+        "model": model,
+        "content": {"text/event-stream": {}},
+        "description": "The completion; with `stream`, SSE chunks then `data: [DONE]`.",
+    }
     return {200: ok, **ERRORS}
 
 
@@ -96,9 +99,14 @@ def create_app(state: ServingState, *, enable_api_docs: bool = False) -> FastAPI
                 state.tracer.shutdown()  # the spans still queued go out
 
     on = enable_api_docs
-    app = FastAPI(title="poise", version=state.version, lifespan=lifespan,
-                  docs_url="/docs" if on else None, redoc_url="/redoc" if on else None,
-                  openapi_url="/openapi.json" if on else None)  # fmt: skip
+    app = FastAPI(
+        title="poise",
+        version=state.version,
+        lifespan=lifespan,
+        docs_url="/docs" if on else None,
+        redoc_url="/redoc" if on else None,
+        openapi_url="/openapi.json" if on else None,
+    )
     app.router.route_class = OpenAIRoute
     app.state.serving = state
     app.add_middleware(BodySizeLimit, max_bytes=state.limits.max_request_body_bytes)
@@ -190,8 +198,11 @@ def _document_vocabulary(models: dict[str, Any], vocab_size: int | None) -> None
             for part in parts if isinstance(parts, list) else [parts] if parts else []:
                 bound(part)
 
-    fields = {"CompletionRequest": ("prompt", "stop_token_ids"),
-              "ChatCompletionRequest": ("stop_token_ids",), "DetokenizeRequest": ("tokens",)}  # fmt: skip
+    fields = {
+        "CompletionRequest": ("prompt", "stop_token_ids"),
+        "ChatCompletionRequest": ("stop_token_ids",),
+        "DetokenizeRequest": ("tokens",),
+    }
     for model, names in fields.items():
         for name in names:
             if model in models and name in models[model]["properties"]:
@@ -218,13 +229,21 @@ def _add_info_routes(app: FastAPI, state: ServingState) -> None:
         return ModelList(data=cards)
 
     # A path: a served name may hold slashes (a Hub id such as Qwen/Qwen2.5-7B-Instruct).
-    @app.get("/v1/models/{model_id:anypath}", responses={404: ERRORS[400] | {
-        "description": "Not a served model name (model_not_found)."}})  # fmt: skip
+    @app.get(
+        "/v1/models/{model_id:anypath}",
+        responses={
+            404: ERRORS[400] | {"description": "Not a served model name (model_not_found)."}
+        },
+    )
     async def model(model_id: str) -> Response:
         if model_id not in state.served_model_names:
-            return error_response(404, f"The model `{model_id}` does not exist; this server "
-                                  f"serves {state.served_model_names}", param="model",
-                                  code="model_not_found")  # fmt: skip
+            return error_response(
+                404,
+                f"The model `{model_id}` does not exist; this server "
+                f"serves {state.served_model_names}",
+                param="model",
+                code="model_not_found",
+            )
         card = ModelCard(id=model_id, max_model_len=state.max_model_len)
         return JSONResponse(card.model_dump())
 
@@ -234,9 +253,12 @@ def _add_info_routes(app: FastAPI, state: ServingState) -> None:
         if engine.alive:
             # Alive; a step that failed (and failed its requests) is reported, not fatal.
             return JSONResponse(
-                {"status": "ok", "failed_steps": engine.num_failed_steps,
-                 "last_error": engine.last_error}
-            )  # fmt: skip
+                {
+                    "status": "ok",
+                    "failed_steps": engine.num_failed_steps,
+                    "last_error": engine.last_error,
+                }
+            )
         msg = state.engine.error or "engine is not running"
         return error_response(503, msg, err_type="engine_dead", code=503)
 
@@ -244,8 +266,9 @@ def _add_info_routes(app: FastAPI, state: ServingState) -> None:
     async def ready() -> Response:
         if state.engine.can_accept():
             return JSONResponse({"status": "ready"})
-        return error_response(503, "not ready: engine dead, stopping, or queue full",
-                              err_type="not_ready", code=503)  # fmt: skip
+        return error_response(
+            503, "not ready: engine dead, stopping, or queue full", err_type="not_ready", code=503
+        )
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
@@ -267,15 +290,20 @@ async def _generate(
     if req.model is not None and req.model not in state.served_model_names:
         state.metrics.rejected("invalid")
         return error_response(  # 404 as OpenAI and vLLM answer an unknown model
-            404, f"The model `{req.model}` does not exist; this server serves "
-            f"{state.served_model_names}", param="model",
+            404,
+            f"The model `{req.model}` does not exist; this server serves "
+            f"{state.served_model_names}",
+            param="model",
             code="model_not_found",
-        )  # fmt: skip
+        )
     if req.include_metrics and not state.enable_per_request_metrics:
         state.metrics.rejected("invalid")
-        return error_response(400, "include_metrics: per-request metrics are off on this "
-                              "server; start it with --enable-per-request-metrics",
-                              param="include_metrics")  # fmt: skip
+        return error_response(
+            400,
+            "include_metrics: per-request metrics are off on this "
+            "server; start it with --enable-per-request-metrics",
+            param="include_metrics",
+        )
     header_class = raw.headers.get("x-poise-class")
     if req.traffic_class is None and header_class:
         req.traffic_class = header_class.strip()  # the body's "class" wins over the header
@@ -302,10 +330,17 @@ async def _generate(
     rid = preps[0].request_id
     formatters = streams.Formatters(gen.tokenizer)
     if req.stream:
-        body = streams.sse(pieces, rid, model, n_prompt, chat=chat,
-                           include_usage=req.include_usage,
-                           continuous_usage=req.continuous_usage, n=req.n * len(preps),
-                           formatters=formatters)  # fmt: skip
+        body = streams.sse(
+            pieces,
+            rid,
+            model,
+            n_prompt,
+            chat=chat,
+            include_usage=req.include_usage,
+            continuous_usage=req.continuous_usage,
+            n=req.n * len(preps),
+            formatters=formatters,
+        )
         return StreamingResponse(body, media_type="text/event-stream")
     try:
         results = await streams.collect_until_disconnect(pieces, raw)
@@ -317,11 +352,18 @@ async def _generate(
     return Response(json.dumps(resp), media_type="application/json")
 
 
-def _trace(state: ServingState, req: ChatCompletionRequest | CompletionRequest, raw: Request,
-           model: str, chat: bool, arrival: float) -> RequestTrace | None:  # fmt: skip
+def _trace(
+    state: ServingState,
+    req: ChatCompletionRequest | CompletionRequest,
+    raw: Request,
+    model: str,
+    chat: bool,
+    arrival: float,
+) -> RequestTrace | None:
     """The request's trace (--otlp-traces-endpoint), its parent from ``traceparent``."""
     if state.tracer is None:
         return None
     attrs = {"poise.class": req.traffic_class or "default", "poise.priority": req.priority}
-    return state.tracer.start(raw.headers, "chat" if chat else "text_completion", model,
-                              arrival, attrs)  # fmt: skip
+    return state.tracer.start(
+        raw.headers, "chat" if chat else "text_completion", model, arrival, attrs
+    )

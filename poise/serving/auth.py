@@ -21,7 +21,7 @@ import hmac
 import os
 from typing import Any
 
-from poise.serving.app import error_response
+from poise.serving.errors import error_response
 from poise.serving.hosts import is_loopback
 
 PROBES = frozenset({"/health", "/ready", "/version"})
@@ -86,9 +86,11 @@ class LoopbackOnlyMiddleware:
             client = scope.get("client")
             if client is None or not is_loopback(str(client[0])):
                 response = error_response(
-                    403, f"{scope['path']} is served to localhost only (--metrics-access "
-                    "localhost)", err_type="permission_error", code="localhost_only",
-                )  # fmt: skip
+                    403,
+                    f"{scope['path']} is served to localhost only (--metrics-access localhost)",
+                    err_type="permission_error",
+                    code="localhost_only",
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -29,10 +29,12 @@ class CompletionRequest(_SamplingRequest):
     )
     echo: bool = Field(False, description="Return the prompt before the completion.")
     logprobs: int | None = Field(
-        None, ge=0, le=MAX_LOGPROBS,
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
         description="Logprobs of each token and this many alternatives (of the prompt's "
         "tokens too with echo).",
-    )  # fmt: skip
+    )
     # Refused, not ignored: text after the insertion needs a fill-in-the-middle model. The
     # schema says so (at most 0 characters) and the message names the reason.
     suffix: str | None = Field(None, max_length=0, description="Not supported: empty or null.")
@@ -74,5 +76,5 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(p, str):
             return [p]
         if isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
-        return [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[union-attr]
+            return [list(p)]
+        return [x if isinstance(x, str) else list(x) for x in p]

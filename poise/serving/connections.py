@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from poise.serving.app import error_response
+from poise.serving.errors import error_response
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,12 @@ class ConnectionLimits:
 async def _over_capacity(scope: Any, receive: Any, send: Any) -> None:
     """The ASGI app a connection beyond the cap gets instead of poise's."""
     response = error_response(
-        503, "too many open connections; retry later", err_type="service_unavailable",
-        code="too_many_connections", headers={"Connection": "close", "Retry-After": "1"},
-    )  # fmt: skip
+        503,
+        "too many open connections; retry later",
+        err_type="service_unavailable",
+        code="too_many_connections",
+        headers={"Connection": "close", "Retry-After": "1"},
+    )
     await response(scope, receive, send)
 
 

@@ -107,15 +107,19 @@ def map_exception(exc: Exception, metrics: Any) -> JSONResponse:
         # The header counts whole seconds: the engine's predicted wait, rounded up.
         retry = str(max(1, math.ceil(exc.retry_after_s)))
         return error_response(
-            429, exc.message, err_type="rate_limit_error", code=exc.reason,
+            429,
+            exc.message,
+            err_type="rate_limit_error",
+            code=exc.reason,
             headers={"Retry-After": retry},
-        )  # fmt: skip
+        )
     if isinstance(exc, EngineDeadError):
         metrics.rejected("engine_dead")
         return error_response(503, str(exc), err_type="engine_dead", code=503)
     if isinstance(exc, ShuttingDownError):
-        return error_response(503, str(exc), err_type="service_unavailable",
-                              code="server_shutting_down")  # fmt: skip
+        return error_response(
+            503, str(exc), err_type="service_unavailable", code="server_shutting_down"
+        )
     if isinstance(exc, GenerationFailed):
         return error_response(500, str(exc), err_type="internal_error", code=500)
     raise exc

@@ -239,9 +239,12 @@ class Generator:
             for p, prep in enumerate(preps):
                 for child in children[p]:
                     stream = await self.engine.add_request(
-                        child.request_id, prep.prompt_token_ids, child.params,
-                        prep.arrival_time, prompt_leader=child.prompt_leader,
-                    )  # fmt: skip
+                        child.request_id,
+                        prep.prompt_token_ids,
+                        child.params,
+                        prep.arrival_time,
+                        prompt_leader=child.prompt_leader,
+                    )
                     admitted.append((prep, child, p * prep.params.n + child.index, stream))
         except BaseException:
             for _, child, _, _ in admitted:  # all or none
@@ -288,9 +291,16 @@ class Generator:
                     lps.extend(zip(prep.prompt_token_ids, delta.prompt_logprobs, strict=True))
                 if prep.echo_only:  # max_tokens 0: the prompt alone, the sampled token dropped
                     done = True
-                    yield Piece(echo, 0, "length", self._metrics(prep, delta, 0), index,
-                                lps if want_logprobs else None, cached,
-                                times=_times(delta, 0))  # fmt: skip
+                    yield Piece(
+                        echo,
+                        0,
+                        "length",
+                        self._metrics(prep, delta, 0),
+                        index,
+                        lps if want_logprobs else None,
+                        cached,
+                        times=_times(delta, 0),
+                    )
                     return
                 out = detok.update(delta.new_token_ids, delta.finished)
                 if out.kept_tokens is not None:  # a stop string inside a speculative delta
@@ -305,14 +315,30 @@ class Generator:
                     # for this request; end it there and report "stop" to the client now.
                     self.engine.finish(rid)
                     done = True
-                    yield Piece(text, n_tokens, "stop", self._metrics(prep, delta, n_tokens),
-                                index, sent, cached, times=_times(delta, n_tokens))  # fmt: skip
+                    yield Piece(
+                        text,
+                        n_tokens,
+                        "stop",
+                        self._metrics(prep, delta, n_tokens),
+                        index,
+                        sent,
+                        cached,
+                        times=_times(delta, n_tokens),
+                    )
                     return
                 if delta.finished:
                     done = True
                     reason = "stop" if out.stopped else delta.finish_reason
-                    yield Piece(text, n_tokens, reason, self._metrics(prep, delta, n_tokens),
-                                index, sent, cached, times=_times(delta, n_tokens))  # fmt: skip
+                    yield Piece(
+                        text,
+                        n_tokens,
+                        reason,
+                        self._metrics(prep, delta, n_tokens),
+                        index,
+                        sent,
+                        cached,
+                        times=_times(delta, n_tokens),
+                    )
                     return
                 if text or sent:
                     yield Piece(text, n_tokens, index=index, logprobs=sent)

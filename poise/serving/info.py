@@ -59,10 +59,13 @@ def describe(
     dtype: str | None = None,
     device: str | None = None,
     num_kv_blocks: int | None = None,
+    server_args: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The server's self-description. ``config`` is the EngineConfig (``to_flat_dict``)."""
+    """The server's self-description. ``config`` is the EngineConfig (``to_flat_dict``);
+    ``server_args`` every ``poise serve`` option as given or defaulted (the flag registry,
+    poise/cli/serve_flags.py), the API key only as "set"."""
     engine_config = config.to_flat_dict() if config is not None else {}
-    return json.loads(
+    described: dict[str, Any] = json.loads(
         json.dumps(
             {
                 "engine": "poise",
@@ -73,12 +76,14 @@ def describe(
                 "max_model_len": max_model_len,
                 "num_kv_blocks": num_kv_blocks,
                 "engine_config": engine_config,
+                "server_args": dict(server_args or {}),
                 "hardware": hardware(device),
                 "python": sys.version.split()[0],
             },
             default=str,
         )
     )
+    return described
 
 
 class ConfigInfoCollector(Collector):

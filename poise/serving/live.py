@@ -97,7 +97,8 @@ class LiveFeed:
             "preemptions": preempted,
             "prefix_cache_hit_rate": (
                 state.prefix_cache_hit_tokens / state.prefix_cache_query_tokens
-                if state.prefix_cache_query_tokens else None
+                if state.prefix_cache_query_tokens
+                else None
             ),
             "steps_per_s": rate(s.steps),
             "prefill_tokens_per_s": rate(s.prefill_tokens),
@@ -110,7 +111,7 @@ class LiveFeed:
             "ttft_max": s.ttft_max,
             "ttft_parts_mean": {k: v / firsts for k, v in s.parts.items()},
             "slo_ttft_attainment": slo,
-        }  # fmt: skip
+        }
         with self._lock:
             self.points.append(point)
             self.seq += 1

@@ -47,24 +47,16 @@ from poise.core.request import SloTargets
 from poise.core.timing import derive
 from poise.engine.state import EngineState
 from poise.serving.live import LiveFeed
+
+# The metric prefix and histogram buckets, re-exported: they live in metric_buckets.py.
+from poise.serving.metric_buckets import LATENCY_BUCKETS as LATENCY_BUCKETS
+from poise.serving.metric_buckets import SERVED as SERVED
+from poise.serving.metric_buckets import STEP_TOKEN_BUCKETS as STEP_TOKEN_BUCKETS
+from poise.serving.metric_buckets import TOKEN_GAP_BUCKETS as TOKEN_GAP_BUCKETS
+from poise.serving.metric_buckets import UTILISATION_BUCKETS as UTILISATION_BUCKETS
+from poise.serving.metric_buckets import P as P
 from poise.serving.request_log import log_request
 from poise.serving.sample_groups import GroupEnd, SampleGroups
-
-P = "poise:"
-
-# Seconds: from a millisecond up to ten minutes (slow CPUs, long prompts, deep queues).
-LATENCY_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-    1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 600.0,
-)  # fmt: skip
-# Per-token gaps: sub-millisecond on a GPU to seconds on a busy CPU.
-TOKEN_GAP_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
-    0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0,
-)  # fmt: skip
-STEP_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-UTILISATION_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
-SERVED = ("stop", "length")
 
 
 class ServingMetrics:
@@ -76,13 +68,13 @@ class ServingMetrics:
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             h = Histogram(P + name, doc, ["model_name"], buckets=buckets, registry=r)
-            return h.labels(**labels)  # type: ignore[no-any-return]
+            return h.labels(**labels)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(P + name, doc, ["model_name"], registry=r).labels(**labels)  # type: ignore[no-any-return]
+            return Gauge(P + name, doc, ["model_name"], registry=r).labels(**labels)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(P + name, doc, ["model_name"], registry=r).labels(**labels)  # type: ignore[no-any-return]
+            return Counter(P + name, doc, ["model_name"], registry=r).labels(**labels)
 
         def by_class(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(P + name, doc, ["model_name", "class"], buckets=buckets, registry=r)
@@ -94,9 +86,10 @@ class ServingMetrics:
             "time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS
         )
         self._queue_time = by_class(
-            "request_queue_time_seconds", "Taken in by the engine to first scheduled.",
+            "request_queue_time_seconds",
+            "Taken in by the engine to first scheduled.",
             LATENCY_BUCKETS,
-        )  # fmt: skip
+        )
         self.ingress_time = hist(
             "request_ingress_time_seconds",
             "Arrival to taken in by the engine: chat template, tokenization, engine thread wait.",
@@ -127,9 +120,10 @@ class ServingMetrics:
             TOKEN_GAP_BUCKETS,
         )
         self._slo_ttft = class_counter(
-            "slo_ttft_total", "Requests whose first token met / missed its TTFT target.",
+            "slo_ttft_total",
+            "Requests whose first token met / missed its TTFT target.",
             ("result",),
-        )  # fmt: skip
+        )
         self._slo_tpot = class_counter(
             "slo_tpot_total", "Served requests whose TPOT met / missed its target.", ("result",)
         )
@@ -167,9 +161,10 @@ class ServingMetrics:
             "step_decode_requests", "Requests fed a decode per step.", STEP_TOKEN_BUCKETS
         )
         self.budget_utilisation = hist(
-            "step_token_budget_utilization", "Tokens fed / the step's token budget.",
+            "step_token_budget_utilization",
+            "Tokens fed / the step's token budget.",
             UTILISATION_BUCKETS,
-        )  # fmt: skip
+        )
         self.iteration_tokens = hist(
             "iteration_tokens_total", "All tokens per engine step.", STEP_TOKEN_BUCKETS
         )
@@ -348,11 +343,18 @@ class _EngineStateCollector(Collector):
             paced.add_metric([m, cls], n)
         yield paced
         for name, doc, value in (
-            ("prefix_cache_queries", "Prompt tokens of admitted requests looked up in the "
-             "prefix cache (vLLM's meaning; hits: prefix_cache_hits).", s.prefix_cache_query_tokens),
-            ("prefix_cache_evictions", "Cached KV blocks evicted for other use.",
-             s.prefix_cache_evictions),
-        ):  # fmt: skip
+            (
+                "prefix_cache_queries",
+                "Prompt tokens of admitted requests looked up in the "
+                "prefix cache (vLLM's meaning; hits: prefix_cache_hits).",
+                s.prefix_cache_query_tokens,
+            ),
+            (
+                "prefix_cache_evictions",
+                "Cached KV blocks evicted for other use.",
+                s.prefix_cache_evictions,
+            ),
+        ):
             family = CounterMetricFamily(P + name, doc, labels=["model_name"])
             family.add_metric([m], value)
             yield family

@@ -57,8 +57,9 @@ _STOP_DOC = (
 class _SamplingRequest(StructuredOutputFields, _Lenient):
     """Fields chat and completions share."""
 
-    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True,
-                              allow_inf_nan=False)  # fmt: skip
+    model_config = ConfigDict(
+        extra="allow", strict=True, populate_by_name=True, allow_inf_nan=False
+    )
 
     model: str | None = None
     max_tokens: int | None = Field(
@@ -243,9 +244,11 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingRequest):
             )
 
     def _max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else (
-            self.max_tokens
-        )  # fmt: skip
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else (self.max_tokens)
+        )
 
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
@@ -275,9 +278,11 @@ class UsageInfo(BaseModel):
     @classmethod
     def of(cls, prompt: int, completion: int, cached: int = 0) -> UsageInfo:
         return cls(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
-        )  # fmt: skip
+        )
 
 
 class ChatResponseMessage(BaseModel):

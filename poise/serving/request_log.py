@@ -35,11 +35,15 @@ def request_record(delta: RequestDelta) -> dict[str, Any]:
     }
     if m is not None:
         record.update(
-            ingress_ms=ms(m.ingress_time), queue_ms=ms(m.queue_time),
-            prefill_ms=ms(m.prefill_time), prefill_compute_ms=ms(m.prefill_compute),
-            first_token_sched_ms=ms(m.first_token_sched), ttft_ms=ms(m.ttft),
-            tpot_ms=ms(m.tpot), e2e_ms=ms(m.e2e),
-        )  # fmt: skip
+            ingress_ms=ms(m.ingress_time),
+            queue_ms=ms(m.queue_time),
+            prefill_ms=ms(m.prefill_time),
+            prefill_compute_ms=ms(m.prefill_compute),
+            first_token_sched_ms=ms(m.first_token_sched),
+            ttft_ms=ms(m.ttft),
+            tpot_ms=ms(m.tpot),
+            e2e_ms=ms(m.e2e),
+        )
     return record
 
 

@@ -61,18 +61,32 @@ def build_state(
     enable_per_request_metrics: bool = False,
     tool_parser: str | None = None,
     otlp_traces_endpoint: str | None = None,
+    server_args: dict[str, Any] | None = None,
 ) -> ServingState:
     names = served_model_names or [model_name]
     metrics = ServingMetrics(names[0], log_requests=log_requests)
     engine = AsyncEngine(core, metrics, log_interval_s=log_interval_s)
     max_len = int(core.max_model_len)
     limits = limits or RequestLimitsConfig()
-    generator = Generator(engine, tokenizer, max_model_len=max_len, vocab_size=vocab_size,
-                          default_sampling=default_sampling, limits=limits,
-                          tool_parser=tool_parser)  # fmt: skip
-    info = describe(getattr(core, "config", None), model=names[0], version=VERSION,
-                    max_model_len=max_len, dtype=dtype, device=device,
-                    num_kv_blocks=num_kv_blocks)  # fmt: skip
+    generator = Generator(
+        engine,
+        tokenizer,
+        max_model_len=max_len,
+        vocab_size=vocab_size,
+        default_sampling=default_sampling,
+        limits=limits,
+        tool_parser=tool_parser,
+    )
+    info = describe(
+        getattr(core, "config", None),
+        model=names[0],
+        version=VERSION,
+        max_model_len=max_len,
+        dtype=dtype,
+        device=device,
+        num_kv_blocks=num_kv_blocks,
+        server_args=server_args,
+    )
     metrics.registry.register(ConfigInfoCollector(info))
     tracer = None
     if otlp_traces_endpoint is not None:
@@ -80,9 +94,16 @@ def build_state(
         policy = config.scheduler.scheduling_policy if config is not None else "unknown"
         tracer = RequestTracer(otlp_traces_endpoint, policy=policy, clock=core.clock.now)
         logger.info("request traces: OTLP/HTTP to %s", tracer.endpoint)
-    return ServingState(engine, generator, names, max_len, limits=limits, info=info,
-                        enable_per_request_metrics=enable_per_request_metrics,
-                        tracer=tracer)  # fmt: skip
+    return ServingState(
+        engine,
+        generator,
+        names,
+        max_len,
+        limits=limits,
+        info=info,
+        enable_per_request_metrics=enable_per_request_metrics,
+        tracer=tracer,
+    )
 
 
 def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> ServingState:
@@ -91,8 +112,15 @@ def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> S
     def observers(info: Any) -> list[EngineObserver]:  # a runner.factory.ModelInfo
         if not settings.step_trace:
             return []
-        return [step_tracer(settings.step_trace, model=info.model_name, dtype=str(info.dtype),
-                            device=str(info.device), num_threads=config.model.num_threads)]  # fmt: skip
+        return [
+            step_tracer(
+                settings.step_trace,
+                model=info.model_name,
+                dtype=str(info.dtype),
+                device=str(info.device),
+                num_threads=config.model.num_threads,
+            )
+        ]
 
     core, info = build_engine(config, observers=observers)
     # vLLM's default served name: the model argument as typed (the embedded model: its name).
@@ -105,9 +133,14 @@ def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> S
         tokenizer.chat_template = settings.chat_template
     logger.info(
         "model %s: vocab %d, max_model_len %d, %d KV blocks of %d tokens, %s on %s",
-        name, info.vocab_size, core.max_model_len, info.num_kv_blocks, info.block_size,
-        info.dtype, info.device,
-    )  # fmt: skip
+        name,
+        info.vocab_size,
+        core.max_model_len,
+        info.num_kv_blocks,
+        info.block_size,
+        info.dtype,
+        info.device,
+    )
     return build_state(
         core,
         tokenizer,
@@ -124,6 +157,7 @@ def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> S
         enable_per_request_metrics=settings.enable_per_request_metrics,
         tool_parser=settings.auto_tool_parser,
         otlp_traces_endpoint=settings.otlp_traces_endpoint,
+        server_args=settings.server_args,
     )
 
 
@@ -151,15 +185,17 @@ def asgi_app(state: ServingState, settings: ServerSettings) -> Any:
         app = LoopbackOnlyMiddleware(app)
     if settings.allowed_origins:  # CORS only when asked (vLLM's --allowed-origins); outside
         # the key check, since a browser's preflight carries no Authorization header
-        app = CORSMiddleware(app, allow_origins=settings.allowed_origins, allow_methods=["*"],
-                             allow_headers=["*"])  # fmt: skip
+        app = CORSMiddleware(
+            app, allow_origins=settings.allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
     allowed = allowed_host_names(settings.host, settings.allowed_hosts)
     return app if allowed is None else AllowedHostsMiddleware(app, allowed)
 
 
 def uvicorn_config(state: ServingState, settings: ServerSettings) -> uvicorn.Config:
-    limits = ConnectionLimits(settings.header_read_timeout_s, settings.body_read_timeout_s,
-                              settings.max_connections)  # fmt: skip
+    limits = ConnectionLimits(
+        settings.header_read_timeout_s, settings.body_read_timeout_s, settings.max_connections
+    )
     return uvicorn.Config(
         asgi_app(state, settings),
         host=settings.host,
@@ -182,7 +218,8 @@ def serve(state: ServingState, settings: ServerSettings) -> int:
     # in place the re-raise is harmless and serve() returns normally.
     signal.signal(signal.SIGTERM, _after_shutdown)
     signal.signal(signal.SIGINT, _after_shutdown)
-    logger.info("serving %s on http://%s:%d", state.served_model_names, settings.host,
-                settings.port)  # fmt: skip
+    logger.info(
+        "serving %s on http://%s:%d", state.served_model_names, settings.host, settings.port
+    )
     server.run()
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from poise.config import _help, _require
 
@@ -109,6 +110,9 @@ class ServerSettings:
     # with tools) parses the model's calls with this parser (text/tool_calls.py).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # Every `poise serve` option as given or defaulted (poise/cli/serve_flags.py), reported by
+    # /server_info so a benchmark record names the whole server configuration.
+    server_args: dict[str, Any] = field(default_factory=dict)
 
     @property
     def auto_tool_parser(self) -> str | None:

@@ -73,13 +73,17 @@ class PoiseServer(uvicorn.Server):
 
     async def _cut_after_grace(self) -> None:
         assert self._cut_now is not None
-        logger.info("shutting down: %d request(s) in flight may run for up to %g s",
-                    self.engine.num_in_flight, self.grace_s)  # fmt: skip
+        logger.info(
+            "shutting down: %d request(s) in flight may run for up to %g s",
+            self.engine.num_in_flight,
+            self.grace_s,
+        )
         why = f"the {self.grace_s:g} s shutdown grace period ran out"
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._cut_now.wait(), self.grace_s)
             why = "a second signal asked to stop now"
         if self.engine.num_in_flight:
-            logger.warning("cutting %d request(s) still in flight: %s", self.engine.num_in_flight,
-                           why)  # fmt: skip
+            logger.warning(
+                "cutting %d request(s) still in flight: %s", self.engine.num_in_flight, why
+            )
             self.engine.cut(f"the server is shutting down and stopped this request ({why})")

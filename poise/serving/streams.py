@@ -80,38 +80,54 @@ class Formatters:
         return fmt.chat(entries) if chat else fmt.completion(entries)
 
 
-def _chunk(rid: str, model: str, created: int, chat: bool, text: str | None,
-           finish: str | None, role: str | None = None,
-           usage: UsageInfo | None = None, index: int = 0,
-           metrics: dict[str, Any] | None = None,
-           logprobs: ChatLogprobs | CompletionLogprobs | None = None,
-           tool_calls: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
+def _chunk(
+    rid: str,
+    model: str,
+    created: int,
+    chat: bool,
+    text: str | None,
+    finish: str | None,
+    role: str | None = None,
+    usage: UsageInfo | None = None,
+    index: int = 0,
+    metrics: dict[str, Any] | None = None,
+    logprobs: ChatLogprobs | CompletionLogprobs | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
+) -> str:
     if chat:
         assert logprobs is None or isinstance(logprobs, ChatLogprobs)
         if tool_calls and not text:
             text = None  # OpenAI: a tool-call delta has no content
         delta = DeltaMessage(role=role, content=text, tool_calls=tool_calls)
-        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish,
-                                 logprobs=logprobs)  # fmt: skip
-        return _json(ChatCompletionChunk(
-            id=rid, created=created, model=model, choices=[choice], usage=usage, metrics=metrics
-        ))  # fmt: skip
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
+        return _json(
+            ChatCompletionChunk(
+                id=rid, created=created, model=model, choices=[choice], usage=usage, metrics=metrics
+            )
+        )
     assert logprobs is None or isinstance(logprobs, CompletionLogprobs)
     c = CompletionChoice(index=index, text=text or "", finish_reason=finish, logprobs=logprobs)
-    return _json(CompletionResponse(
-        id=rid, created=created, model=model, choices=[c], usage=usage, metrics=metrics
-    ))  # fmt: skip
+    return _json(
+        CompletionResponse(
+            id=rid, created=created, model=model, choices=[c], usage=usage, metrics=metrics
+        )
+    )
 
 
-def _usage_chunk(rid: str, model: str, created: int, chat: bool, usage: UsageInfo,
-                 metrics: dict[str, Any] | None) -> str:  # fmt: skip
+def _usage_chunk(
+    rid: str, model: str, created: int, chat: bool, usage: UsageInfo, metrics: dict[str, Any] | None
+) -> str:
     if chat:
-        return _json(ChatCompletionChunk(
+        return _json(
+            ChatCompletionChunk(
+                id=rid, created=created, model=model, choices=[], usage=usage, metrics=metrics
+            )
+        )
+    return _json(
+        CompletionResponse(
             id=rid, created=created, model=model, choices=[], usage=usage, metrics=metrics
-        ))  # fmt: skip
-    return _json(CompletionResponse(
-        id=rid, created=created, model=model, choices=[], usage=usage, metrics=metrics
-    ))  # fmt: skip
+        )
+    )
 
 
 def _error_event(exc: Exception) -> str:
@@ -155,24 +171,44 @@ async def sse(
     try:
         if chat:
             for i in range(n):
-                yield _event(_chunk(rid, model, created, chat, "", None, role="assistant",
-                                    usage=so_far(), index=i))  # fmt: skip
+                yield _event(
+                    _chunk(
+                        rid,
+                        model,
+                        created,
+                        chat,
+                        "",
+                        None,
+                        role="assistant",
+                        usage=so_far(),
+                        index=i,
+                    )
+                )
         async for piece in pieces:
             i = piece.index
             counts[i] = piece.num_tokens
             cached[i] = piece.num_cached_tokens or cached[i]
             lp = formatters.shape(i, piece.logprobs, chat)
-            if piece.finish_reason is None:
-                yield _event(_chunk(rid, model, created, chat, piece.text, None,
-                                    usage=so_far(), index=i, logprobs=lp,
-                                    tool_calls=piece.tool_calls))  # fmt: skip
-                continue
-            finished += 1
-            metrics = piece.metrics  # the choice finishing last gives the request's timing
-            last = None if include_usage or finished < n else metrics
-            yield _event(_chunk(rid, model, created, chat, piece.text, piece.finish_reason,
-                                usage=so_far(), index=i, metrics=last, logprobs=lp,
-                                tool_calls=piece.tool_calls))  # fmt: skip
+            last = None
+            if piece.finish_reason is not None:
+                finished += 1
+                metrics = piece.metrics  # the choice finishing last gives the request's timing
+                last = None if include_usage or finished < n else metrics
+            yield _event(
+                _chunk(
+                    rid,
+                    model,
+                    created,
+                    chat,
+                    piece.text,
+                    piece.finish_reason,
+                    usage=so_far(),
+                    index=i,
+                    metrics=last,
+                    logprobs=lp,
+                    tool_calls=piece.tool_calls,
+                )
+            )
         if include_usage:
             yield _event(_usage_chunk(rid, model, created, chat, usage(), metrics))
     except (GenerationFailed, InvalidRequestError, ShuttingDownError, EngineDeadError) as exc:
@@ -215,11 +251,18 @@ async def _collect(pieces: AsyncIterator[Piece]) -> list[Result]:
         if piece.finish_reason is not None:
             order.append(piece.index)
     return [
-        Result("".join(parts[i]), last[i].num_tokens, last[i].finish_reason, last[i].metrics,
-               order.index(i) if i in order else -1, lps.get(i), cached[i],
-               merge_deltas(deltas[i]) or None)
+        Result(
+            "".join(parts[i]),
+            last[i].num_tokens,
+            last[i].finish_reason,
+            last[i].metrics,
+            order.index(i) if i in order else -1,
+            lps.get(i),
+            cached[i],
+            merge_deltas(deltas[i]) or None,
+        )
         for i in sorted(last)
-    ]  # fmt: skip
+    ]
 
 
 async def _wait_disconnect(raw: Request) -> None:
@@ -256,25 +299,43 @@ def _message(result: Result) -> ChatResponseMessage:
     return ChatResponseMessage(content=content, tool_calls=result.tool_calls)
 
 
-def full_response(results: list[Result], rid: str, model: str, n_prompt: int, *, chat: bool,
-                  formatters: Formatters) -> Any:  # fmt: skip
-    usage = UsageInfo.of(n_prompt, sum(r.num_tokens for r in results),
-                         sum(r.num_cached_tokens for r in results))  # fmt: skip
+def full_response(
+    results: list[Result],
+    rid: str,
+    model: str,
+    n_prompt: int,
+    *,
+    chat: bool,
+    formatters: Formatters,
+) -> Any:
+    usage = UsageInfo.of(
+        n_prompt, sum(r.num_tokens for r in results), sum(r.num_cached_tokens for r in results)
+    )
     # The request's timing is that of the sample that finished last (n > 1).
     metrics = max(results, key=lambda r: r.finish_order).metrics
     body: _Body
     if chat:
         choices = [
-            ChatChoice(index=i, message=_message(r), finish_reason=r.finish_reason,
-                       logprobs=formatters.shape(i, r.logprobs, chat))  # type: ignore[arg-type]
+            ChatChoice(
+                index=i,
+                message=_message(r),
+                finish_reason=r.finish_reason,
+                logprobs=formatters.shape(i, r.logprobs, chat),  # type: ignore[arg-type]
+            )
             for i, r in enumerate(results)
-        ]  # fmt: skip
+        ]
         body = ChatCompletionResponse(
             id=rid, model=model, choices=choices, usage=usage, metrics=metrics
         )
     else:
-        cs = [CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
-                               logprobs=formatters.shape(i, r.logprobs, chat))  # type: ignore[arg-type]
-              for i, r in enumerate(results)]  # fmt: skip
+        cs = [
+            CompletionChoice(
+                index=i,
+                text=r.text,
+                finish_reason=r.finish_reason,
+                logprobs=formatters.shape(i, r.logprobs, chat),  # type: ignore[arg-type]
+            )
+            for i, r in enumerate(results)
+        ]
         body = CompletionResponse(id=rid, model=model, choices=cs, usage=usage, metrics=metrics)
     return body.model_dump(exclude=_no_metrics(body))

@@ -22,8 +22,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from poise.core.structured import StructuredOutputsParams
 from poise.errors import InvalidRequestError
 
-_LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-           "guided_grammar": "grammar"}  # fmt: skip
+_LEGACY = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 class JsonSchemaFormat(BaseModel):
@@ -63,8 +67,9 @@ class StructuredOutputsBody(BaseModel):
     @classmethod
     def _no_structural_tag(cls, data: Any) -> Any:
         if isinstance(data, dict) and "structural_tag" in data:  # vLLM's; refused by name
-            raise ValueError("structural_tag is not supported by poise; use json, regex, "
-                             "choice or grammar")  # fmt: skip
+            raise ValueError(
+                "structural_tag is not supported by poise; use json, regex, choice or grammar"
+            )
         return data
 
     def params(self) -> StructuredOutputsParams:

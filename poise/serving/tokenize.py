@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.config import JsonDict
 
 from poise.errors import InvalidRequestError
-from poise.serving.protocol import ChatMessage
+from poise.serving.messages import ChatMessage
 from poise.serving.tool_calls import ToolDefinition, checked_template_kwargs
 from poise.text.tokenizer import apply_chat_template, encode_prompt
 
@@ -73,14 +73,18 @@ class DetokenizeRequest(BaseModel):
 
 
 def add_tokenize_routes(app: FastAPI, state: Any) -> None:
-    from poise.serving.app import ERRORS, error_response, map_exception
+    from poise.serving.app import ERRORS
+    from poise.serving.errors import error_response, map_exception
 
     def unknown_model(name: str | None) -> JSONResponse | None:
         if name is None or name in state.served_model_names:
             return None
-        return error_response(404, f"The model `{name}` does not exist; this server serves "
-                              f"{state.served_model_names}", param="model",
-                              code="model_not_found")  # fmt: skip
+        return error_response(
+            404,
+            f"The model `{name}` does not exist; this server serves {state.served_model_names}",
+            param="model",
+            code="model_not_found",
+        )
 
     @app.post("/tokenize", responses=ERRORS)
     async def tokenize(req: TokenizeRequest) -> Response:
@@ -89,10 +93,12 @@ def add_tokenize_routes(app: FastAPI, state: Any) -> None:
             return refused
         if req.chat_template is not None:
             return error_response(
-                400, "chat_template: a template from a request is not accepted (it is code the "
+                400,
+                "chat_template: a template from a request is not accepted (it is code the "
                 "server would run; one nested loop can hold the tokenizer for hours); the "
-                "server's is set with --chat-template", param="chat_template",
-            )  # fmt: skip
+                "server's is set with --chat-template",
+                param="chat_template",
+            )
         gen = state.generator
         try:
             if req.messages is not None:
@@ -101,10 +107,13 @@ def add_tokenize_routes(app: FastAPI, state: Any) -> None:
                 tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
                 ids = await gen.call_tokenizer(
                     lambda: apply_chat_template(
-                        gen.tokenizer, messages, req.add_generation_prompt,
-                        tools=tools, **kwargs,
+                        gen.tokenizer,
+                        messages,
+                        req.add_generation_prompt,
+                        tools=tools,
+                        **kwargs,
                     )
-                )  # fmt: skip
+                )
                 if req.add_special_tokens:
                     ids = _with_special(gen.tokenizer, ids)
             else:
@@ -114,8 +123,12 @@ def add_tokenize_routes(app: FastAPI, state: Any) -> None:
                 )
         except InvalidRequestError as exc:
             return map_exception(exc, state.metrics)
-        body: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len,
-                                "tokens": ids, "token_strs": None}  # fmt: skip
+        body: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": state.max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
         if req.return_token_strs:
             body["token_strs"] = gen.tokenizer.convert_ids_to_tokens(ids)
         return JSONResponse(body)
@@ -132,8 +145,9 @@ def add_tokenize_routes(app: FastAPI, state: Any) -> None:
         vocab = state.generator.vocab_size
         bad = [t for t in req.tokens if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
-            return error_response(400, f"tokens: {bad[0]} is outside the vocabulary [0, {vocab})",
-                                  param="tokens")  # fmt: skip
+            return error_response(
+                400, f"tokens: {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens"
+            )
         gen = state.generator
         text = await gen.call_tokenizer(lambda: gen.tokenizer.decode(req.tokens))
         return JSONResponse({"prompt": text})
@@ -146,8 +160,11 @@ def tokenizer_info(tokenizer: Any, max_model_len: int) -> dict[str, Any]:
         for name in ("bos_token", "eos_token", "pad_token", "unk_token")
     }
     template = getattr(tokenizer, "chat_template", None)
-    info |= {"chat_template": template if isinstance(template, str) else None,
-             "tokenizer_class": type(tokenizer).__name__, "model_max_length": max_model_len}  # fmt: skip
+    info |= {
+        "chat_template": template if isinstance(template, str) else None,
+        "tokenizer_class": type(tokenizer).__name__,
+        "model_max_length": max_model_len,
+    }
     return info
 
 

@@ -37,10 +37,24 @@ if TYPE_CHECKING:  # generation.py imports this module
 
 # apply_chat_template's own arguments (and poise's render_chat's ``tokenizer``): a
 # chat_template_kwargs key may not replace them.
-_RESERVED_KWARGS = ("tokenizer", "conversation", "messages", "tools", "documents", "chat_template",
-                    "add_generation_prompt", "continue_final_message", "tokenize", "padding",
-                    "truncation", "max_length", "return_tensors", "return_dict",
-                    "return_assistant_tokens_mask", "tokenizer_kwargs")  # fmt: skip
+_RESERVED_KWARGS = (
+    "tokenizer",
+    "conversation",
+    "messages",
+    "tools",
+    "documents",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+)
 
 
 class FunctionDefinition(BaseModel):
@@ -149,13 +163,13 @@ def plan_tools(req: ChatTemplateFields, auto_parser: str | None) -> ToolPlan | N
         return ToolPlan("none", tools)
     name = choice.function.name if isinstance(choice, NamedToolChoice) else None
     if name is not None and name not in {t["function"]["name"] for t in tools}:
-        raise InvalidRequestError(f"tool_choice names {name!r}, which is not in tools",
-                                  "tool_choice")  # fmt: skip
+        raise InvalidRequestError(
+            f"tool_choice names {name!r}, which is not in tools", "tool_choice"
+        )
     schema = forced_schema(tools, name, req.parallel_tool_calls)
     structured = StructuredOutputsParams(json=schema, source_field="tool_choice")
     mode: Literal["required", "named"] = "named" if name is not None else "required"
-    return ToolPlan(mode, tools, name=name, parallel=req.parallel_tool_calls,
-                    structured=structured)  # fmt: skip
+    return ToolPlan(mode, tools, name=name, parallel=req.parallel_tool_calls, structured=structured)
 
 
 def _finish(reason: str | None, made_calls: bool) -> str | None:

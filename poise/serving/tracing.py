@@ -73,8 +73,15 @@ def check_available(endpoint: str) -> None:
 class RequestTracer:
     """The server's tracer provider and exporter; ``start`` one ``RequestTrace`` per request."""
 
-    def __init__(self, endpoint: str, *, policy: str, clock: Callable[[], float],
-                 service_name: str = "poise", export_delay_s: float = 1.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        policy: str,
+        clock: Callable[[], float],
+        service_name: str = "poise",
+        export_delay_s: float = 1.0,
+    ) -> None:
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.resources import Resource
@@ -90,18 +97,31 @@ class RequestTracer:
         self._clock = clock
         # Its own provider, not the global one: a library embedding poise keeps its own.
         self._provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-        self._provider.add_span_processor(BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=self.endpoint),
-            schedule_delay_millis=int(export_delay_s * 1000)))  # fmt: skip
+        self._provider.add_span_processor(
+            BatchSpanProcessor(
+                OTLPSpanExporter(endpoint=self.endpoint),
+                schedule_delay_millis=int(export_delay_s * 1000),
+            )
+        )
         self._tracer = self._provider.get_tracer("poise.serving")
         self._propagator = TraceContextTextMapPropagator()
 
-    def start(self, headers: Mapping[str, str], operation: str, model: str, arrival: float,
-              attributes: dict[str, Any]) -> RequestTrace:  # fmt: skip
+    def start(
+        self,
+        headers: Mapping[str, str],
+        operation: str,
+        model: str,
+        arrival: float,
+        attributes: dict[str, Any],
+    ) -> RequestTrace:
         """A request's trace; ``headers``' ``traceparent``, if any, is its parent."""
         parent = self._propagator.extract(carrier={k.lower(): v for k, v in headers.items()})
-        attrs = {"gen_ai.operation.name": operation, "gen_ai.request.model": model,
-                 "poise.policy": self.policy, **attributes}  # fmt: skip
+        attrs = {
+            "gen_ai.operation.name": operation,
+            "gen_ai.request.model": model,
+            "poise.policy": self.policy,
+            **attributes,
+        }
         return RequestTrace(self, parent, f"{operation} {model}", attrs, arrival)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
@@ -123,8 +143,13 @@ class RequestTracer:
 
         start = trace.arrival
         end = times.finished if times is not None and times.finished is not None else now
-        root = self._tracer.start_span(trace.name, context=trace.parent, kind=SpanKind.SERVER,
-                                       start_time=wall(start), attributes=trace.attributes)  # fmt: skip
+        root = self._tracer.start_span(
+            trace.name,
+            context=trace.parent,
+            kind=SpanKind.SERVER,
+            start_time=wall(start),
+            attributes=trace.attributes,
+        )
         if trace.error is not None:
             root.set_status(Status(StatusCode.ERROR, trace.error[1]))
             root.set_attribute("error.type", trace.error[0])
@@ -133,8 +158,9 @@ class RequestTracer:
 
             inside = set_span_in_context(root)
             for name, a, b, attrs in _parts(times):
-                child = self._tracer.start_span(name, context=inside, start_time=wall(a),
-                                                attributes=attrs)  # fmt: skip
+                child = self._tracer.start_span(
+                    name, context=inside, start_time=wall(a), attributes=attrs
+                )
                 child.end(end_time=wall(b))
             for key, value in _latencies(times).items():
                 root.set_attribute(key, value)
@@ -147,23 +173,38 @@ def _parts(times: RequestTimes) -> list[tuple[str, float, float, dict[str, Any]]
     out: list[tuple[str, float, float, dict[str, Any]]] = []
     t = times.arrival
     laid = {"poise.laid_end_to_end": True}  # a total of interleaved intervals (see above)
-    for name, value, attrs in (("ingress", m.ingress_time, {}), ("queue", m.queue_time, {}),
-                               ("prefill", m.prefill_compute, laid),
-                               ("first_token_scheduling", m.first_token_sched, laid)):  # fmt: skip
+    for name, value, attrs in (
+        ("ingress", m.ingress_time, {}),
+        ("queue", m.queue_time, {}),
+        ("prefill", m.prefill_compute, laid),
+        ("first_token_scheduling", m.first_token_sched, laid),
+    ):
         if value is None:
             return out
         out.append((name, t, t + value, attrs))
         t += value
     if m.decode_time is not None and times.first_token is not None:
-        out.append(("decode", times.first_token, times.first_token + m.decode_time,
-                    {"gen_ai.usage.output_tokens": m.num_output_tokens}))  # fmt: skip
+        out.append(
+            (
+                "decode",
+                times.first_token,
+                times.first_token + m.decode_time,
+                {"gen_ai.usage.output_tokens": m.num_output_tokens},
+            )
+        )
     return out
 
 
 def _latencies(times: RequestTimes) -> dict[str, float]:
     m = derive(times)
-    named = {"ttft": m.ttft, "queue": m.queue_time, "prefill": m.prefill_time,
-             "decode": m.decode_time, "tpot": m.tpot, "e2e": m.e2e}  # fmt: skip
+    named = {
+        "ttft": m.ttft,
+        "queue": m.queue_time,
+        "prefill": m.prefill_time,
+        "decode": m.decode_time,
+        "tpot": m.tpot,
+        "e2e": m.e2e,
+    }
     return {f"poise.latency.{k}_s": v for k, v in named.items() if v is not None}
 
 
@@ -186,14 +227,16 @@ class RequestTrace:
         """What the engine was asked (generation.Prepared, one per prompt): the effective
         sampling parameters, after the model's defaults."""
         params = preps[0].params
-        self.attributes.update({
-            "gen_ai.response.id": preps[0].request_id,
-            "gen_ai.response.model": self.attributes["gen_ai.request.model"],
-            "gen_ai.request.max_tokens": params.max_tokens,
-            "gen_ai.request.temperature": params.temperature,
-            "gen_ai.request.top_p": params.top_p,
-            "gen_ai.usage.input_tokens": sum(len(p.prompt_token_ids) for p in preps),
-        })  # fmt: skip
+        self.attributes.update(
+            {
+                "gen_ai.response.id": preps[0].request_id,
+                "gen_ai.response.model": self.attributes["gen_ai.request.model"],
+                "gen_ai.request.max_tokens": params.max_tokens,
+                "gen_ai.request.temperature": params.temperature,
+                "gen_ai.request.top_p": params.top_p,
+                "gen_ai.usage.input_tokens": sum(len(p.prompt_token_ids) for p in preps),
+            }
+        )
         if params.seed is not None:
             self.attributes["gen_ai.request.seed"] = params.seed
         if params.n > 1 or len(preps) > 1:

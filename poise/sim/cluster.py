@@ -53,10 +53,16 @@ class ClusterResult(SimResult):
 
 class _ClusterDriver(_Driver):
     def __init__(
-        self, engines: Sequence[EngineCore], clocks: Sequence[VirtualClock], router: Router,
-        cell: SimCell, way_in: WayIn, seed: int, sims: Sequence[SimExecutor] = (),
+        self,
+        engines: Sequence[EngineCore],
+        clocks: Sequence[VirtualClock],
+        router: Router,
+        cell: SimCell,
+        way_in: WayIn,
+        seed: int,
+        sims: Sequence[SimExecutor] = (),
         shared_cpu: SharedCpu | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(engines[0], clocks[0], cell, way_in, seed)
         self.engines, self.clocks, self.router = list(engines), list(clocks), router
         self.sims, self.shared_cpu = list(sims), shared_cpu
@@ -86,9 +92,12 @@ class _ClusterDriver(_Driver):
                 clock.advance_to(max(clock.now(), t_engine))
             self.stalls[i] = 0
             params = SamplingParams(
-                max_tokens=req.max_tokens, temperature=0.0, ignore_eos=req.ignore_eos,
-                priority=req.priority, traffic_class=req.traffic_class,
-            )  # fmt: skip
+                max_tokens=req.max_tokens,
+                temperature=0.0,
+                ignore_eos=req.ignore_eos,
+                priority=req.priority,
+                traffic_class=req.traffic_class,
+            )
             try:
                 engine.add_request(res.request_id, ids, params, arrival_time=res.sent)
             except (InvalidRequestError, OverloadedError) as exc:

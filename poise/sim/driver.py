@@ -109,9 +109,12 @@ class _Driver:
         while self.inbox and self.inbox[0][0] <= now:
             t_engine, _, res, req = heapq.heappop(self.inbox)
             params = SamplingParams(
-                max_tokens=req.max_tokens, temperature=0.0, ignore_eos=req.ignore_eos,
-                priority=req.priority, traffic_class=req.traffic_class,
-            )  # fmt: skip
+                max_tokens=req.max_tokens,
+                temperature=0.0,
+                ignore_eos=req.ignore_eos,
+                priority=req.priority,
+                traffic_class=req.traffic_class,
+            )
             try:
                 self.engine.add_request(
                     res.request_id, self.token_ids(req), params, arrival_time=res.sent

@@ -152,8 +152,9 @@ def _check_forced_bytes(matcher: Any, tokenizer: Any, kind: str, where: str) -> 
         if not _spelled(tokenizer, bytes([byte])):
             raise InvalidRequestError(
                 f"invalid {kind}: it requires byte 0x{byte:02x}, which no token of this model "
-                "produces", where
-            )  # fmt: skip
+                "produces",
+                where,
+            )
 
 
 def grammar_text(params: StructuredOutputsParams, allow_additional_properties: bool = False) -> str:

@@ -22,8 +22,18 @@ from __future__ import annotations
 from typing import Any
 
 # Keywords whose value is one subschema, a list of them, or a name -> subschema map.
-_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else",
-        "propertyNames", "unevaluatedItems", "unevaluatedProperties")  # fmt: skip
+_ONE = (
+    "items",
+    "additionalItems",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "propertyNames",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
 _LIST = ("anyOf", "oneOf", "prefixItems")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
@@ -43,9 +53,11 @@ def close_objects(schema: Any) -> Any:
     for key in _ONE:
         if key in out:
             value = out[key]
-            out[key] = [close_objects(s) for s in value] if isinstance(value, list) else (
-                close_objects(value)
-            )  # fmt: skip
+            out[key] = (
+                [close_objects(s) for s in value]
+                if isinstance(value, list)
+                else (close_objects(value))
+            )
     for key in _LIST:
         if isinstance(out.get(key), list):
             out[key] = [close_objects(s) for s in out[key]]

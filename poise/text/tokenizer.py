@@ -117,8 +117,9 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise InvalidRequestError(f"messages[{i}].role must be a non-empty string", "messages")
-        out.append({"role": role, "content": _message_content(message, i),
-                    **tool_fields(message, i)})  # fmt: skip
+        out.append(
+            {"role": role, "content": _message_content(message, i), **tool_fields(message, i)}
+        )
     return out
 
 
@@ -152,9 +153,13 @@ def render_chat(
     conversation = for_template(template, normalize_messages(messages), tools)
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-            chat_template=template, tools=tools, **template_kwargs,
-        )  # fmt: skip
+            conversation,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=template,
+            tools=tools,
+            **template_kwargs,
+        )
     except Exception as exc:  # jinja's TemplateError from raise_exception(), and similar
         raise InvalidRequestError(
             f"chat template rejected the messages: {exc}", "messages"

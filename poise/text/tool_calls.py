@@ -33,8 +33,11 @@ class ToolCall:
     id: str = field(default_factory=_call_id)
 
     def to_openai(self, index: int | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "type": "function",
-                               "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
+        out: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         if index is not None:  # stream deltas carry the call's index
             out["index"] = index
         return out
@@ -132,9 +135,13 @@ def tool_calls_as_text(calls: list[dict[str, Any]]) -> str:
     blocks = []
     for call in calls:
         fn = call.get("function", {})
-        blocks.append("<tool_call>\n" + json.dumps(
-            {"name": fn.get("name"), "arguments": fn.get("arguments", {})}, ensure_ascii=False
-        ) + "\n</tool_call>")  # fmt: skip
+        blocks.append(
+            "<tool_call>\n"
+            + json.dumps(
+                {"name": fn.get("name"), "arguments": fn.get("arguments", {})}, ensure_ascii=False
+            )
+            + "\n</tool_call>"
+        )
     return "\n".join(blocks)
 
 
@@ -148,11 +155,18 @@ def forced_schema(tools: list[dict[str, Any]], name: str | None, parallel: bool 
     functions = _functions(tools)
     if name is not None:
         return functions[name].get("parameters") or {"type": "object", "properties": {}}
-    calls = [{"type": "object",
-              "properties": {"name": {"type": "string", "enum": [n]},
-                             "parameters": f.get("parameters") or {"type": "object"}},
-              "required": ["name", "parameters"], "additionalProperties": False}
-             for n, f in functions.items()]  # fmt: skip
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [n]},
+                "parameters": f.get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for n, f in functions.items()
+    ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
@@ -210,8 +224,9 @@ def _template_call(call: Any, index: int) -> dict[str, Any]:
     return {**call, "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
-def for_template(template: str, conversation: list[dict[str, Any]],
-                 tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:  # fmt: skip
+def for_template(
+    template: str, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
     """``conversation`` as a template that may not know tools can render it. A template that
     never reads ``tools`` gets them as a system block (``tools_system_prompt``); one that never
     reads ``tool_calls`` gets an assistant turn's calls written into its content (Hermes

@@ -94,7 +94,7 @@ def test_help_groups_and_trade_offs(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         _parser().parse_args(["--help"])
     text = capsys.readouterr().out
-    for title in ("model:", "KV cache:", "scheduler:"):
+    for title in ("model:", "cache:", "scheduler:"):
         assert title in text
     assert "TTFT" in text and "(default: 2048)" in text
     assert "{fifo,prefill-first,priority,slo,lpm,static,dynamic}" in text

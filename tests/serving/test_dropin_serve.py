@@ -186,4 +186,4 @@ def test_replicas_refuse_the_flags_they_do_not_take(capsys: pytest.CaptureFixtur
     err = capsys.readouterr().err
     assert "--api-key, --enable-log-requests not supported with --replicas" in err
     assert main(["serve", "--replicas", "2", "--max-stop-sequences", "4"]) == 2
-    assert "request limit flags" in capsys.readouterr().err
+    assert "--max-stop-sequences not supported with --replicas" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -275,3 +276,33 @@ def test_tokenizer_and_description_load_without_torch() -> None:
     )
     loaded = {m.split(".")[0] for m in _loaded_after(code)}
     assert "torch" not in loaded
+
+
+DOC = PKG.parent / "docs" / "ARCHITECTURE.md"
+
+
+def _doc_rules() -> dict[str, set[str]]:
+    """docs/ARCHITECTURE.md's package table: unit -> the units its "may import" column names
+    ("anything" is ``*``; a listed debt's target counts as named)."""
+    rules: dict[str, set[str]] = {}
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[0].startswith("`"):
+            continue
+        units = re.findall(r"`([a-z_]+)(?:/|\.py)`", cells[0])
+        words = set(re.findall(r"[a-z_]+", cells[2]))
+        named = {"*"} if "anything" in words else words & UNITS
+        for unit in units:
+            rules[unit] = named
+    return rules
+
+
+def test_architecture_doc_states_the_rules() -> None:
+    """The doc's table is the rule book: every unit has a row and names exactly what the test
+    allows it (besides the listed debts)."""
+    doc = _doc_rules()
+    assert sorted(UNITS - set(doc)) == [], "units without a row in docs/ARCHITECTURE.md"
+    debts = {(a, b) for a, b in DEBTS}
+    for unit, allowed in ALLOWED.items():
+        named = doc[unit] - {b for a, b in debts if a == unit}
+        assert named == allowed, f"{unit}: doc names {sorted(named)}, the test {sorted(allowed)}"
