@@ -13,7 +13,11 @@
 // Not bit-identical to torch: the mean's summation order, and exp (Cephes' polynomial here,
 // torch's own vectorised one there), can move a value across a bf16 rounding boundary (one ulp).
 //
-// Rows are split over OpenMP threads (torch's pool: the library links the same libgomp).
+// Rows are split over OpenMP threads (torch's pool: the library links the same libgomp), but
+// only for large inputs: a decode step at batch 1-16 calls these ~100 times on a few thousand
+// elements (~1-10 us of work), and waking torch's sleeping workers for each (OMP_WAIT_POLICY=
+// PASSIVE, poise/__init__.py) cost more than the work: norms/rope/SiLU of a SmolLM2-1.7B step at
+// batch 1 took 10.7 ms over 2 threads, 2.6 ms on one.
 // Shapes: row r of x at x + r * x_stride (elements); other tensors likewise with their strides.
 
 #include <omp.h>
@@ -27,6 +31,13 @@
 namespace {
 
 using poise_attention::bf16;
+
+// Elements below which one thread does the whole op (see above).
+constexpr int64_t kParallelFrom = 1 << 16;
+
+int threads_for(int64_t elements, int num_threads) {
+  return elements >= kParallelFrom && num_threads > 1 ? num_threads : 1;
+}
 using poise_attention::to_float;
 
 inline bf16 to_bf16(float x) {
@@ -152,7 +163,7 @@ int poise_rms_norm_bf16(void* x, int64_t x_stride, const void* delta, int64_t de
                         const void* weight, void* out, int64_t out_stride, int64_t rows,
                         int64_t dim, float eps, int num_threads) {
   if (rows < 0 || dim <= 0) return -1;
-#pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
+#pragma omp parallel for num_threads(threads_for(rows * dim, num_threads)) schedule(static)
   for (int64_t r = 0; r < rows; ++r)
     norm_row(static_cast<bf16*>(x) + r * x_stride,
              delta ? static_cast<const bf16*>(delta) + r * delta_stride : nullptr,
@@ -165,7 +176,7 @@ int poise_rms_norm_bf16(void* x, int64_t x_stride, const void* delta, int64_t de
 int poise_silu_mul_bf16(const void* gate_up, int64_t in_stride, void* out, int64_t out_stride,
                         int64_t rows, int64_t n, int num_threads) {
   if (rows < 0 || n <= 0) return -1;
-#pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
+#pragma omp parallel for num_threads(threads_for(rows * n, num_threads)) schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const bf16* row = static_cast<const bf16*>(gate_up) + r * in_stride;
     silu_mul_row(row, row + n, static_cast<bf16*>(out) + r * out_stride, n);
@@ -179,7 +190,8 @@ int poise_rope_bf16(void* x, int64_t x_stride, int64_t head_stride, int heads, i
                     const void* cos, const void* sin, int64_t table_stride, int64_t tokens,
                     int num_threads) {
   if (tokens < 0 || heads <= 0 || hd <= 0 || hd % 2 != 0) return -1;
-#pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
+#pragma omp parallel for num_threads(threads_for(tokens * heads * hd, num_threads)) \
+    schedule(static)
   for (int64_t t = 0; t < tokens; ++t)
     rope_row(static_cast<bf16*>(x) + t * x_stride,
              static_cast<const bf16*>(cos) + t * table_stride,

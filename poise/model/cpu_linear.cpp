@@ -37,6 +37,10 @@ void stream_group(const Problem& p, int64_t g, const float* xsum) {
   else stream_int4_group<T>(p, g, xsum);
 }
 
+// Rows per pass of the tiled and blocked paths: they stay in L2 while every group's weights pass
+// by (one read of the weights per chunk).
+constexpr int64_t kRowChunk = 128;
+
 #if defined(PLK_AMX)
 // Tiled int4: rows [r_begin, r_end) of group g through AMX tdpbf16ps on the decoded weights,
 // 32 rows x 2 tiles per pass.
@@ -93,7 +97,6 @@ void tiled_int4_group(const Problem& p, int64_t g, const uint16_t* x, int64_t r_
   }
 }
 
-constexpr int64_t kRowChunk = 128;
 // int4 up to this many rows: scaled AMX products per group (tiled_int4_rows16: 1.2x faster
 // than decoding at 4-8 rows, even at 16, slower at 32), beyond: the
 // weights decoded once per row chunk.
@@ -164,6 +167,27 @@ extern "C" int poise_linear(const uint16_t* x, int64_t m, int64_t k, const void*
     int4_sums(x, m, k, xsum.data());
   }
   const float* sums = xsum.data();
+  if (!tiled && fmt == kInt8 && m > 3) {
+    // Blocked: every row in chunks of kRowChunk (their activations stay in L2 while every
+    // group's weights pass by), each group's K in L1-sized chunks (cpu_linear_int8.h).
+#pragma omp parallel num_threads(threads)
+    {
+      static thread_local std::vector<__m512i> part;
+      if (part.size() < size_t(kRowChunk * t * 2)) part.resize(kRowChunk * t * 2);
+      for (int64_t c0 = 0; c0 < m; c0 += kRowChunk) {
+        const int64_t c1 = c0 + kRowChunk < m ? c0 + kRowChunk : m;
+#pragma omp for schedule(dynamic)
+        for (int64_t g = 0; g < groups; ++g) {
+          switch (t) {
+            case 1: blocked_int8_group<1>(p, g, c0, c1, part.data()); break;
+            case 2: blocked_int8_group<2>(p, g, c0, c1, part.data()); break;
+            default: blocked_int8_group<4>(p, g, c0, c1, part.data()); break;
+          }
+        }
+      }
+    }
+    return 0;
+  }
   if (!tiled) {
 #pragma omp parallel for schedule(dynamic) num_threads(threads)
     for (int64_t g = 0; g < groups; ++g) {

@@ -62,17 +62,23 @@ inline void int8_store(const Problem& p, int64_t r, int64_t c0, __m512i lo, __m5
   store_row(p.y + r * p.n + c0, _mm512_mul_ps(v, s));
 }
 
-// Streamed: R rows x T tiles of group g, all of K (two accumulators per row and tile).
+// R rows x T tiles of group g over input quads [kq0, kq1) (two accumulators per row and tile).
+// part: null when [kq0, kq1) is all of K; else R x T x 2 partial sums kept between calls,
+// read when kq0 > 0 and written unless kq1 ends K (then y is written instead).
 template <int R, int T>
-void stream_int8(const Problem& p, int64_t g, int64_t r0) {
+void int8_rows(const Problem& p, int64_t g, int64_t r0, int64_t kq0, int64_t kq1, __m512i* part) {
   const int64_t kq_count = p.k / 4;
   const uint8_t* w = p.w + g * kq_count * T * 64;
   __m512i lo[R][T], hi[R][T];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) lo[r][t] = hi[r][t] = _mm512_setzero_si512();
-  for (int64_t kq = 0; kq < kq_count; ++kq) {
+    for (int t = 0; t < T; ++t) {
+      const bool resume = part != nullptr && kq0 > 0;
+      lo[r][t] = resume ? _mm512_loadu_si512(part + (r * T + t) * 2) : _mm512_setzero_si512();
+      hi[r][t] = resume ? _mm512_loadu_si512(part + (r * T + t) * 2 + 1) : _mm512_setzero_si512();
+    }
+  for (int64_t kq = kq0; kq < kq1; ++kq) {
     const uint8_t* row = w + kq * T * 64;
     __m512i wv[T];
 #pragma GCC unroll 8
@@ -94,18 +100,54 @@ void stream_int8(const Problem& p, int64_t g, int64_t r0) {
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) int8_store(p, r0 + r, (g * T + t) * kTile, lo[r][t], hi[r][t]);
+    for (int t = 0; t < T; ++t) {
+      if (kq1 == kq_count) {
+        int8_store(p, r0 + r, (g * T + t) * kTile, lo[r][t], hi[r][t]);
+      } else {
+        _mm512_storeu_si512(part + (r * T + t) * 2, lo[r][t]);
+        _mm512_storeu_si512(part + (r * T + t) * 2 + 1, hi[r][t]);
+      }
+    }
 }
 
+// Rows [r_begin, r_end) of group g over quads [kq0, kq1), in blocks of at most 3 rows
+// (2 x 3 x 4 accumulators + 4 weights + 2 broadcasts fit the 32 vector registers); part: as
+// int8_rows, 2T vectors per row from r_begin, or null for all of K.
+template <int T>
+void int8_row_blocks(const Problem& p, int64_t g, int64_t r_begin, int64_t r_end, int64_t kq0,
+                     int64_t kq1, __m512i* part) {
+  for (int64_t r0 = r_begin; r0 < r_end;) {
+    __m512i* pp = part ? part + (r0 - r_begin) * T * 2 : nullptr;
+    switch (r_end - r0) {
+      case 1: int8_rows<1, T>(p, g, r0, kq0, kq1, pp); r0 += 1; break;
+      case 2: int8_rows<2, T>(p, g, r0, kq0, kq1, pp); r0 += 2; break;
+      default: int8_rows<3, T>(p, g, r0, kq0, kq1, pp); r0 += 3; break;
+    }
+  }
+}
+
+// Streamed (1-3 rows): each row block over all of K, the weights read once from memory.
 template <int T>
 void stream_int8_group(const Problem& p, int64_t g) {
-  // 2 x 3 x 4 accumulators + 4 weights + 2 broadcasts fit the 32 vector registers.
-  for (int64_t r0 = 0; r0 < p.m;) {
-    switch (p.m - r0) {
-      case 1: stream_int8<1, T>(p, g, r0); r0 += 1; break;
-      case 2: stream_int8<2, T>(p, g, r0); r0 += 2; break;
-      default: stream_int8<3, T>(p, g, r0); r0 += 3; break;
-    }
+  int8_row_blocks<T>(p, g, 0, p.m, 0, p.k / 4, nullptr);
+}
+
+// Quads of one blocked chunk: T x 16 channels x 4 inputs x 64 = 16 KB of weights at T = 4,
+// which stay in L1 while every row block of the chunk passes over them.
+constexpr int64_t kChunkQuads = 64;
+
+// Blocked (more rows, no AMX): rows [r_begin, r_end) of group g, K in chunks of kChunkQuads
+// quads, each chunk's weights used by every 3-row block before the next chunk; the blocks'
+// partial sums wait in part (2T vectors per row) between chunks. Streaming all of K per row
+// block instead re-reads the group's weights (128 KB at K = 2048, T = 4) from L2 for every
+// block.
+template <int T>
+void blocked_int8_group(const Problem& p, int64_t g, int64_t r_begin, int64_t r_end,
+                        __m512i* part) {
+  const int64_t kq_count = p.k / 4;
+  for (int64_t kq0 = 0; kq0 < kq_count; kq0 += kChunkQuads) {
+    const int64_t kq1 = kq0 + kChunkQuads < kq_count ? kq0 + kChunkQuads : kq_count;
+    int8_row_blocks<T>(p, g, r_begin, r_end, kq0, kq1, part);
   }
 }
 

@@ -91,6 +91,19 @@ def test_int8_kernel_matches_torch_kernel(m: int, n: int, k: int) -> None:
 
 
 @pytest.mark.skipif(load_linear_kernel() is None, reason=NO_KERNEL)
+def test_int8_kernel_rows_do_not_depend_on_the_batch() -> None:
+    """Every path (streamed, blocked, tiled) sums the same integers, so a row's output is the
+    same bits alone or among 40 rows: a request's greedy tokens do not depend on its batch."""
+    torch.manual_seed(1)
+    w = torch.randn(128, 1088)  # 17 K quads past four 64-quad chunks: a partial last chunk
+    layer = _layer(Int8Linear, w, torch.bfloat16)
+    x = torch.randn(40, 1088).bfloat16()
+    together = layer(x)
+    for r in (0, 3, 4, 39):
+        assert torch.equal(layer(x[r : r + 1]), together[r : r + 1])
+
+
+@pytest.mark.skipif(load_linear_kernel() is None, reason=NO_KERNEL)
 def test_int8_kernel_any_even_width() -> None:
     """in_features 130: torch's bf16 int8 kernel returns garbage unless in_features % 16 == 0
     (torch 2.13); ours takes any even width."""

@@ -272,6 +272,12 @@ void attend_partition(const Problem& p, int row, int begin, int end, float* scor
   }
 }
 
+// Query-key products (keys x heads x head dims) from which a decode call is split over the
+// threads. Below it the call is ~50 us or less and a worker woken for it (OMP_WAIT_POLICY=
+// PASSIVE) starts late enough to lose the gain: SmolLM2-1.7B at batch 1, context 64, spent
+// 7.0 ms of a step in attention over 2 threads, 3.6 ms on one.
+constexpr int64_t kParallelWork = int64_t(1) << 19;
+
 template <typename T, int HD_FIXED>
 void run(const Problem& p, int num_threads) {
   const int H = p.num_heads;
@@ -301,8 +307,13 @@ void run(const Problem& p, int num_threads) {
   // Per item and head: acc [hd], m, l.
   std::vector<float> acc(static_cast<size_t>(num_items) * H * hd);
   std::vector<float> stats(static_cast<size_t>(num_items) * H * 2);
+  // One thread for short work (a few rows of short contexts: tens of microseconds), where
+  // waking a sleeping worker costs more than it saves (see kParallelWork).
+  int64_t keys = 0;
+  for (int r = 0; r < p.num_rows; ++r) keys += p.context_len[r];
+  const int threads = keys * H * hd >= kParallelWork ? num_threads : 1;
 
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(threads)
   {
     // Scores of up to 4 heads plus their stats; q rows; slot pointers of one partition.
     std::vector<float> scores(4 * static_cast<size_t>(part) + 8), q_f(static_cast<size_t>(H) * hd);
