@@ -15,8 +15,8 @@ where the server's CPU went (engine thread, event-loop thread, whole process, fr
     .venv/bin/python benchmarks/serving.py [--concurrency 8 16 32] [--waves W | --requests N]
 
 ``--unique-long``: every LONG prompt starts with its own request number, so no two share a
-prefix block (no prefix-cache hits; each LONG row holds its whole ~3.4k-token context in the
-pool). ``--kv-cache-dtype auto int8``: one server per value, one after the other, the same
+prefix block past the chat template's common preamble (its first block at most: each LONG row
+holds its own ~3.4k-token context in the pool). ``--kv-cache-dtype auto int8``: one server per value, one after the other, the same
 requests (issue 33: the int8 KV cache against the bf16 one in the same run).
 """
 
