@@ -78,9 +78,10 @@ def resolve_kv_cache_dtype(
                 "kv_cache_dtype='fp8' (with attention_backend='torch') or 'auto'"
             )
         if attention_backend not in INT8_KV_BACKENDS:
+            allowed = " or ".join(map(repr, INT8_KV_BACKENDS))
             raise ValueError(
-                f"kv_cache_dtype: 'int8' runs with attention_backend {' or '.join(map(repr, INT8_KV_BACKENDS))}, "
-                f"not {attention_backend!r} (it reads K/V in the model dtype)"
+                f"kv_cache_dtype: 'int8' runs with attention_backend {allowed}, not "
+                f"{attention_backend!r} (it reads K/V in the model dtype)"
             )
         return torch.int8
     if device.type != "cuda":
