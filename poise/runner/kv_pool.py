@@ -14,8 +14,9 @@ gets pool[i] (K heads then V heads per token slot; why in model/attention/common
 a token's K and V for all heads are one contiguous row at ``slot = block * block_size +
 offset``. ``--kv-cache-dtype int8``: int8, with the last dim head_dim + 2 (each row's bf16
 scale after its values: model/attention/kv_int8.py), so a budget holds ~1.94x the blocks.
-Zero-initialised, but a freed block keeps what its owner wrote (NaN, from a request that failed with non-finite values): the attention backends never let a slot past a
-row's context into its output (the torch backend zeroes them in its gathered copy).
+Zero-initialised, but a freed block keeps what its owner wrote (NaN, from a request that
+failed with non-finite values): the attention backends never let a slot past a row's context
+into its output (the torch backend zeroes them in its gathered copy).
 """
 
 from __future__ import annotations
