@@ -77,6 +77,14 @@ class ModelConfig:
         "and torch, whose per-step preparation can be captured). No effect on CPU.",
         default=False,
     )
+    disable_cascade_attn: bool = _help(
+        "Attend every decode row alone (vLLM's flag). By default the 'cpu' backend's decode "
+        "kernel finds, each step, the rows whose block tables begin with the same blocks "
+        "(prefix-cache hits, n > 1 siblings) and attends each group's shared keys in one pass "
+        "for all its rows (cascade attention), merged with the rows' own keys by log-sum-exp; "
+        "the same results up to float rounding. Other backends attend rows alone either way.",
+        default=False,
+    )
     num_threads: int | None = _help(
         "torch intra-op threads for the model (torch.set_num_threads). Default: torch's choice "
         "(the number of cores). Fewer threads than cores helps when other processes compete "

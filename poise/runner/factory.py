@@ -18,6 +18,7 @@ import torch
 from poise.checkpoint.generation import sampling_defaults
 from poise.checkpoint.source import resolve_model
 from poise.config import EngineConfig
+from poise.model.attention import CpuPagedAttentionBackend
 from poise.model.loader import LoadedModel, load_model
 from poise.runner.attention import create_attention_backend
 from poise.runner.graphs import CudaGraphDevice, DecodeGraphs, decode_graphs_for
@@ -73,6 +74,8 @@ def create_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelInfo]:
     if mc.num_threads is not None:
         torch.set_num_threads(mc.num_threads)
     attention = create_attention_backend(mc.attention_backend, device, dtype)
+    if isinstance(attention, CpuPagedAttentionBackend):
+        attention.cascade = not mc.disable_cascade_attn
     kv_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, device, attention.name, dtype)
     loaded = load_model(mc.model, dtype, device, seed=mc.seed, quantization=mc.quantization)
     arch = loaded.arch

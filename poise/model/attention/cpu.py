@@ -10,6 +10,8 @@ What runs where, per step (each kernel once per layer for all its work):
   ``MAX_KERNEL_CHUNK`` queries (a prefix-cache hit's tail, a short recompute): one *row* each
   in the decode kernel (cpu_paged_attention.cpp), query i seeing ``start + i + 1`` keys, keys
   split into partitions so one long row uses every thread;
+  rows whose tables begin with the same blocks attend to those together (cascade groups,
+  cpu_decode_cascade.h);
 - every other prefill chunk, fresh or after cached tokens: the blocked prefill kernel
   (cpu_prefill_attention.cpp), flash-attention style over (query block, kv head) items, bf16
   products on AMX tiles where the CPU has AMX (cpu_prefill_amx.h), AVX512-BF16 dot products
@@ -93,6 +95,11 @@ class CpuPagedAttentionBackend:
         self._kernel_int8 = lib.poise_paged_attention_int8
         self._prefill_kernel_int8 = lib.poise_paged_prefill_int8
         self._write_int8 = lib.poise_write_kv_int8
+        self._use_cascade = lib.poise_decode_use_cascade
+        # Shared-prefix groups in the decode kernel (cpu_decode_cascade.h; off:
+        # --disable-cascade-attn). The kernel's switch is per process, so it is set before
+        # every call: two engines in one process may differ.
+        self.cascade = True
 
     def prepare(self, meta: AttentionMetadata) -> CpuAttentionState:
         kernel_chunks: list[PrefillChunk] = []
@@ -188,8 +195,15 @@ class CpuPagedAttentionBackend:
         int8: bool = False,
     ) -> None:
         work = (rows.row_table, rows.row_token, rows.context_lens)
-        kernel = self._kernel_int8 if int8 else self._kernel
-        _call(kernel, q, kv_cache, rows.tables, work, scale, out, self.PARTITION_SIZE)
+        if int8:  # the int8 kernel attends row by row (no cascade over int8 keys yet)
+            _call(
+                self._kernel_int8, q, kv_cache, rows.tables, work, scale, out, self.PARTITION_SIZE
+            )
+            return
+        # Cascade reads the shared keys as the model dtype; a cache in another dtype goes row
+        # by row.
+        self._use_cascade(int(self.cascade and kv_cache.dtype == q.dtype))
+        _call(self._kernel, q, kv_cache, rows.tables, work, scale, out, self.PARTITION_SIZE)
 
     def _attend_chunks(
         self,

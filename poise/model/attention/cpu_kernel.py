@@ -28,6 +28,7 @@ SOURCES = (
 HEADERS = (
     _HERE / "cpu_attention_common.h",
     _HERE / "cpu_kv_int8.h",
+    _HERE / "cpu_decode_cascade.h",
     _HERE / "cpu_prefill_blocks.h",
     _HERE / "cpu_prefill_amx.h",
 )
@@ -104,6 +105,12 @@ def load_cpu_kernel() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
     lib.poise_prefill_use_amx.argtypes = [ctypes.c_int]
     lib.poise_prefill_use_amx.restype = ctypes.c_int
+    lib.poise_decode_use_cascade.argtypes = [ctypes.c_int]
+    lib.poise_decode_use_cascade.restype = ctypes.c_int
+    # tables, table stride, row_table, context_len, rows, block size, shared keys out
+    lib.poise_decode_groups.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 2]
+    lib.poise_decode_groups.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.poise_decode_groups.restype = ctypes.c_int
     return lib
 
 
@@ -115,6 +122,16 @@ def use_prefill_amx(enable: bool | None = None) -> bool:
     if lib is None:
         return False
     return bool(lib.poise_prefill_use_amx(-1 if enable is None else int(enable)))
+
+
+def use_decode_cascade(enable: bool | None = None) -> bool:
+    """Whether the decode kernel attends rows that share prefix blocks together (cascade:
+    cpu_decode_cascade.h), as it does unless turned off; the setting is the library's, for the
+    whole process (the backend sets its own before each step). None only asks."""
+    lib = load_cpu_kernel()
+    if lib is None:
+        return False
+    return bool(lib.poise_decode_use_cascade(-1 if enable is None else int(enable)))
 
 
 if __name__ == "__main__":  # `python -m poise.model.attention.cpu_kernel`: build ahead of time

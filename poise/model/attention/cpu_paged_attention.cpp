@@ -18,7 +18,9 @@
 // Work split (flash-decoding): each row's context is cut into partitions of `partition_size`
 // keys; (row, partition) items run in parallel and each keeps a running max, sum and weighted
 // value sum per head; a merge pass combines a row's partitions. So one long row does not leave
-// the other thread idle, and short rows cost one item each.
+// the other thread idle, and short rows cost one item each. Rows sharing prefix blocks attend
+// to the shared partitions together, one unit per partition for the whole group (cascade:
+// cpu_decode_cascade.h); their partials merge with the rows' own ones the same way.
 //
 // Numerics: everything in float32 (bfloat16 inputs are widened, the output rounded once to
 // nearest even), softmax with the max subtracted, exp by a polynomial accurate to ~2 ulp that
@@ -27,6 +29,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -34,6 +37,7 @@
 #include <vector>
 
 #include "cpu_attention_common.h"
+#include "cpu_decode_cascade.h"
 
 namespace {
 
@@ -211,66 +215,81 @@ void attend_heads_fixed(const float* q_f, const T* q_raw, float scale, int hd,
   pv_generic<T, NQ>(scores, n, hd, slots, n, v_offset, acc);
 }
 
-// One (row, partition): keys [begin, end) of the row. Writes per head h: the running max
-// m_out[h], the sum of exps l_out[h] and acc[h] = sum_j exp(s_j - m) v_j (unnormalised).
-// scratch holds the slot pointers, scores and stats: see run().
+// One row's query heads of kv head g over n keys. q: the row's query as stored, q_f: the same
+// pre-scaled in float. Writes per head h: the running max m_out[h], the sum of exps l_out[h]
+// and acc[h] = sum_j exp(s_j - m) v_j (unnormalised).
 template <typename T, int HD_FIXED>
-void attend_partition(const Problem& p, int row, int begin, int end, float* scores, float* q_f,
-                      const T** slots, float* acc, float* m_out, float* l_out) {
+void attend_kv_head(const Problem& p, int g, const T* q, const float* q_f, const T* const* slots,
+                    int n, float* scores, float* acc, float* m_out, float* l_out) {
   const int hd = HD_FIXED > 0 ? HD_FIXED : p.head_dim;
-  const int H = p.num_heads, Hkv = p.num_kv_heads, G = H / Hkv;
-  const int n = end - begin;
-  const T* q = static_cast<const T*>(p.q) + p.row_token[row] * p.q_token_stride;
-  const T* cache = static_cast<const T*>(p.kv_cache);
-  const int64_t* table = p.tables + p.row_table[row] * p.table_stride;
-  const int64_t slot_stride = static_cast<int64_t>(2 * Hkv) * hd;
-
-  // Slot pointers once per partition, walking the block table block by block (no division
-  // per key).
-  for (int pos = begin, j = 0; pos < end;) {
-    const int block = pos / p.block_size;
-    const int stop = std::min(end, (block + 1) * p.block_size);
-    const T* base = cache + table[block] * p.block_size * slot_stride;
-    for (int off = pos - block * p.block_size; pos < stop; ++pos, ++off, ++j)
-      slots[j] = base + off * slot_stride;
-  }
-  for (int h = 0; h < H; ++h)
-    for (int d = 0; d < hd; ++d) q_f[h * hd + d] = to_float(q[h * hd + d]) * p.scale;
-
+  const int Hkv = p.num_kv_heads, G = p.num_heads / Hkv;
+  const int64_t k_offset = static_cast<int64_t>(g) * hd;
+  const int64_t v_offset = static_cast<int64_t>(Hkv + g) * hd;
   constexpr int kMaxHeads = 4;
-  for (int g = 0; g < Hkv; ++g) {
-    const int64_t k_offset = static_cast<int64_t>(g) * hd;
-    const int64_t v_offset = static_cast<int64_t>(Hkv + g) * hd;
-    for (int i = 0; i < G; i += kMaxHeads) {
-      const int h = g * G + i;
-      const int count = std::min(kMaxHeads, G - i);
-      const float* qh = q_f + h * hd;
-      float* a = acc + h * hd;
-      switch (count) {
-        case 1:
-          attend_heads_fixed<T, HD_FIXED, 1>(qh, q + h * hd, p.scale, hd, slots, n, k_offset,
-                                             v_offset, scores, a);
-          break;
-        case 2:
-          attend_heads_fixed<T, HD_FIXED, 2>(qh, q + h * hd, p.scale, hd, slots, n, k_offset,
-                                             v_offset, scores, a);
-          break;
-        case 3:
-          attend_heads_fixed<T, HD_FIXED, 3>(qh, q + h * hd, p.scale, hd, slots, n, k_offset,
-                                             v_offset, scores, a);
-          break;
-        default:
-          attend_heads_fixed<T, HD_FIXED, 4>(qh, q + h * hd, p.scale, hd, slots, n, k_offset,
-                                             v_offset, scores, a);
-      }
-      const float* stats = scores + count * n;
-      for (int c = 0; c < count; ++c) {
-        m_out[h + c] = stats[2 * c];
-        l_out[h + c] = stats[2 * c + 1];
-      }
+  for (int i = 0; i < G; i += kMaxHeads) {
+    const int h = g * G + i;
+    const int count = std::min(kMaxHeads, G - i);
+    const float* qh = q_f + h * hd;
+    float* a = acc + h * hd;
+    switch (count) {
+      case 1:
+        attend_heads_fixed<T, HD_FIXED, 1>(qh, q + h * hd, p.scale, hd, slots, n, k_offset,
+                                           v_offset, scores, a);
+        break;
+      case 2:
+        attend_heads_fixed<T, HD_FIXED, 2>(qh, q + h * hd, p.scale, hd, slots, n, k_offset,
+                                           v_offset, scores, a);
+        break;
+      case 3:
+        attend_heads_fixed<T, HD_FIXED, 3>(qh, q + h * hd, p.scale, hd, slots, n, k_offset,
+                                           v_offset, scores, a);
+        break;
+      default:
+        attend_heads_fixed<T, HD_FIXED, 4>(qh, q + h * hd, p.scale, hd, slots, n, k_offset,
+                                           v_offset, scores, a);
+    }
+    const float* stats = scores + count * n;
+    for (int c = 0; c < count; ++c) {
+      m_out[h + c] = stats[2 * c];
+      l_out[h + c] = stats[2 * c + 1];
     }
   }
 }
+
+// One unit of the plan (cpu_decode_cascade.h): keys [begin, end) for each of its rows, which
+// see those keys through the same blocks. Per kv head, every row's queries in turn, so that
+// head's keys and values come from memory once and from cache for the other rows. Each row's
+// partial goes to its item `unit.item`: acc [H, hd] and stats (m [H], l [H]).
+template <typename T, int HD_FIXED>
+void attend_unit(const Problem& p, const DecodePlan& plan, const DecodeUnit& unit, float* scores,
+                 float* q_f, const T** slots, float* acc, float* stats) {
+  const int hd = HD_FIXED > 0 ? HD_FIXED : p.head_dim;
+  const int H = p.num_heads, Hkv = p.num_kv_heads;
+  const int n = unit.end - unit.begin;
+  const int* rows = plan.unit_rows.data() + unit.rows_begin;
+  const int num = unit.rows_end - unit.rows_begin;
+  const int64_t slot_stride = static_cast<int64_t>(2 * Hkv) * hd;
+  const int64_t* table = p.tables + p.row_table[rows[0]] * p.table_stride;
+  fill_slots(static_cast<const T*>(p.kv_cache), table, p.block_size, unit.begin, unit.end,
+             slot_stride, slots);
+  for (int m = 0; m < num; ++m) {
+    const T* q = static_cast<const T*>(p.q) + p.row_token[rows[m]] * p.q_token_stride;
+    float* qf = q_f + static_cast<size_t>(m) * H * hd;
+    for (int i = 0; i < H * hd; ++i) qf[i] = to_float(q[i]) * p.scale;
+  }
+  for (int g = 0; g < Hkv; ++g)
+    for (int m = 0; m < num; ++m) {
+      const int r = rows[m];
+      const size_t it = static_cast<size_t>(plan.row_first_item[r] + unit.item);
+      const T* q = static_cast<const T*>(p.q) + p.row_token[r] * p.q_token_stride;
+      float* st = stats + it * H * 2;
+      attend_kv_head<T, HD_FIXED>(p, g, q, q_f + static_cast<size_t>(m) * H * hd, slots, n,
+                                  scores, acc + it * H * hd, st, st + H);
+    }
+}
+
+// Whether rows that share prefix blocks attend to them together (poise_decode_use_cascade).
+std::atomic<bool> use_cascade{true};
 
 // Query-key products (keys x heads x head dims) from which a decode call is split over the
 // threads. Below it the call is ~50 us or less and a worker woken for it (OMP_WAIT_POLICY=
@@ -284,29 +303,13 @@ void run(const Problem& p, int num_threads) {
   const int hd = p.head_dim;
   // Partitions start at block boundaries.
   const int part = std::max(p.partition_size / p.block_size, 1) * p.block_size;
-  // Items: (row, first key), rows in the caller's order.
-  std::vector<int> item_row, item_begin, row_first_item(p.num_rows + 1, 0);
-  for (int r = 0; r < p.num_rows; ++r) {
-    row_first_item[r] = static_cast<int>(item_row.size());
-    const int ctx = static_cast<int>(p.context_len[r]);
-    for (int b = 0; b < ctx; b += part) {
-      item_row.push_back(r);
-      item_begin.push_back(b);
-    }
-  }
-  const int num_items = static_cast<int>(item_row.size());
-  row_first_item[p.num_rows] = num_items;
-  // Run order: partition-major (the first partition of every row, then the second ...), so
-  // rows that share prefix blocks (prefix caching) read the same keys close together in time,
-  // from L2 instead of L3 / memory.
-  std::vector<int> order;
-  order.reserve(num_items);
-  for (int k = 0; static_cast<int>(order.size()) < num_items; ++k)
-    for (int r = 0; r < p.num_rows; ++r)
-      if (row_first_item[r] + k < row_first_item[r + 1]) order.push_back(row_first_item[r] + k);
+  const DecodePlan plan =
+      plan_decode(p.tables, p.table_stride, p.row_table, p.context_len, p.num_rows, p.block_size,
+                  part, use_cascade.load(std::memory_order_relaxed));
+  const int num_units = static_cast<int>(plan.units.size());
   // Per item and head: acc [hd], m, l.
-  std::vector<float> acc(static_cast<size_t>(num_items) * H * hd);
-  std::vector<float> stats(static_cast<size_t>(num_items) * H * 2);
+  std::vector<float> acc(static_cast<size_t>(plan.num_items) * H * hd);
+  std::vector<float> stats(static_cast<size_t>(plan.num_items) * H * 2);
   // One thread for short work (a few rows of short contexts: tens of microseconds), where
   // waking a sleeping worker costs more than it saves (see kParallelWork).
   int64_t keys = 0;
@@ -315,43 +318,20 @@ void run(const Problem& p, int num_threads) {
 
 #pragma omp parallel num_threads(threads)
   {
-    // Scores of up to 4 heads plus their stats; q rows; slot pointers of one partition.
-    std::vector<float> scores(4 * static_cast<size_t>(part) + 8), q_f(static_cast<size_t>(H) * hd);
+    // Scores of up to 4 heads plus their stats; the unit's q rows; slot pointers of one
+    // partition.
+    std::vector<float> scores(4 * static_cast<size_t>(part) + 8);
+    std::vector<float> q_f(static_cast<size_t>(plan.max_unit_rows) * H * hd);
     std::vector<const T*> slots(part);
 #pragma omp for schedule(dynamic, 1)
-    for (int k = 0; k < num_items; ++k) {
-      const int it = order[k];
-      const int r = item_row[it];
-      const int begin = item_begin[it];
-      const int end = std::min<int>(begin + part, static_cast<int>(p.context_len[r]));
-      float* st = stats.data() + static_cast<size_t>(it) * H * 2;
-      attend_partition<T, HD_FIXED>(p, r, begin, end, scores.data(), q_f.data(), slots.data(),
-                                    acc.data() + static_cast<size_t>(it) * H * hd, st, st + H);
-    }
-    // Merge each row's partitions: out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i.
+    for (int u = 0; u < num_units; ++u)
+      attend_unit<T, HD_FIXED>(p, plan, plan.units[u], scores.data(), q_f.data(), slots.data(),
+                               acc.data(), stats.data());
 #pragma omp for schedule(static)
-    for (int r = 0; r < p.num_rows; ++r) {
-      T* out = static_cast<T*>(p.out) + p.row_token[r] * p.out_token_stride;
-      const int first = row_first_item[r], last = row_first_item[r + 1];
-      for (int h = 0; h < H; ++h) {
-        float M = -std::numeric_limits<float>::infinity();
-        for (int it = first; it < last; ++it)
-          M = std::max(M, stats[static_cast<size_t>(it) * H * 2 + h]);
-        float denom = 0.0f;
-        float* o = q_f.data();  // reuse as the [hd] float accumulator
-        std::fill(o, o + hd, 0.0f);
-        for (int it = first; it < last; ++it) {
-          const float* st = stats.data() + static_cast<size_t>(it) * H * 2;
-          const float w = std::exp(st[h] - M);
-          denom += w * st[H + h];
-          const float* a = acc.data() + (static_cast<size_t>(it) * H + h) * hd;
-#pragma omp simd
-          for (int d = 0; d < hd; ++d) o[d] += w * a[d];
-        }
-        const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-        for (int d = 0; d < hd; ++d) from_float(o[d] * inv, out + h * hd + d);
-      }
-    }
+    for (int r = 0; r < p.num_rows; ++r)
+      merge_partials(stats.data(), acc.data(), plan.row_first_item[r],
+                     plan.row_first_item[r + 1], H, hd, q_f.data(),
+                     static_cast<T*>(p.out) + p.row_token[r] * p.out_token_stride);
   }
 }
 
@@ -383,10 +363,9 @@ int poise_paged_attention(int dtype, const void* q, int64_t q_token_stride, cons
   if (num_rows <= 0) return 0;
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0)
     return -1;
-  const Problem p{q,         q_token_stride, kv_cache,   tables,     table_stride,
-                  row_table, row_token,      context_len, num_rows,  num_heads,
-                  num_kv_heads, head_dim,    block_size, scale,      out,
-                  out_token_stride, partition_size};
+  const Problem p{q, q_token_stride, kv_cache, tables, table_stride, row_table, row_token,
+                  context_len, num_rows, num_heads, num_kv_heads, head_dim, block_size, scale,
+                  out, out_token_stride, partition_size};
   const int threads = std::max(num_threads, 1);
   if (dtype == 0) {
     dispatch_head_dim<float>(p, threads);
@@ -396,6 +375,23 @@ int poise_paged_attention(int dtype, const void* q, int64_t q_token_stride, cons
     return -2;
   }
   return 0;
+}
+
+// Shared-prefix groups on (1) or off (0, every row alone: the comparison and the fallback);
+// -1 only asks. Returns the setting now.
+int poise_decode_use_cascade(int enable) {
+  if (enable >= 0) use_cascade.store(enable != 0, std::memory_order_relaxed);
+  return use_cascade.load(std::memory_order_relaxed) ? 1 : 0;
+}
+
+// The groups the kernel would form (tests): each row's shared keys into shared[R] (0: alone);
+// returns the number of groups.
+int poise_decode_groups(const int64_t* tables, int64_t table_stride, const int64_t* row_table,
+                        const int64_t* context_len, int num_rows, int block_size, int64_t* shared) {
+  const DecodePlan plan = plan_decode(tables, table_stride, row_table, context_len, num_rows,
+                                      block_size, block_size, true);
+  std::copy(plan.row_shared.begin(), plan.row_shared.end(), shared);
+  return plan.num_groups;
 }
 
 }  // extern "C"
