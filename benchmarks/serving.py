@@ -13,6 +13,11 @@ content chunk; offline: engine arrival to first token, ``poise.core.timing.deriv
 where the server's CPU went (engine thread, event-loop thread, whole process, from /metrics).
 
     .venv/bin/python benchmarks/serving.py [--concurrency 8 16 32] [--waves W | --requests N]
+
+``--unique-long``: every LONG prompt starts with its own request number, so no two share a
+prefix block past the chat template's common preamble (its first block at most: each LONG row
+holds its own ~3.4k-token context in the pool). ``--kv-cache-dtype auto int8``: one server per value, one after the other, the same
+requests (issue 33: the int8 KV cache against the bf16 one in the same run).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class Cell:
     seconds: float
     ttft: dict[str, list[float]] = field(default_factory=dict)  # class -> seconds
     server_cpu: dict[str, float] = field(default_factory=dict)
+    kv_cache_dtype: str = "auto"
 
     @property
     def tokens_per_s(self) -> float:
@@ -61,13 +67,20 @@ class Cell:
         return None if v is None else 1000 * v
 
 
-def workload(n: int, max_tokens: int, long_ratio: float) -> list[tuple[str, str]]:
-    """(class name, prompt) for n requests."""
+def workload(
+    n: int, max_tokens: int, long_ratio: float, unique_long: bool = False
+) -> list[tuple[str, str]]:
+    """(class name, prompt) for n requests; ``unique_long``: each LONG prompt distinct from its
+    first token on."""
     short, long = seed_classes(max_tokens)
-    return [
-        (long.name, long.prompt or "") if is_long else (short.name, short.prompt or "")
-        for is_long in long_positions(n, long_ratio)
-    ]
+    out = []
+    for i, is_long in enumerate(long_positions(n, long_ratio)):
+        if not is_long:
+            out.append((short.name, short.prompt or ""))
+            continue
+        prompt = long.prompt or ""
+        out.append((long.name, f"Request {i}. {prompt}" if unique_long else prompt))
+    return out
 
 
 # ---- offline ------------------------------------------------------------------------------
@@ -187,8 +200,11 @@ def scrape(base: str) -> dict[str, float]:
     return out
 
 
-def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
+def start_server(
+    args: argparse.Namespace, port: int, kv_cache_dtype: str = "auto"
+) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "poise", "serve", *([args.model] if args.model else []),
+           "--kv-cache-dtype", kv_cache_dtype,
            "--port", str(port), "--dtype", args.dtype, "--served-model-name", "bench",
            "--max-num-seqs", "64", "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--log-interval", "0", "--torch-threads", str(args.torch_threads)]  # fmt: skip
@@ -224,12 +240,60 @@ def report(cells: list[Cell]) -> str:
         cpu_s = (f"{cpu.get('engine_thread', 0):.1f} / {cpu.get('loop_thread', 0):.1f} / "
                  f"{cpu.get('process', 0):.1f}") if cpu else ""  # fmt: skip
         rows.append(
-            f"| {cell.concurrency} | {cell.mode} | {cell.num_requests} | {cell.output_tokens} "
+            f"| {cell.concurrency} | {cell.mode} kv={cell.kv_cache_dtype} | {cell.num_requests} | {cell.output_tokens} "
             f"| {cell.seconds:.1f} | {cell.tokens_per_s:.1f} | {ratio} "
             f"| {f(cell.ttft_ms('short', 50))} / {f(cell.ttft_ms('short', 95))} "
             f"| {f(cell.ttft_ms('long', 50))} / {f(cell.ttft_ms('long', 95))} | {cpu_s} |"
         )
     return "\n".join(rows)
+
+
+def run_server_cells(
+    args: argparse.Namespace, port: int, kv: str, cells: list[Cell], LLM: Any
+) -> int:
+    """One server (and offline engine) with --kv-cache-dtype ``kv``: its cells appended to
+    ``cells``; returns the server's exit code."""
+    base = f"http://127.0.0.1:{port}"
+    first = len(cells)
+    proc = start_server(args, port, kv)
+    try:
+        llm = None if args.no_offline else LLM(
+            args.model, dtype=args.dtype, max_num_seqs=64,
+            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=kv)  # fmt: skip
+        warm = [("short", SHORT_PROMPT)] * 2
+        if llm is not None:
+            run_offline(llm, warm, 2, 8)
+        asyncio.run(run_http(base, "bench", warm, 2, 8))
+        for c in args.concurrency:
+            n = args.requests or args.waves * c
+            reqs = workload(n, args.max_tokens, args.long_ratio, args.unique_long)
+            if llm is not None and not args.http_first:
+                cells.append(run_offline(llm, reqs, c, args.max_tokens))
+            before = scrape(base)
+            cell = asyncio.run(run_http(base, "bench", reqs, c, args.max_tokens))
+            after = scrape(base)
+            cell.server_cpu = {k: after[k] - before.get(k, 0.0) for k in after}
+            cells.append(cell)
+            if args.dashboard:
+                # The first cell warmed the prefix cache; then warm cells alternate without and
+                # with the page (A B A B) so neither side gets the cold start or the drift.
+                cell.mode = "http (cold)"
+                for paged in (False, True, False, True):
+                    with page_reader(base) if paged else contextlib.nullcontext():
+                        again = asyncio.run(run_http(base, "bench", reqs, c, args.max_tokens))
+                    again.mode = "http+page" if paged else "http"
+                    cells.append(again)
+            if llm is not None and args.http_first:
+                cells.append(run_offline(llm, reqs, c, args.max_tokens))
+            for done in cells[first:]:
+                done.kv_cache_dtype = kv
+            print(report(cells[-2:]).splitlines()[-2:], file=sys.stderr, flush=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    pool = [ln for ln in Path(args.server_log).read_text().splitlines() if "KV pool:" in ln]
+    print(f"kv_cache_dtype {kv}: {pool[-1] if pool else 'KV pool size not logged'}")
+    return rc
 
 
 def main() -> int:
@@ -256,6 +320,15 @@ def main() -> int:
                    help="After each HTTP cell, run it four times more, alternately without and "
                    "with a /dashboard/feed reader attached (mode http+page): the page's cost.")  # fmt: skip
     p.add_argument("--no-offline", action="store_true", help="Skip the offline engine.")
+    p.add_argument(
+        "--unique-long", action="store_true", help="Every LONG prompt distinct (no shared prefix)."
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=["auto"],
+        help="One server per value, in turn (e.g. auto int8).",
+    )
     args = p.parse_args()
 
     import torch
@@ -266,42 +339,11 @@ def main() -> int:
     torch.set_num_threads(args.torch_threads)
 
     port = args.port or free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = start_server(args, port)
     cells: list[Cell] = []
-    try:
-        llm = None if args.no_offline else LLM(
-            args.model, dtype=args.dtype, max_num_seqs=64,
-            max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
-        warm = [("short", SHORT_PROMPT)] * 2
-        if llm is not None:
-            run_offline(llm, warm, 2, 8)
-        asyncio.run(run_http(base, "bench", warm, 2, 8))
-        for c in args.concurrency:
-            reqs = workload(args.requests or args.waves * c, args.max_tokens, args.long_ratio)
-            if llm is not None and not args.http_first:
-                cells.append(run_offline(llm, reqs, c, args.max_tokens))
-            before = scrape(base)
-            cell = asyncio.run(run_http(base, "bench", reqs, c, args.max_tokens))
-            after = scrape(base)
-            cell.server_cpu = {k: after[k] - before.get(k, 0.0) for k in after}
-            cells.append(cell)
-            if args.dashboard:
-                # The first cell warmed the prefix cache; then warm cells alternate without and
-                # with the page (A B A B) so neither side gets the cold start or the drift.
-                cell.mode = "http (cold)"
-                for paged in (False, True, False, True):
-                    with page_reader(base) if paged else contextlib.nullcontext():
-                        again = asyncio.run(run_http(base, "bench", reqs, c, args.max_tokens))
-                    again.mode = "http+page" if paged else "http"
-                    cells.append(again)
-            if llm is not None and args.http_first:
-                cells.append(run_offline(llm, reqs, c, args.max_tokens))
-            print(report(cells[-2:]).splitlines()[-2:], file=sys.stderr, flush=True)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=60)
-    print(f"torch threads: {args.torch_threads}; cores: {os.cpu_count()}; server exit {rc}")
+    rcs = []
+    for kv in args.kv_cache_dtype:
+        rcs.append(run_server_cells(args, port, kv, cells, LLM))
+    print(f"torch threads: {args.torch_threads}; cores: {os.cpu_count()}; server exit {rcs}")
     print(report(cells))
     if args.out:
         Path(args.out).write_text(json.dumps([asdict(c) for c in cells], indent=1))

@@ -62,8 +62,9 @@ ALIASES: dict[str, str] = {
 }
 
 
-# --kv-cache-dtype values (vLLM's names); "fp8" is fp8_e4m3, as in vLLM.
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# --kv-cache-dtype values (vLLM's names); "fp8" is fp8_e4m3, as in vLLM. "int8" (CPU): int8
+# values with a scale per (token, head), model/attention/kv_int8.py.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 @dataclass(frozen=True)
@@ -100,9 +101,11 @@ class CacheConfig:
         default=True,
     )
     kv_cache_dtype: str = _help(
-        "KV cache storage dtype (vLLM's flag): auto (the model dtype) or fp8 / fp8_e4m3 / "
-        "fp8_e5m2 (one byte per value, no scaling: half a bf16 cache). fp8 runs on CUDA with "
-        "attention_backend torch; elsewhere it is refused until it exists there.",
+        "KV cache storage dtype (vLLM's flag): auto (the model dtype); fp8 / fp8_e4m3 / "
+        "fp8_e5m2 (one byte per value, no scaling: half a bf16 cache), on CUDA with "
+        "attention_backend torch; int8 (one byte per value plus a bf16 scale per token and "
+        "head: ~1.94x the tokens of a bf16 pool at head_dim 64), on CPU with attention_backend "
+        "cpu or torch. Elsewhere each is refused at startup.",
         default="auto",
     )
 

@@ -224,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
         vocab_size=info.vocab_size,
         max_model_len=info.max_model_len,
         kv_bytes_per_token=kv_per_token,
+        kv_int8_bytes_per_token=_kv_int8_bytes_per_token(runner),
         eos_token_ids=sorted(info.eos_token_ids),
         kv_budget_bytes=_default_kv_budget(info, kv_per_token),
         provenance=_provenance(args, info, args.grid, torch.get_num_threads()),
@@ -248,6 +249,18 @@ def _default_kv_budget(info: Any, kv_per_token: int) -> int:
     if str(info.device).startswith("cpu"):
         return DEFAULT_KV_CACHE_MEMORY_BASE
     return int(info.num_kv_blocks * info.block_size * kv_per_token)
+
+
+def _kv_int8_bytes_per_token(runner: Any) -> int:
+    """What one token would take in an int8 pool (the simulator's capacity for
+    --kv-cache-dtype int8), from the shape of this run's per-layer caches."""
+    from poise.kv.layout import INT8_SCALE_BYTES, kv_bytes_per_token
+    from poise.model.attention.kv_int8 import is_int8_cache
+
+    first = runner.kv_caches[0]
+    head_dim = int(first.shape[-1]) - (INT8_SCALE_BYTES if is_int8_cache(first) else 0)
+    num_kv_heads = int(first.shape[2]) // 2
+    return kv_bytes_per_token(len(runner.kv_caches), num_kv_heads, head_dim, "int8", 1)
 
 
 def _kv_bytes_per_token(runner: Any, info: Any) -> int:

@@ -12,9 +12,11 @@ Sizing (returned explicitly, never written back to the config):
 Layout: one tensor [num_layers, num_blocks, block_size, 2 * num_kv_heads, head_dim]; layer i
 gets pool[i] (K heads then V heads per token slot; why in model/attention/common.py), so
 a token's K and V for all heads are one contiguous row at ``slot = block * block_size +
-offset``. Zero-initialised, but a freed block keeps what its owner wrote (NaN, from a
-request that failed with non-finite values): the attention backends never let a slot past a
-row's context into its output (the torch backend zeroes them in its gathered copy).
+offset``. ``--kv-cache-dtype int8``: int8, with the last dim head_dim + 2 (each row's bf16
+scale after its values: model/attention/kv_int8.py), so a budget holds ~1.94x the blocks.
+Zero-initialised, but a freed block keeps what its owner wrote (NaN, from a request that
+failed with non-finite values): the attention backends never let a slot past a row's context
+into its output (the torch backend zeroes them in its gathered copy).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch
 
 from poise.checkpoint.arch import ArchConfig
 from poise.config import CacheConfig, SchedulerConfig
+from poise.kv.layout import kv_bytes_per_token
+from poise.model.attention.kv_int8 import int8_cache_shape
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +36,11 @@ _SLACK_BYTES = 256 << 20
 
 
 def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """``dtype``: the cache's (``torch.int8``: the int8 layout, its scales included)."""
+    name = "int8" if dtype == torch.int8 else "auto"
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+    per_token = kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, name, elem)
+    return block_size * per_token
 
 
 def activation_reserve(arch: ArchConfig, sched: SchedulerConfig, dtype: torch.dtype) -> int:
@@ -86,5 +93,10 @@ def allocate_kv_caches(
     arch: ArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
     shape = (arch.num_layers, num_blocks, block_size, 2 * arch.num_kv_heads, arch.head_dim)
+    if dtype == torch.int8:  # each head's row: head_dim int8 values, then its scale
+        shape = (
+            arch.num_layers,
+            *int8_cache_shape(num_blocks, block_size, arch.num_kv_heads, arch.head_dim),
+        )
     pool = torch.zeros(shape, dtype=dtype, device=device)
     return list(pool.unbind(0))

@@ -18,6 +18,7 @@ import torch
 
 from poise.core.outputs import ModelRunnerOutput, SchedulerOutput
 from poise.model.attention import AttentionBackend
+from poise.model.attention.kv_int8 import is_int8_cache, scrub_nonfinite_int8
 from poise.model.llama import KVCache, LlamaForCausalLM
 from poise.runner.graphs import DecodeGraphs
 from poise.runner.inputs import build_step_inputs
@@ -67,6 +68,8 @@ class ModelRunner:
             rows = cache.index_select(0, blocks.to(cache.device))
             if rows.is_floating_point():
                 cache.index_copy_(0, blocks.to(cache.device), torch.nan_to_num(rows, 0.0, 0.0, 0.0))
+            elif is_int8_cache(cache):  # its values are finite; a row's scale may not be
+                cache.index_copy_(0, blocks.to(cache.device), scrub_nonfinite_int8(rows))
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -57,18 +57,42 @@ KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}  # fmt: skip
 
 
+# Backends that read the int8 cache (model/attention/kv_int8.py): the cpu kernels, and the
+# torch reference (it dequantizes what it gathers). flex reads K/V in the model dtype.
+INT8_KV_BACKENDS = ("cpu", "torch")
+
+
 def resolve_kv_cache_dtype(
     name: str, device: torch.device, attention_backend: str, dtype: torch.dtype
 ) -> torch.dtype:
     """The KV cache's storage dtype: the model's for ``auto``; fp8 on CUDA with the torch
-    backend (it widens what it gathers); a clear error anywhere else, where it does not
-    exist yet."""
+    backend (it widens what it gathers); int8 (``torch.int8``: the layout of kv_int8.py) on
+    CPU with the cpu or torch backend; a clear error anywhere else, where it does not exist
+    yet."""
     if name == "auto":
         return dtype
+    if name == "int8":
+        if device.type != "cpu":
+            raise ValueError(
+                f"kv_cache_dtype: 'int8' runs on CPU only, not {device.type}; on CUDA use "
+                "kv_cache_dtype='fp8' (with attention_backend='torch') or 'auto'"
+            )
+        if attention_backend not in INT8_KV_BACKENDS:
+            allowed = " or ".join(map(repr, INT8_KV_BACKENDS))
+            raise ValueError(
+                f"kv_cache_dtype: 'int8' runs with attention_backend {allowed}, not "
+                f"{attention_backend!r} (it reads K/V in the model dtype)"
+            )
+        return torch.int8
     if device.type != "cuda":
+        hint = (
+            " (on CPU, kv_cache_dtype='int8' stores one byte per value)"
+            if device.type == "cpu"
+            else ""
+        )
         raise ValueError(
             f"kv_cache_dtype: {name!r} runs on a CUDA device only, not {device.type}; "
-            "use kv_cache_dtype='auto'"
+            f"use kv_cache_dtype='auto'{hint}"
         )
     if attention_backend != "torch":
         raise ValueError(

@@ -164,6 +164,10 @@ class CostModel:
     model_max_len: int = 8192
     eos_token_ids: tuple[int, ...] = ()
     kv_bytes_per_token: int = 0
+    # The same with --kv-cache-dtype int8 (values plus a bf16 scale per token and head:
+    # poise/kv/layout.py); 0 where the model does not know it (an int8 config is refused).
+    # Capacity only: step times stay those the model was built or profiled with.
+    kv_int8_bytes_per_token: int = 0
     step_overhead_s: float = 0.0
     time_scale: float = 1.0
     step_jitter_cv: float = 0.0
@@ -193,12 +197,21 @@ class CostModel:
     def num_kv_blocks(self, config: EngineConfig) -> int:
         if config.cache.num_kv_blocks is not None:
             return config.cache.num_kv_blocks
-        if self.kv_bytes_per_token <= 0:
-            raise ValueError(
-                "num_kv_blocks: this cost model does not know the KV bytes per token; set it"
-            )
-        per_block = config.cache.block_size * self.kv_bytes_per_token
+        per_block = config.cache.block_size * self.kv_bytes_per_token_for(config)
         return max(0, self.kv_budget_bytes(config) // per_block)
+
+    def kv_bytes_per_token_for(self, config: EngineConfig) -> int:
+        """K+V bytes of one token in the pool ``config`` builds (its kv_cache_dtype)."""
+        int8 = config.cache.kv_cache_dtype == "int8"
+        per_token = self.kv_int8_bytes_per_token if int8 else self.kv_bytes_per_token
+        if per_token <= 0:
+            what = (
+                "int8 KV bytes per token (kv_int8_bytes_per_token)"
+                if int8
+                else "KV bytes per token"
+            )
+            raise ValueError(f"num_kv_blocks: this cost model does not know the {what}; set it")
+        return per_token
 
     def max_model_len(self, config: EngineConfig) -> int:
         """The configured limit clamped to the model's context (never raised above it)."""

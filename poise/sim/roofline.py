@@ -76,6 +76,7 @@ class RooflineCostModel(CostModel):
             vocab_size=shape.vocab_size,
             model_max_len=shape.context_length,
             kv_bytes_per_token=shape.kv_bytes_per_token(nbytes),
+            kv_int8_bytes_per_token=shape.kv_bytes_per_token(nbytes, "int8"),
             provenance={"source": "roofline", "accelerator": acc.description, "dtype": dtype},
             **kwargs,
         )

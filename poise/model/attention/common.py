@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from poise.model.attention.kv_int8 import dequantize_rows, is_int8_cache, write_kv_int8
 from poise.model.attention.metadata import AttentionMetadata, PrefillChunk
 
 
@@ -53,7 +54,11 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def write_kv(kv: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter kv [T, 2Hkv, hd] (k heads then v heads) into kv_cache at flat slots [T]."""
+    """Scatter kv [T, 2Hkv, hd] (k heads then v heads) into kv_cache at flat slots [T]
+    (quantized, into an int8 cache: kv_int8.py)."""
+    if is_int8_cache(kv_cache):
+        write_kv_int8(kv, kv_cache, slot_mapping)
+        return
     if kv_cache.dtype in FP8_DTYPES:
         raw = kv.to(kv_cache.dtype).view(torch.uint8)
         kv_cache.view(torch.uint8).view(-1, kv.shape[1], kv.shape[2]).index_copy_(
@@ -67,7 +72,12 @@ def gather_blocks(
     kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """Blocks [*idx] of kv_cache -> [*idx, bs, 2Hkv, hd], one contiguous row per block (in
-    ``dtype`` when given: an fp8 cache is widened back to the model's dtype)."""
+    ``dtype`` when given: an fp8 cache is widened back to the model's dtype, an int8 one
+    dequantized to it, [*idx, bs, 2Hkv, hd] without its scale bytes)."""
+    if is_int8_cache(kv_cache):
+        raw = kv_cache.view(kv_cache.shape[0], -1).index_select(0, block_ids.reshape(-1))
+        raw = raw.view(*block_ids.shape, *kv_cache.shape[1:])
+        return dequantize_rows(raw, dtype or torch.float32)
     cache = kv_cache.view(torch.uint8) if kv_cache.dtype in FP8_DTYPES else kv_cache
     rows = cache.view(cache.shape[0], -1).index_select(0, block_ids.reshape(-1))
     rows = rows.view(kv_cache.dtype) if cache is not kv_cache else rows
@@ -181,13 +191,15 @@ def prefill_attention(
     s, e = chunk.query_start, chunk.query_start + chunk.query_len
     num_kv_heads = kv.shape[1] // 2
     qt = q[s:e].transpose(0, 1).unsqueeze(0)  # [n, H, hd] -> [1, H, n, hd]
-    if prefill.mask is None:
+    if prefill.mask is None and not is_int8_cache(kv_cache):
         ctx, causal = kv[s:e], True  # [n, 2Hkv, hd]: its own fresh k/v
     else:
+        # (an int8 cache: the chunk reads its own k/v back quantized too, as the cpu kernel
+        # does and as every later step will)
         # [nb, bs, 2Hkv, hd] -> [nb*bs, 2Hkv, hd] -> [ctx, 2Hkv, hd]
         ctx = gather_blocks(kv_cache, chunk.block_table, q.dtype).flatten(0, 1)
         ctx = ctx[: chunk.context_len]
-        causal = False
+        causal = prefill.mask is None
     kt = ctx[:, :num_kv_heads].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, hd]
     vt = ctx[:, num_kv_heads:].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, hd]
     o = F.scaled_dot_product_attention(

@@ -19,6 +19,11 @@ What runs where, per step (each kernel once per layer for all its work):
 
 Same results as the torch backend up to float rounding (the tests compare both against
 transformers).
+
+The int8 KV cache (``--kv-cache-dtype int8``, kv_int8.py): the same rows and chunks through
+the kernels' int8 entry points (cpu_paged_attention_int8.cpp, and the prefill kernel
+dequantizing blocks as it packs them), the step's K/V quantized and written by
+cpu_kv_int8.cpp.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 
 from poise.model.attention.common import write_kv
 from poise.model.attention.cpu_kernel import load_cpu_kernel
+from poise.model.attention.kv_int8 import is_int8_cache
 from poise.model.attention.metadata import AttentionMetadata, PrefillChunk
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -86,6 +92,9 @@ class CpuPagedAttentionBackend:
             )
         self._kernel = lib.poise_paged_attention
         self._prefill_kernel = lib.poise_paged_prefill
+        self._kernel_int8 = lib.poise_paged_attention_int8
+        self._prefill_kernel_int8 = lib.poise_paged_prefill_int8
+        self._write_int8 = lib.poise_write_kv_int8
         self._use_cascade = lib.poise_decode_use_cascade
         # Shared-prefix groups in the decode kernel (cpu_decode_cascade.h; off:
         # --disable-cascade-attn). The kernel's switch is per process, so it is set before
@@ -144,13 +153,37 @@ class CpuPagedAttentionBackend:
         # The kernel walks raw memory: heads contiguous inside a token, cache fully contiguous.
         if q.stride(2) != 1 or q.stride(1) != q.shape[2] or not kv_cache.is_contiguous():
             raise ValueError("cpu attention: q heads or the KV cache are not contiguous")
-        write_kv(kv, kv_cache, state.meta.slot_mapping)
+        int8 = is_int8_cache(kv_cache)
+        if int8:
+            self._write_kv_int8(kv, kv_cache, state.meta.slot_mapping)
+        else:
+            write_kv(kv, kv_cache, state.meta.slot_mapping)
         out = q.new_empty(q.shape)
         if state.rows is not None:
-            self._attend_rows(q, kv_cache, state.rows, scale, out)
+            self._attend_rows(q, kv_cache, state.rows, scale, out, int8)
         if state.chunks is not None:
-            self._attend_chunks(q, kv_cache, state.chunks, scale, out)
+            self._attend_chunks(q, kv_cache, state.chunks, scale, out, int8)
         return out
+
+    def _write_kv_int8(
+        self, kv: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        if kv.stride(2) != 1 or kv.stride(1) != kv.shape[2]:
+            raise ValueError("cpu attention: the step's k/v heads are not contiguous")
+        slots = slot_mapping.contiguous()
+        rc = self._write_int8(
+            _DTYPE_CODES[kv.dtype],
+            kv.data_ptr(),
+            kv.stride(0),
+            slots.data_ptr(),
+            kv.shape[0],
+            kv.shape[1],
+            kv.shape[2],
+            kv_cache.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"cpu attention: the int8 K/V writer rejected its arguments ({rc})")
 
     def _attend_rows(
         self,
@@ -159,8 +192,14 @@ class CpuPagedAttentionBackend:
         rows: KernelRows,
         scale: float,
         out: torch.Tensor,
+        int8: bool = False,
     ) -> None:
         work = (rows.row_table, rows.row_token, rows.context_lens)
+        if int8:  # the int8 kernel attends row by row (no cascade over int8 keys yet)
+            _call(
+                self._kernel_int8, q, kv_cache, rows.tables, work, scale, out, self.PARTITION_SIZE
+            )
+            return
         # Cascade reads the shared keys as the model dtype; a cache in another dtype goes row
         # by row.
         self._use_cascade(int(self.cascade and kv_cache.dtype == q.dtype))
@@ -173,9 +212,11 @@ class CpuPagedAttentionBackend:
         chunks: KernelChunks,
         scale: float,
         out: torch.Tensor,
+        int8: bool = False,
     ) -> None:
         work = (chunks.query_start, chunks.query_len, chunks.start_position)
-        _call(self._prefill_kernel, q, kv_cache, chunks.tables, work, scale, out)
+        kernel = self._prefill_kernel_int8 if int8 else self._prefill_kernel
+        _call(kernel, q, kv_cache, chunks.tables, work, scale, out)
 
 
 def _call(

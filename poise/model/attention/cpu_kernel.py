@@ -19,9 +19,15 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 # Compiled together into one library; the header is part of the cache key.
-SOURCES = (_HERE / "cpu_paged_attention.cpp", _HERE / "cpu_prefill_attention.cpp")
+SOURCES = (
+    _HERE / "cpu_paged_attention.cpp",
+    _HERE / "cpu_prefill_attention.cpp",
+    _HERE / "cpu_paged_attention_int8.cpp",
+    _HERE / "cpu_kv_int8.cpp",
+)
 HEADERS = (
     _HERE / "cpu_attention_common.h",
+    _HERE / "cpu_kv_int8.h",
     _HERE / "cpu_decode_cascade.h",
     _HERE / "cpu_prefill_blocks.h",
     _HERE / "cpu_prefill_amx.h",
@@ -52,6 +58,19 @@ _ARGTYPES = [*_HEAD, *_THREE_ARRAYS_AND_COUNT, *_SHAPES, ctypes.c_int, ctypes.c_
 # poise_paged_prefill (prefill chunks, cpu_prefill_attention.cpp): query_start, query_len,
 # start_position, num_chunks.
 _PREFILL_ARGTYPES = [*_HEAD, *_THREE_ARRAYS_AND_COUNT, *_SHAPES, ctypes.c_int]
+# The int8 KV cache's entry points take the same arguments (head_dim: q's, the cache rows being
+# head_dim + 2 bytes): poise_paged_attention_int8, poise_paged_prefill_int8; and its writer,
+# poise_write_kv_int8 (cpu_kv_int8.cpp): dtype, kv, kv token stride, slots, tokens, rows
+# (2 * Hkv), head_dim, kv_cache, threads.
+_WRITE_INT8_ARGTYPES: list[Any] = [
+    ctypes.c_int,  # dtype of kv
+    ctypes.c_void_p,  # kv
+    ctypes.c_int64,  # kv token stride
+    ctypes.c_void_p,  # slots
+    *[ctypes.c_int] * 3,  # tokens, rows, head_dim
+    ctypes.c_void_p,  # kv_cache
+    ctypes.c_int,  # threads
+]
 
 
 def build_cpu_kernel() -> Path | None:
@@ -74,12 +93,16 @@ def load_cpu_kernel() -> ctypes.CDLL | None:
     except OSError as exc:
         logger.warning("CPU attention kernel unavailable, using the torch backend: %s", exc)
         return None
-    fn = lib.poise_paged_attention
-    fn.argtypes = _ARGTYPES
-    fn.restype = ctypes.c_int
-    prefill = lib.poise_paged_prefill
-    prefill.argtypes = _PREFILL_ARGTYPES
-    prefill.restype = ctypes.c_int
+    for name, argtypes in (
+        ("poise_paged_attention", _ARGTYPES),
+        ("poise_paged_prefill", _PREFILL_ARGTYPES),
+        ("poise_paged_attention_int8", _ARGTYPES),
+        ("poise_paged_prefill_int8", _PREFILL_ARGTYPES),
+        ("poise_write_kv_int8", _WRITE_INT8_ARGTYPES),
+    ):
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
     lib.poise_prefill_use_amx.argtypes = [ctypes.c_int]
     lib.poise_prefill_use_amx.restype = ctypes.c_int
     lib.poise_decode_use_cascade.argtypes = [ctypes.c_int]

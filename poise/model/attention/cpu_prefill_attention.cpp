@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "cpu_attention_common.h"
+#include "cpu_kv_int8.h"
 #include "cpu_prefill_amx.h"
 #include "cpu_prefill_blocks.h"
 
@@ -64,26 +65,14 @@ struct Item {  // (chunk, first query, kv head); cost: keys its last query sees
   int64_t cost;
 };
 
-// One key block of one kv head (chunk c, block b) into its packed form (see Packed): read from
-// the paged cache once per call. AMX: the values transposed instead, [HD][kKeys] bf16, keys
-// past n zero (the tiles multiply whole 32-key chunks).
+// One key block's n keys into the packed form (see Packed), from `slots[j]`: key j's K at
+// slots[j] + k_off and its V at slots[j] + v_off. AMX: the values transposed instead,
+// [HD][kKeys] bf16, keys past n zero (the tiles multiply whole 32-key chunks).
 template <typename T, bool PAIRS, int HD, bool AMX>
-void pack_block(const Chunks& p, int c, int g, int64_t b, T* k_dst, float* v_dst) {
-  const int hd = HD > 0 ? HD : p.head_dim;
-  const int64_t kb = b * kKeys;
-  const int n = static_cast<int>(
-      std::min<int64_t>(kKeys, p.start_position[c] + p.query_len[c] - kb));
-  const T* cache = static_cast<const T*>(p.kv_cache);
-  const int64_t* table = p.tables + c * p.table_stride;
-  const int64_t slot_stride = static_cast<int64_t>(2 * p.num_kv_heads) * hd;
-  const int64_t k_off = static_cast<int64_t>(g) * hd, v_off = k_off + p.num_kv_heads * hd;
-  const T* slots[kKeys];
-  int64_t block = kb / p.block_size, in_block = kb % p.block_size;
-  for (int j = 0; j < n; ++j) {
-    slots[j] = cache + (table[block] * p.block_size + in_block) * slot_stride;
+void pack_rows(const T* const* slots, int n, int hd, int64_t k_off, int64_t v_off, T* k_dst,
+               float* v_dst) {
+  for (int j = 0; j < n; ++j)
     std::memcpy(k_dst + static_cast<int64_t>(j) * hd, slots[j] + k_off, sizeof(T) * hd);
-    if (++in_block == p.block_size) in_block = 0, ++block;
-  }
   if constexpr (AMX) {
     bf16* vt = reinterpret_cast<bf16*>(v_dst);
     for (int d = 0; d < HD; ++d) {
@@ -106,6 +95,44 @@ void pack_block(const Chunks& p, int c, int g, int64_t b, T* k_dst, float* v_dst
   } else {
     for (int j = 0; j < n; ++j)
       for (int d = 0; d < hd; ++d) v_dst[j * hd + d] = to_float(slots[j][v_off + d]);
+  }
+}
+
+// Key block b of kv head g of chunk c, read from the paged cache once per call and packed.
+// INT8 (the int8 cache, cpu_kv_int8.h): each key's K and V rows dequantized to T first (the
+// values the float reference reads, kv_int8.dequantize_rows), then packed as T's are.
+template <typename T, bool PAIRS, int HD, bool AMX, bool INT8>
+void pack_block(const Chunks& p, int c, int g, int64_t b, T* k_dst, float* v_dst) {
+  const int hd = HD > 0 ? HD : p.head_dim;
+  const int64_t kb = b * kKeys;
+  const int n = static_cast<int>(
+      std::min<int64_t>(kKeys, p.start_position[c] + p.query_len[c] - kb));
+  const int64_t* table = p.tables + c * p.table_stride;
+  const int64_t row = INT8 ? hd + kInt8ScaleBytes : hd;  // elements of one head's row
+  const int64_t slot_stride = 2 * p.num_kv_heads * row;
+  const int64_t k_off = g * row, v_off = (p.num_kv_heads + g) * row;
+  const T* slots[kKeys];
+  int64_t block = kb / p.block_size, in_block = kb % p.block_size;
+  if constexpr (INT8) {
+    thread_local std::vector<T> rows;  // [n][K row, V row] in T
+    rows.resize(static_cast<size_t>(kKeys) * 2 * hd);
+    const int8_t* cache = static_cast<const int8_t*>(p.kv_cache);
+    for (int j = 0; j < n; ++j) {
+      const int8_t* slot = cache + (table[block] * p.block_size + in_block) * slot_stride;
+      T* dst = rows.data() + static_cast<int64_t>(j) * 2 * hd;
+      dequantize_row(slot + k_off, hd, dst);
+      dequantize_row(slot + v_off, hd, dst + hd);
+      slots[j] = dst;
+      if (++in_block == p.block_size) in_block = 0, ++block;
+    }
+    pack_rows<T, PAIRS, HD, AMX>(slots, n, hd, 0, hd, k_dst, v_dst);
+  } else {
+    const T* cache = static_cast<const T*>(p.kv_cache);
+    for (int j = 0; j < n; ++j) {
+      slots[j] = cache + (table[block] * p.block_size + in_block) * slot_stride;
+      if (++in_block == p.block_size) in_block = 0, ++block;
+    }
+    pack_rows<T, PAIRS, HD, AMX>(slots, n, hd, k_off, v_off, k_dst, v_dst);
   }
 }
 
@@ -176,7 +203,7 @@ void attend_item(const Chunks& p, const Item& it, Scratch& w, const Packed* bloc
   }
 }
 
-template <typename T, bool PAIRS, int HD, bool AMX = false>
+template <typename T, bool PAIRS, int HD, bool AMX = false, bool INT8 = false>
 void run(const Chunks& p, int num_threads) {
   std::vector<Item> items;
   for (int c = 0; c < p.num_chunks; ++c)
@@ -218,7 +245,7 @@ void run(const Chunks& p, int num_threads) {
           std::upper_bound(first_block.begin(), first_block.end(), i) - first_block.begin() - 1);
       const int64_t count = (first_block[c + 1] - first_block[c]) / p.num_kv_heads;
       const int64_t local = i - first_block[c];
-      pack_block<T, PAIRS, HD, AMX>(p, c, static_cast<int>(local / count), local % count,
+      pack_block<T, PAIRS, HD, AMX, INT8>(p, c, static_cast<int>(local / count), local % count,
                                reinterpret_cast<T*>(k_room + i * block_room),
                                v_room + i * block_room);
     }
@@ -243,10 +270,12 @@ void run(const Chunks& p, int num_threads) {
 // poise_prefill_use_amx(0) turned them off (tests compare both paths on one machine).
 std::atomic<bool> use_amx{true};
 
-template <typename T, bool PAIRS>
+// INT8: the int8 KV cache, on the vector path only (its blocks are dequantized when packed, so
+// AMX could take them too, but no machine here has AMX to test that on).
+template <typename T, bool PAIRS, bool INT8 = false>
 void dispatch_head_dim(const Chunks& p, int num_threads) {
 #if defined(POISE_PREFILL_AMX)
-  if constexpr (PAIRS) {
+  if constexpr (PAIRS && !INT8) {
     if (use_amx.load(std::memory_order_relaxed) && amx_available()) {
       if (p.head_dim == 64) return run<T, PAIRS, 64, true>(p, num_threads);
       if (p.head_dim == 128) return run<T, PAIRS, 128, true>(p, num_threads);
@@ -255,14 +284,45 @@ void dispatch_head_dim(const Chunks& p, int num_threads) {
 #endif
   switch (p.head_dim) {
     case 64:
-      run<T, PAIRS, 64>(p, num_threads);
+      run<T, PAIRS, 64, false, INT8>(p, num_threads);
       break;
     case 128:
-      run<T, PAIRS, 128>(p, num_threads);
+      run<T, PAIRS, 128, false, INT8>(p, num_threads);
       break;
     default:
-      run<T, false, 0>(p, num_threads);  // the plain loops work in float
+      run<T, false, 0, false, INT8>(p, num_threads);  // the plain loops work in float
   }
+}
+
+// kv_int8 0: the cache holds q's dtype; 1: the int8 cache (kv_int8.py), head_dim being q's.
+int paged_prefill(int dtype, int kv_int8, const void* q, int64_t q_token_stride,
+                  const void* kv_cache, const int64_t* tables, int64_t table_stride,
+                  const int64_t* query_start, const int64_t* query_len,
+                  const int64_t* start_position, int num_chunks, int num_heads, int num_kv_heads,
+                  int head_dim, int block_size, float scale, void* out, int64_t out_token_stride,
+                  int num_threads) {
+  if (num_chunks <= 0) return 0;
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0)
+    return -1;
+  const Chunks p{q,          kv_cache,  q_token_stride, tables,     table_stride, query_start,
+                 query_len,  start_position, num_chunks, num_heads,  num_kv_heads, head_dim,
+                 block_size, scale,     out,            out_token_stride};
+  const int threads = std::max(num_threads, 1);
+#if defined(__AVX512BF16__)
+  constexpr bool kPairs = true;
+#else
+  constexpr bool kPairs = false;
+#endif
+  if (dtype == 0) {
+    kv_int8 ? dispatch_head_dim<float, false, true>(p, threads)
+            : dispatch_head_dim<float, false>(p, threads);
+  } else if (dtype == 1) {
+    kv_int8 ? dispatch_head_dim<bf16, kPairs, true>(p, threads)
+            : dispatch_head_dim<bf16, kPairs>(p, threads);
+  } else {
+    return -2;
+  }
+  return 0;
 }
 
 }  // namespace
@@ -275,25 +335,21 @@ int poise_paged_prefill(int dtype, const void* q, int64_t q_token_stride, const 
                         const int64_t* query_len, const int64_t* start_position, int num_chunks,
                         int num_heads, int num_kv_heads, int head_dim, int block_size,
                         float scale, void* out, int64_t out_token_stride, int num_threads) {
-  if (num_chunks <= 0) return 0;
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0)
-    return -1;
-  const Chunks p{q,          kv_cache,  q_token_stride, tables,     table_stride, query_start,
-                 query_len,  start_position, num_chunks, num_heads,  num_kv_heads, head_dim,
-                 block_size, scale,     out,            out_token_stride};
-  const int threads = std::max(num_threads, 1);
-  if (dtype == 0) {
-    dispatch_head_dim<float, false>(p, threads);
-  } else if (dtype == 1) {
-#if defined(__AVX512BF16__)
-    dispatch_head_dim<bf16, true>(p, threads);
-#else
-    dispatch_head_dim<bf16, false>(p, threads);
-#endif
-  } else {
-    return -2;
-  }
-  return 0;
+  return paged_prefill(dtype, 0, q, q_token_stride, kv_cache, tables, table_stride, query_start,
+                       query_len, start_position, num_chunks, num_heads, num_kv_heads, head_dim,
+                       block_size, scale, out, out_token_stride, num_threads);
+}
+
+// The same over the int8 KV cache (cache rows of head_dim + 2 bytes, cpu_kv_int8.h).
+int poise_paged_prefill_int8(int dtype, const void* q, int64_t q_token_stride,
+                             const void* kv_cache, const int64_t* tables, int64_t table_stride,
+                             const int64_t* query_start, const int64_t* query_len,
+                             const int64_t* start_position, int num_chunks, int num_heads,
+                             int num_kv_heads, int head_dim, int block_size, float scale,
+                             void* out, int64_t out_token_stride, int num_threads) {
+  return paged_prefill(dtype, 1, q, q_token_stride, kv_cache, tables, table_stride, query_start,
+                       query_len, start_position, num_chunks, num_heads, num_kv_heads, head_dim,
+                       block_size, scale, out, out_token_stride, num_threads);
 }
 
 // enable: 1 lets bf16 prefills use AMX tiles where the CPU and the OS allow them (the
