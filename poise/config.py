@@ -21,10 +21,12 @@ from typing import Any, Literal
 # Re-exported: ModelConfig and its choices live in config_model.py (this file's size).
 from poise.config_model import ATTENTION_BACKENDS as ATTENTION_BACKENDS
 from poise.config_model import DTYPES as DTYPES
+from poise.config_model import INT8_SCALE_BYTES as INT8_SCALE_BYTES
 from poise.config_model import QUANTIZATIONS as QUANTIZATIONS
 from poise.config_model import ModelConfig as ModelConfig
 from poise.config_model import _help as _help
 from poise.config_model import _require as _require
+from poise.config_model import kv_bytes_per_token as kv_bytes_per_token
 from poise.config_spec import SpeculativeConfig as SpeculativeConfig
 
 SchedulingPolicy = Literal["fifo", "prefill_first", "priority", "slo", "lpm", "static", "dynamic"]

@@ -254,7 +254,7 @@ def _default_kv_budget(info: Any, kv_per_token: int) -> int:
 def _kv_int8_bytes_per_token(runner: Any) -> int:
     """What one token would take in an int8 pool (the simulator's capacity for
     --kv-cache-dtype int8), from the shape of this run's per-layer caches."""
-    from poise.kv.layout import INT8_SCALE_BYTES, kv_bytes_per_token
+    from poise.config import INT8_SCALE_BYTES, kv_bytes_per_token
     from poise.model.attention.kv_int8 import is_int8_cache
 
     first = runner.kv_caches[0]

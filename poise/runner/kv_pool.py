@@ -26,8 +26,7 @@ import logging
 import torch
 
 from poise.checkpoint.arch import ArchConfig
-from poise.config import CacheConfig, SchedulerConfig
-from poise.kv.layout import kv_bytes_per_token
+from poise.config import CacheConfig, SchedulerConfig, kv_bytes_per_token
 from poise.model.attention.kv_int8 import int8_cache_shape
 
 logger = logging.getLogger(__name__)

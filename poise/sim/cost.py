@@ -165,7 +165,7 @@ class CostModel:
     eos_token_ids: tuple[int, ...] = ()
     kv_bytes_per_token: int = 0
     # The same with --kv-cache-dtype int8 (values plus a bf16 scale per token and head:
-    # poise/kv/layout.py); 0 where the model does not know it (an int8 config is refused).
+    # poise/config_model.py); 0 where the model does not know it (an int8 config is refused).
     # Capacity only: step times stay those the model was built or profiled with.
     kv_int8_bytes_per_token: int = 0
     step_overhead_s: float = 0.0

@@ -17,7 +17,7 @@ from typing import Any
 
 from poise.checkpoint.arch import ArchConfig, arch_from_hf_config
 from poise.checkpoint.source import DUMMY_PREFIX, ModelSource, describe, read_json
-from poise.kv.layout import kv_bytes_per_token as layout_bytes_per_token
+from poise.config import kv_bytes_per_token as layout_bytes_per_token
 
 SHAPES_DIR = Path(__file__).parent / "model_shapes"
 
@@ -90,7 +90,7 @@ class ModelShape(ArchConfig):
         return (self.num_layers * self.layer_params + self.embedding_params) * dtype_bytes
 
     def kv_bytes_per_token(self, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
-        """K and V for one token over all layers (``int8``: with its scales, kv/layout.py)."""
+        """K and V for one token over all layers (``int8``: with its scales, config_model.py)."""
         return layout_bytes_per_token(
             self.num_layers, self.num_kv_heads, self.head_dim, kv_cache_dtype, dtype_bytes
         )

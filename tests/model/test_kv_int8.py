@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from poise import LLM, SamplingParams
-from poise.config import EngineConfig
-from poise.kv.layout import kv_bytes_per_token
+from poise.config import EngineConfig, kv_bytes_per_token
 from poise.model.attention.cpu_kernel import load_cpu_kernel
 from poise.model.attention.kv_int8 import (
     dequantize_rows,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from poise.kv.layout import INT8_SCALE_BYTES
+from poise.config import INT8_SCALE_BYTES
 
 
 def int8_cache_shape(
