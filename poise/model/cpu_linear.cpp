@@ -13,6 +13,8 @@
 // Two paths for quantized weights, chosen per call by the caller (from measured crossovers):
 // - streamed (few rows: decode): each weight is read once and used by every row at once in
 //   registers; the read is the cost;
+//   int8 from 4 rows on CPUs without AMX runs blocked: the same sums, K in L1-sized chunks that
+//   every 3-row block uses before the next (cpu_linear_int8.h);
 // - tiled (more rows): AMX tiles, 16-32 rows of x per pass against the group's weights
 //   (int8: tdpbusd on the stored bytes; int4: tdpbf16ps on blocks decoded just before use,
 //   or once per group when several row blocks read them), rows in chunks that stay in L2.
