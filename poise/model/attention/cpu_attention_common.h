@@ -166,4 +166,28 @@ inline float like_t(float p) {
   return to_float(b);
 }
 
+// One decode row's output from its partitions' partials (both decode kernels) (items [first, last): acc [H, hd], stats m [H], l [H]
+// per item): out_h = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i. o: [hd] scratch.
+template <typename T>
+void merge_partials(const float* stats, const float* acc, int first, int last, int H, int hd,
+                    float* o, T* out) {
+  for (int h = 0; h < H; ++h) {
+    float M = -std::numeric_limits<float>::infinity();
+    for (int it = first; it < last; ++it)
+      M = std::max(M, stats[static_cast<size_t>(it) * H * 2 + h]);
+    float denom = 0.0f;
+    std::fill(o, o + hd, 0.0f);
+    for (int it = first; it < last; ++it) {
+      const float* st = stats + static_cast<size_t>(it) * H * 2;
+      const float w = std::exp(st[h] - M);
+      denom += w * st[H + h];
+      const float* a = acc + (static_cast<size_t>(it) * H + h) * hd;
+#pragma omp simd
+      for (int d = 0; d < hd; ++d) o[d] += w * a[d];
+    }
+    const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+    for (int d = 0; d < hd; ++d) from_float(o[d] * inv, out + h * hd + d);
+  }
+}
+
 }  // namespace poise_attention

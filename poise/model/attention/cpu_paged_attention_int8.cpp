@@ -244,30 +244,10 @@ void run(const Problem& p, int num_threads) {
                                     ks.data(), vs.data(),
                                     acc.data() + static_cast<size_t>(it) * H * hd, st, st + H);
     }
-    // out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i over the row's partitions.
 #pragma omp for schedule(static)
-    for (int r = 0; r < p.num_rows; ++r) {
-      T* out = static_cast<T*>(p.out) + p.row_token[r] * p.out_token_stride;
-      const int first = row_first_item[r], last = row_first_item[r + 1];
-      for (int h = 0; h < H; ++h) {
-        float M = -std::numeric_limits<float>::infinity();
-        for (int it = first; it < last; ++it)
-          M = std::max(M, stats[static_cast<size_t>(it) * H * 2 + h]);
-        float denom = 0.0f;
-        float* o = q_f.data();
-        std::fill(o, o + hd, 0.0f);
-        for (int it = first; it < last; ++it) {
-          const float* st = stats.data() + static_cast<size_t>(it) * H * 2;
-          const float w = std::exp(st[h] - M);
-          denom += w * st[H + h];
-          const float* a = acc.data() + (static_cast<size_t>(it) * H + h) * hd;
-#pragma omp simd
-          for (int d = 0; d < hd; ++d) o[d] += w * a[d];
-        }
-        const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-        for (int d = 0; d < hd; ++d) from_float(o[d] * inv, out + h * hd + d);
-      }
-    }
+    for (int r = 0; r < p.num_rows; ++r)
+      merge_partials(stats.data(), acc.data(), row_first_item[r], row_first_item[r + 1], H, hd,
+                     q_f.data(), static_cast<T*>(p.out) + p.row_token[r] * p.out_token_stride);
   }
 }
 
