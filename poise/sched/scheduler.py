@@ -20,11 +20,12 @@ One step, as ``schedule`` walks it:
 4. Admit (waiting candidates, ``_admit``): needs a ``max_num_seqs`` slot (the policy may
    displace a running request for it), token budget, and KV blocks that leave ``safety_margin``
    of the pool free (ignored when nothing runs, so a big prompt cannot block the queue
-   forever). It starts after its longest cached prefix. The policy says whether a request that
-   does not fit stops admission behind it.
+   forever). It starts after its longest cached prefix (or waits while a running prefill
+   computes its next block: ``inflight.py``). The policy says whether one that does not fit
+   stops admission behind it.
 
-KV ordering (see ``kv/manager.py``): ``schedule`` allocates blocks for ``[start, start + n)``
-passing ``start`` explicitly; ``update`` advances ``num_computed_tokens``, then caches blocks.
+KV ordering (``kv/manager.py``): blocks for ``[start, start + n)`` are allocated passing
+``start``; ``update`` advances ``num_computed_tokens``, then caches blocks.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from poise.core.outputs import (
 )
 from poise.core.request import Request, RequestStatus
 from poise.kv.manager import KVCacheManager
-from poise.sched.limits import rejection_reason
+from poise.sched.inflight import InflightSharing
+from poise.sched.limits import chunk_size, rejection_reason
 from poise.sched.ordering import PolicyContext, is_partial_prefill
 from poise.sched.policies import StepPlan, build_output, owed_prompt_blocks, prefix_lookup
 from poise.sched.predictor import Forecast, prefill_left
@@ -88,6 +90,7 @@ class Scheduler:
         self.policy = self.steer.policy
         # Speculative decoding (None: off); ``proposer``: the draft model's, for draft_model.
         self.spec = build_speculation(config.speculative_config, proposer, self.steer.estimator)
+        self.inflight = InflightSharing(kv, self.requests)  # in-flight prefix sharing
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -152,6 +155,7 @@ class Scheduler:
         request.status = status
         request.times.finished = now
         self.kv.free(request)
+        self.inflight.forget(request.request_id)
         if self.spec is not None:
             self.spec.forget(request.request_id)
         del self.requests[request.request_id]
@@ -203,7 +207,8 @@ class Scheduler:
             if plan.budget <= 0:
                 break
             if request.request_id in was_running:
-                if request.status is RequestStatus.RUNNING:  # not preempted earlier this step
+                # Not preempted earlier in the step, nor run already at a follower's turn.
+                if request.status is RequestStatus.RUNNING and not plan.contains(request):
                     self._schedule_running(plan, request, ledger, ctx)
             elif admitting and not plan.made_room:
                 admitting = self._admit(plan, request, ledger, ctx, now)
@@ -213,19 +218,9 @@ class Scheduler:
         return self.steer.context(now, prefix_lookup(self.kv))
 
     def _chunk_size(self, remaining: int, budget: int) -> int:
-        """Tokens a request ``remaining`` tokens behind takes out of ``budget`` now.
-
-        ``budget``: what is left of the step's for this request (less what other classes hold
-        reserved, for a prefill). A prefill (more than one token behind) takes at most the
-        long-prefill cap unless the request is alone in the engine, so one long prompt cannot
-        take the whole budget from short ones.
-        """
-        n = min(remaining, budget)
-        cap = self._long_prefill_cap
+        """Tokens a request ``remaining`` tokens behind takes out of ``budget`` now (limits.py)."""
         alone = len(self.running) + len(self.waiting) <= 1
-        if cap > 0 and remaining > 1 and not alone:
-            n = min(n, cap)
-        return n
+        return chunk_size(remaining, budget, self._long_prefill_cap, alone)
 
     def _schedule_running(
         self, plan: StepPlan, request: Request, ledger: ShareLedger, ctx: PolicyContext
@@ -293,11 +288,15 @@ class Scheduler:
                 ledger.left_waiting(cls)
                 return not self.policy.blocks_queue(request, ctx)
             free = 1
-        shared = leader_blocks(request, self.requests, self.kv)
-        if not ledger.slot_allowed(cls, free) or shared is None:
+        shared, leader = leader_blocks(request, self.requests, self.kv), None
+        if shared == []:  # no n > 1 leader: a running prefill it may follow (sched/inflight.py)
+            shared, leader = self.inflight.lookup(request)
+        if not ledger.slot_allowed(cls, free) or shared is None or leader is not None:
             ledger.left_waiting(cls)
+            if leader is not None and not plan.contains(leader):  # its turn runs the leader
+                self._schedule_running(plan, leader, ledger, ctx)
             return True
-        cached = shared or self.kv.find_cached_prefix(request)
+        cached = shared
         start = len(cached) * self.kv.block_size  # the cached prefix counts as computed
         remaining = request.num_tokens - start
         n = self._chunk_size(remaining, ledger.token_allowance(cls, plan.budget))
@@ -336,7 +335,7 @@ class Scheduler:
             request.times.first_scheduled = now
         self.running.append(request)
         plan.add(request, n, cached_tokens=start)
-        self.kv.record_admission(request.num_tokens, start)
+        self.inflight.admitted(request, cached)  # counts the lookup, registers its prefill
         ledger.admitted(cls)
         ledger.took_prefill(cls, n)
         if plan.owed_blocks is not None:
