@@ -12,7 +12,9 @@ One server process (the embedded SmolLM2-135M, no flags but the port unless give
    ids): TTFT and computed tokens;
 4. 8 requests on another cold document, 8 different 30-token questions, at once: computed /
    (3)'s, slowest TTFT / (3)'s; then each of the 8 sent alone (sequentially, the document now
-   cached): every burst answer must equal its lone twin's (greedy, 16 tokens).
+   cached): every burst answer must equal its lone twin's (greedy, 16 tokens); and, as a
+   control, the same 8 at once again with the document cached (no follower), against the same
+   twins: what batching alone does to bf16 answers.
 
 "Cold": each cell's prompt differs from every earlier one in its first block (one token of the
 default system prompt / of the document replaced), so the prefix cache has nothing of it
@@ -140,6 +142,9 @@ def measure(base: str, model: str) -> dict[str, Any]:
     alone, ca = burst(base, model, [d0 + questions[0]])
     shared, cs = burst(base, model, [d1 + q for q in questions])
     twins = [burst(base, model, [d1 + q])[0][0]["text"] for q in questions]
+    # Control: the same 8 at once with the document cached (nobody follows anybody): what
+    # batching alone does to the answers (bf16 sums in another order at another batch shape).
+    control, _ = burst(base, model, [d1 + q for q in questions])
     res["document"] = {
         "single_ttft_s": alone[0]["ttft_s"], "single_computed": ca,
         "burst_ttfts_s": [o["ttft_s"] for o in shared], "burst_computed": cs,
@@ -147,6 +152,8 @@ def measure(base: str, model: str) -> dict[str, Any]:
         "slowest_ttft_ratio": max(o["ttft_s"] for o in shared) / alone[0]["ttft_s"],
         "answers_equal_alone": [o["text"] == t for o, t in zip(shared, twins, strict=True)],
         "distinct_answers": len({o["text"] for o in shared}),
+        "control_equal_alone": [o["text"] == t for o, t in zip(control, twins, strict=True)],
+        "burst_equal_control": [o["text"] == c["text"] for o, c in zip(shared, control, strict=True)],
     }  # fmt: skip
     return res
 
