@@ -2,7 +2,8 @@
 // measured by benchmarks/linear_kernels.py (RESULTS.md "Linear kernels").
 //
 // Weights:
-// - bf16, as the checkpoint stores them, for 1-2 rows (cpu_linear_bf16.h; more rows: torch);
+// - bf16, as the checkpoint stores them, for decode-sized row counts (cpu_linear_bf16.h;
+//   more rows: torch);
 // - int8: q in [-127, 127], w = q * scale[n], with 16-bit integer activations on VNNI / AMX
 //   int8 (cpu_linear_int8.h);
 // - int4: q in [0, 15], w = q * d + m per channel and group of 32 inputs (cpu_linear_int4.h).

@@ -1,8 +1,9 @@
 """The C++ linear-layer kernels (cpu_linear.cpp): build, load, pack, and pick a path per call.
 
-- ``bf16_linear``: bf16 weights as stored, for 1-2 rows of x (decode at low concurrency),
-  where torch's GEMM reads the weights at 2/3 of the rate ours does; more rows go to torch
-  (oneDNN's AMX GEMM), so the weights are held once, in torch's layout.
+- ``bf16_linear``: bf16 weights as stored, for decode-sized row counts (1-2 rows where torch's
+  GEMM has AMX, up to 32 without), where torch's GEMM reads the weights at a third to 2/3 of
+  the rate ours does; more rows go to torch (oneDNN), so the weights are held once, in torch's
+  layout.
 - ``PackedWeight``: int8 or int4 weights packed once at load; the streamed path (weights read
   once and used by every row in registers) or the AMX-tiled one is chosen by the number of
   rows, from the crossovers measured by ``benchmarks/linear_kernels.py`` (``TILED_FROM_ROWS``).
