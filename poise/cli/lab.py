@@ -13,17 +13,17 @@ from poise.cli import lab_options
 GROUPS = ("batching", "batching-open", "mix", "waiting", "prefix", "tune")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "lab",
-        help="Answer the seed lab's seven questions with this engine's own measurements.",
-        description="Runs the cells each question needs (batching modes; decode-first vs "
-        "prefill-first on the seed mix; the limits behind a high `waiting`; prefix cache off / "
-        "on / cache-aware; a tuning run for a chat SLO) on live poise servers (scaled down on a "
-        "CPU) or through the simulator (--simulate), and writes report.md (one section per "
-        "question: the answer, this run's numbers, a plot) plus lab.yaml (the records, and "
-        "which questions this run answers).",
-    )
+HELP = "Answer the seed lab's seven questions with this engine's own measurements."
+DESCRIPTION = """
+Runs the cells each question needs (batching modes; decode-first vs prefill-first on the seed
+mix; the limits behind a high `waiting`; prefix cache off / on / cache-aware; a tuning run for a
+chat SLO) on live poise servers (scaled down on a CPU) or through the simulator (--simulate),
+and writes report.md (one section per question: the answer, this run's numbers, a plot) plus
+lab.yaml (the records, and which questions this run answers).
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("target")
     g.add_argument(
         "--device",
@@ -82,7 +82,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lab_options.add_output_args(
         parser, "Output folder (default lab-<time>); re-use it to resume a live run.", plots=True
     )
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,17 +19,16 @@ from poise.cli.serve_flags import LIMIT_FLAGS, add_serve_flags, serve_flags
 from poise.serving.settings import RequestLimitsConfig
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "serve",
-        help="Serve a model over the OpenAI HTTP API.",
-        description="Serve a model over the OpenAI HTTP API (/v1/chat/completions, "
-        "/v1/completions, /v1/models, /tokenize, /detokenize, /health, /ready, /metrics, "
-        "/version). MODEL: a HF directory, a Hub id in the local HF cache, a .gguf file; "
-        "without it, the embedded SmolLM2-135M-Instruct.",
-    )
+HELP = "Serve a model over the OpenAI HTTP API."
+DESCRIPTION = """
+Serve a model over the OpenAI HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
+/tokenize, /detokenize, /health, /ready, /metrics, /version). MODEL: a HF directory, a Hub id in
+the local HF cache, a .gguf file; without it, the embedded SmolLM2-135M-Instruct.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_serve_flags(parser)
-    parser.set_defaults(func=run)
 
 
 def step_cost_prior(profile: str) -> dict[str, float]:

@@ -9,16 +9,17 @@ import sys
 from poise.cli import lab_options
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "sweep",
-        help="Run the bench matrix against several server configs; resumable; one report.",
-        description="For each CONFIG (YAML: poise server args, or a command template that starts "
-        "another engine plus its base URL) start the server, wait until ready, run every cell, "
-        "stop it. Cells already stored in --out are not measured again. Writes report.md, one "
-        "bench record per config and the plots comparing configs. `--preset lab` runs the seed "
-        "lab's configs A, B, C (scaled down on CPU: see docs/tuning.md).",
-    )
+HELP = "Run the bench matrix against several server configs; resumable; one report."
+DESCRIPTION = """
+For each CONFIG (YAML: poise server args, or a command template that starts another engine plus
+its base URL) start the server, wait until ready, run every cell, stop it. Cells already stored
+in --out are not measured again. Writes report.md, one bench record per config and the plots
+comparing configs. `--preset lab` runs the seed lab's configs A, B, C (scaled down on CPU: see
+docs/tuning.md).
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("configs", nargs="*", metavar="CONFIG", help="Config YAML files.")
     g = parser.add_argument_group("configs")
     g.add_argument(
@@ -53,7 +54,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         parser, "Output folder (default sweep-<time>); re-use it to resume.", plots=True
     )
     lab_options.deprecate(parser, threads="--omp-num-threads")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,16 +18,16 @@ CPU_BUDGETS = (256, 512, 1024, 2048)
 CPU_SEQS = (1, 2, 4, 8)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "tune",
-        help="Find a throughput-first and a latency-first config for a TTFT SLO.",
-        description="Fixes the request sample and client concurrency, takes a conservative "
-        "token-budget baseline, raises the budget one step at a time while TTFT p95 meets the "
-        "SLO, backs off when the tail worsens, raises max_num_seqs only while the KV cache "
-        "keeps headroom, tries the other scheduling policy, and prints both answers with "
-        "the evidence and a ready command line. See docs/tuning.md.",
-    )
+HELP = "Find a throughput-first and a latency-first config for a TTFT SLO."
+DESCRIPTION = """
+Fixes the request sample and client concurrency, takes a conservative token-budget baseline,
+raises the budget one step at a time while TTFT p95 meets the SLO, backs off when the tail
+worsens, raises max_num_seqs only while the KV cache keeps headroom, tries the other scheduling
+policy, and prints both answers with the evidence and a ready command line. See docs/tuning.md.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     lab_options.add_slo_args(parser, required=True, per_class=False)
     g = parser.add_argument_group("search")
     g.add_argument(
@@ -102,7 +102,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lab_options.add_output_args(parser, "Output folder (default tune-<time>); re-use it to resume.")
     add_engine_args(parser)
     lab_options.deprecate(parser, threads="--omp-num-threads")
-    parser.set_defaults(func=run)
 
 
 def _simulate_defaults() -> argparse.Namespace:
@@ -111,8 +110,8 @@ def _simulate_defaults() -> argparse.Namespace:
     from poise.cli import simulate
 
     parser = argparse.ArgumentParser()
-    simulate.register(parser.add_subparsers())
-    return parser.parse_args(["simulate"])
+    simulate.add_arguments(parser)
+    return parser.parse_args([])
 
 
 def _probe(args: argparse.Namespace, fixed: dict[str, Any], workload: Any, out: str) -> Any:
