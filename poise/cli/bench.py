@@ -13,7 +13,6 @@ from typing import Any
 
 from poise.cli import lab_options
 
-
 HELP = "Load-test an OpenAI-compatible server; write a YAML experiment record."
 DESCRIPTION = """
 Runs every (concurrency or rate) x long-ratio cell against --base-url, streams chat completions,

@@ -8,7 +8,6 @@ import time
 
 from poise.cli.options import add_engine_args, engine_kwargs_from_args
 
-
 HELP = "Generate a reply to a prompt with the offline engine."
 DESCRIPTION = """
 Generate a reply to one or more prompts (the chat template is applied).

@@ -18,7 +18,6 @@ from poise.cli.router_options import router_from_args
 from poise.cli.serve_flags import LIMIT_FLAGS, add_serve_flags, serve_flags
 from poise.serving.settings import RequestLimitsConfig
 
-
 HELP = "Serve a model over the OpenAI HTTP API."
 DESCRIPTION = """
 Serve a model over the OpenAI HTTP API (/v1/chat/completions, /v1/completions, /v1/models,

@@ -18,7 +18,6 @@ from poise.cli import lab_options
 from poise.cli.options import add_engine_args, engine_config_from_args
 from poise.cli.router_options import add_router_args, router_from_args
 
-
 HELP = "Run the bench matrix against the simulator (the real scheduler, virtual time)."
 DESCRIPTION = """
 Same engine flags as `poise serve`, same workload flags as `poise bench`; step times come from a

@@ -8,7 +8,6 @@ import sys
 
 from poise.cli import lab_options
 
-
 HELP = "Run the bench matrix against several server configs; resumable; one report."
 DESCRIPTION = """
 For each CONFIG (YAML: poise server args, or a command template that starts another engine plus
