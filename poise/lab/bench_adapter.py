@@ -17,8 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from poise.bench.config import CellSpec, WorkloadSpec
+from poise.bench.record import CellResult
 
-CellDone = Callable[[CellSpec, Any], None]  # (cell, poise.bench.record.CellResult)
+CellDone = Callable[[CellSpec, CellResult], None]
 
 
 def run_cells(

@@ -99,8 +99,11 @@ class Generator:
         default_sampling: dict[str, Any] | None = None,
         limits: RequestLimitsConfig | None = None,
         tool_parser: str | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.engine = engine
+        # The engine's structured-output compiler (EngineCore.grammars; None: no grammars).
+        self.grammars = grammars
         # --tool-call-parser when --enable-auto-tool-choice is on: tool_choice "auto" parses.
         self.tool_parser = tool_parser
         # Defaults for fields a request leaves out (the model's generation config).
@@ -186,8 +189,7 @@ class Generator:
         """Compile the request's structured-output grammar on the tokenizer thread (a 400 naming
         the field if it is invalid), so the engine thread only copies the cached result."""
         spec = prep.params.structured_outputs
-        # EngineCore.grammars; not part of AsyncEngine's CoreLike, which fakes need not carry.
-        grammars: GrammarCompiler | None = getattr(self.engine.core, "grammars", None)
+        grammars = self.grammars
         if spec is not None and grammars is not None:
             await self.call_tokenizer(lambda: grammars.new_state(spec))
         return prep

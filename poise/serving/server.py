@@ -19,7 +19,7 @@ import copy
 import logging
 import signal
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from starlette.middleware.cors import CORSMiddleware
@@ -39,13 +39,16 @@ from poise.serving.shutdown import PoiseServer, backstop_timeout_s
 from poise.serving.tokenize import add_tokenize_routes
 from poise.serving.tracing import RequestTracer
 
+if TYPE_CHECKING:  # the engine is imported lazily (it is built only by build_state_from_config)
+    from poise.engine.core import EngineCore
+
 __all__ = ["ServerSettings", "build_state", "build_state_from_config", "serve", "uvicorn_config"]
 
 logger = logging.getLogger(__name__)
 
 
 def build_state(
-    core: Any,
+    core: EngineCore,
     tokenizer: Any,
     *,
     model_name: str,
@@ -76,9 +79,10 @@ def build_state(
         default_sampling=default_sampling,
         limits=limits,
         tool_parser=tool_parser,
+        grammars=core.grammars,
     )
     info = describe(
-        getattr(core, "config", None),
+        core.config,
         model=names[0],
         version=VERSION,
         max_model_len=max_len,
@@ -90,8 +94,7 @@ def build_state(
     metrics.registry.register(ConfigInfoCollector(info))
     tracer = None
     if otlp_traces_endpoint is not None:
-        config = getattr(core, "config", None)
-        policy = config.scheduler.scheduling_policy if config is not None else "unknown"
+        policy = core.config.scheduler.scheduling_policy
         tracer = RequestTracer(otlp_traces_endpoint, policy=policy, clock=core.clock.now)
         logger.info("request traces: OTLP/HTTP to %s", tracer.endpoint)
     return ServingState(
@@ -103,7 +106,13 @@ def build_state(
         info=info,
         enable_per_request_metrics=enable_per_request_metrics,
         tracer=tracer,
+        traffic_classes=_traffic_class_names(core),
     )
+
+
+def _traffic_class_names(core: EngineCore) -> tuple[str, ...]:
+    """The names a request's ``class`` may take (the scheduler's classes, loaded once)."""
+    return tuple(core.scheduler.steer.classes.names)
 
 
 def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> ServingState:

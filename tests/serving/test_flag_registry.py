@@ -12,6 +12,7 @@ import pytest
 from poise.bench.server_info import from_poise
 from poise.cli.flags import GROUP_TITLES, refused_with_replicas, server_args, settings_kwargs
 from poise.cli.serve_flags import add_serve_flags, flags_page, serve_flags
+from poise.config import EngineConfig
 from poise.serving.info import describe
 from poise.serving.settings import ServerSettings
 
@@ -65,9 +66,10 @@ def test_server_info_reports_every_option_and_hides_the_key() -> None:
     reported = server_args(serve_flags(), args)
     assert reported["api_key"] == "set" and reported["port"] == 8000
     assert set(reported) == {f.dest for f in serve_flags()}
-    info = describe(None, model="m", version="v", max_model_len=64, server_args=reported)
+    config = EngineConfig.from_kwargs(max_num_seqs=8)
+    info = describe(config, model="m", version="v", max_model_len=64, server_args=reported)
     assert "sekret" not in str(info)
-    record = from_poise({**info, "engine_config": {"max_num_seqs": 8}})
+    record = from_poise(info)
     assert record is not None
     assert record.server_args["port"] == 8000 and record.server_args["max_num_seqs"] == 8
 
