@@ -312,23 +312,11 @@ class Generator:
                     lps.extend(zip(delta.new_token_ids, delta.new_logprobs, strict=True))
                 text, echo = echo + out.text, ""
                 sent, lps = (lps if want_logprobs else None), []
-                if out.stopped and not delta.finished:
-                    # A stop string matched: the engine may already be computing more tokens
-                    # for this request; end it there and report "stop" to the client now.
-                    self.engine.finish(rid)
-                    done = True
-                    yield Piece(
-                        text,
-                        n_tokens,
-                        "stop",
-                        self._metrics(prep, delta, n_tokens),
-                        index,
-                        sent,
-                        cached,
-                        times=_times(delta, n_tokens),
-                    )
-                    return
-                if delta.finished:
+                if out.stopped or delta.finished:
+                    if not delta.finished:
+                        # A stop string matched: the engine may already be computing more
+                        # tokens for this request; end it there and report "stop" now.
+                        self.engine.finish(rid)
                     done = True
                     reason = "stop" if out.stopped else delta.finish_reason
                     yield Piece(
