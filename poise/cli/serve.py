@@ -49,8 +49,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         prior = step_cost_prior(args.profile) if args.profile else {}
         config = engine_config_from_args(args, **prior)
-        if args.enable_auto_tool_choice and args.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         limits = config_from_args(RequestLimitsConfig, args)
     except (ValueError, OSError) as exc:
         print(f"poise serve: error: {exc}", file=sys.stderr)
