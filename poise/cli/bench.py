@@ -103,7 +103,7 @@ def command_line() -> str:
 def config_from_args(args: argparse.Namespace) -> Any:
     import yaml
 
-    from poise.bench.config import BenchConfig
+    from poise.bench.bench_config import BenchConfig
 
     server_args = {}
     for item in args.server_arg:
@@ -132,7 +132,7 @@ def finish_record(record: Any, out: Path, args: argparse.Namespace) -> None:
     """Label, save and print a record (bench or simulated), and its plots if asked."""
     from rich.console import Console
 
-    from poise.bench.report import print_record
+    from poise.bench.terminal import print_record
 
     if args.label:
         record.provenance["label"] = args.label
@@ -150,8 +150,8 @@ def finish_record(record: Any, out: Path, args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from poise.bench.report import CellProgress
     from poise.bench.runner import run_matrix
+    from poise.bench.terminal import CellProgress
 
     if not args.base_url:
         print("poise bench: error: --base-url is required", file=sys.stderr)

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from poise.bench.config import WorkloadSpec, parse_class
+from poise.bench.bench_config import WorkloadSpec, parse_class
 
 PREFIX = "wl_"  # workload dests: WorkloadSpec.seed must not collide with the engine's --seed
 

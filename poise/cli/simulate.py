@@ -212,7 +212,7 @@ def _workload(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from poise.bench.config import BenchConfig
+    from poise.bench.bench_config import BenchConfig
     from poise.cli.bench import command_line, finish_record
     from poise.lab.sim_bridge import simulate_matrix
 

@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from poise.bench.config import WorkloadSpec
+    from poise.bench.bench_config import WorkloadSpec
     from poise.cli.options import parse_bytes
     from poise.lab import presets
     from poise.lab.sweep import load_specs, run_sweep, spec_from_dict

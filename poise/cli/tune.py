@@ -9,7 +9,7 @@ import json
 import sys
 from typing import Any
 
-from poise.bench.config import int_list
+from poise.bench.bench_config import int_list
 from poise.cli import lab_options
 from poise.cli.options import add_engine_args, engine_kwargs_from_args
 
@@ -116,7 +116,7 @@ def _simulate_defaults() -> argparse.Namespace:
 
 def _probe(args: argparse.Namespace, fixed: dict[str, Any], workload: Any, out: str) -> Any:
     from poise.lab.live import LiveProbe, SimProbe
-    from poise.lab.server import DEFAULT_READY_PATHS, ServerSpec
+    from poise.lab.managed_server import DEFAULT_READY_PATHS, ServerSpec
 
     cell = workload.cells()[0]
     if args.simulate:
@@ -183,7 +183,7 @@ def _write(out: str, text: str, record: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from poise.bench.config import WorkloadSpec
+    from poise.bench.bench_config import WorkloadSpec
     from poise.lab.commands import fill_template, poise_serve_command
     from poise.lab.tune import Tuner, TuneSettings
     from poise.lab.tune_report import format_result

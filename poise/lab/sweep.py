@@ -22,10 +22,10 @@ from typing import Any
 
 import yaml
 
-from poise.bench.config import CellSpec, WorkloadSpec
+from poise.bench.bench_config import CellSpec, WorkloadSpec
 from poise.bench.record import CellResult
 from poise.lab.bench_adapter import run_cells
-from poise.lab.server import DEFAULT_READY_PATHS, ManagedServer, ServerSpec
+from poise.lab.managed_server import DEFAULT_READY_PATHS, ManagedServer, ServerSpec
 from poise.lab.store import CellStore, safe_name
 
 logger = logging.getLogger(__name__)

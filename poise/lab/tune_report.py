@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from poise.lab.metrics import fmt_ms, fmt_pct
+from poise.lab.cell_metrics import fmt_ms, fmt_pct
 from poise.lab.probe import Candidate
 from poise.lab.tune_result import Evidence, TuneResult
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from poise.checkpoint.generation import sampling_defaults
+from poise.checkpoint.generation_config import sampling_defaults
 from poise.checkpoint.source import resolve_model
 from poise.config import EngineConfig
 from poise.model.attention import CpuPagedAttentionBackend
@@ -42,7 +42,7 @@ class ModelInfo:
     device: str
     attention_backend: str
     tokenizer: Any  # a transformers tokenizer (chat_template set when known), or None
-    # SamplingParams defaults from the generation config (checkpoint/generation.py).
+    # SamplingParams defaults from the generation config (checkpoint/generation_config.py).
     default_sampling: dict[str, Any] = field(default_factory=dict)
     quantization: str | None = None  # ModelConfig.quantization: how the weights are stored
 

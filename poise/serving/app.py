@@ -5,7 +5,7 @@ app owns no globals, so tests can run several in one process. The AsyncEngine th
 and stops with the app's lifespan.
 
 A request body goes through ``body.BodySizeLimit`` (413 before anything is read) and strict
-JSON parsing (``body.OpenAIRoute``); every error is answered in OpenAI's shape (errors.py).
+JSON parsing (``body.OpenAIRoute``); every error is answered in OpenAI's shape (http_errors.py).
 The published schema (``/openapi.json``) is the request models' constraints, with the error
 answers the server really gives (400 with OpenAI's error model, never FastAPI's 422).
 Statuses: validation and InvalidRequestError -> 400, unknown model -> 404 model_not_found,
@@ -32,8 +32,8 @@ from poise.serving.async_engine import AsyncEngine
 from poise.serving.body import BodySizeLimit, OpenAIRoute
 from poise.serving.completions import CompletionRequest
 from poise.serving.dashboard import add_dashboard_routes
-from poise.serving.errors import error_response, install_error_handlers, map_exception
 from poise.serving.generation import Generator
+from poise.serving.http_errors import error_response, install_error_handlers, map_exception
 from poise.serving.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,

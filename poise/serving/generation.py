@@ -36,16 +36,16 @@ from poise.core.structured import GrammarCompiler
 from poise.errors import EngineDeadError, InvalidRequestError, ShuttingDownError
 from poise.serving.async_engine import AsyncEngine
 from poise.serving.completions import CompletionRequest
-from poise.serving.errors import GenerationFailed
-from poise.serving.limits import (
+from poise.serving.http_errors import GenerationFailed
+from poise.serving.logprobs import LogprobEntry
+from poise.serving.protocol import ChatCompletionRequest
+from poise.serving.request_limits import (
     PromptCharBound,
     TokenizerQueue,
     check_sampling_limits,
     check_stop_limits,
     longest_token_chars,
 )
-from poise.serving.logprobs import LogprobEntry
-from poise.serving.protocol import ChatCompletionRequest
 from poise.serving.request_metrics import response_metrics
 from poise.serving.settings import RequestLimitsConfig
 from poise.serving.tool_calls import ToolPlan, plan_tools, template_kwargs

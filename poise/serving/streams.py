@@ -26,8 +26,8 @@ from typing import Any
 from fastapi import Request
 
 from poise.errors import EngineDeadError, InvalidRequestError, ShuttingDownError
-from poise.serving.errors import GenerationFailed
 from poise.serving.generation import Piece
+from poise.serving.http_errors import GenerationFailed
 from poise.serving.logprobs import ChatLogprobs, CompletionLogprobs, LogprobEntry, LogprobFormatter
 from poise.serving.protocol import (
     ChatChoice,
