@@ -35,14 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Model for the live servers (default: the embedded SmolLM2-135M-Instruct).",
     )
-    g.add_argument(
-        "--scale", type=int, default=None, help="Size divisor (CPU default 8, GPU and simulator 1)."
-    )
-    g.add_argument(
-        "--kv-base",
-        default=None,
-        metavar="BYTES",
-        help="CPU: KV bytes at memory fraction 1.0 (default 512MiB).",
+    lab_options.add_preset_size_args(
+        g,
+        scale_help="Size divisor (CPU default 8, GPU and simulator 1).",
+        kv_help="CPU: KV bytes at memory fraction 1.0 (default 512MiB).",
     )
     g.add_argument(
         "--simulate",
@@ -85,8 +81,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from poise.cli.options import parse_bytes
-    from poise.lab.presets import DEFAULT_KV_BASE_BYTES
     from poise.lab.seven_plan import plan
     from poise.lab.seven_report import write_report
     from poise.lab.seven_run import run_lab
@@ -104,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--only: groups are {', '.join(GROUPS)}")
         slo_ttft, slo_tpot = lab_options.single_slos(args)
         target = "simulated" if args.simulate else args.device
-        kv = parse_bytes(args.kv_base) if args.kv_base else DEFAULT_KV_BASE_BYTES
+        kv = lab_options.kv_base_bytes(args)
         lab = plan(
             target,
             scale=args.scale,

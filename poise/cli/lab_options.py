@@ -261,6 +261,22 @@ def record_path(out: str | None, folder: str) -> Path:
     return Path(out or folder) / f"{time.strftime('%Y%m%d-%H%M%S')}.yaml"
 
 
+# ---- the lab's presets, scaled to the machine -----------------------------------------------
+def add_preset_size_args(group: Any, *, scale_help: str, kv_help: str) -> None:
+    """``--scale`` and ``--kv-base``: how far the lab's presets are scaled down
+    (poise.lab.presets); the help says which defaults apply to the command."""
+    group.add_argument("--scale", type=int, default=None, help=scale_help)
+    group.add_argument("--kv-base", default=None, metavar="BYTES", help=kv_help)
+
+
+def kv_base_bytes(args: argparse.Namespace) -> int:
+    """``--kv-base`` in bytes: the KV budget at memory fraction 1.0 that presets scale."""
+    from poise.cli.options import parse_bytes
+    from poise.lab.presets import DEFAULT_KV_BASE_BYTES  # lazy: --help stays light
+
+    return parse_bytes(args.kv_base) if args.kv_base else DEFAULT_KV_BASE_BYTES
+
+
 # ---- started servers ------------------------------------------------------------------------
 def add_server_args(parser: argparse.ArgumentParser) -> Any:
     """Flags for the servers a command starts (sweep, tune); returns the group for more."""

@@ -33,14 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Model for poise configs without one (default: the embedded SmolLM2-135M-Instruct).",
     )
     g.add_argument("--device", default="cpu", help="Device for presets: cpu or cuda.")
-    g.add_argument(
-        "--scale", type=int, default=None, help="Preset size divisor (CPU default 8, GPU 1)."
-    )
-    g.add_argument(
-        "--kv-base",
-        default=None,
-        metavar="BYTES",
-        help="CPU presets: KV bytes at memory fraction 1.0 (default 512MiB).",
+    lab_options.add_preset_size_args(
+        g,
+        scale_help="Preset size divisor (CPU default 8, GPU 1).",
+        kv_help="CPU presets: KV bytes at memory fraction 1.0 (default 512MiB).",
     )
     lab_options.add_server_args(parser)
     lab_options.add_workload_args(
@@ -57,7 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from poise.bench.bench_config import WorkloadSpec
-    from poise.cli.options import parse_bytes
     from poise.lab import presets
     from poise.lab.sweep import load_specs, run_sweep, spec_from_dict
 
@@ -70,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         specs = []
         base = WorkloadSpec()
         if args.preset:
-            kv = parse_bytes(args.kv_base) if args.kv_base else presets.DEFAULT_KV_BASE_BYTES
+            kv = lab_options.kv_base_bytes(args)
             plan = presets.plan(
                 args.preset,
                 device=args.device,
