@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from poise.lab.managed_server import ManagedServer, ServerSpec
 
 from poise import workload as wl
-from poise.lab.server import ManagedServer, ServerSpec
 
 MAX_TOKENS = 16
 N = 8
@@ -54,8 +54,13 @@ def prefill_tokens(base: str) -> float:
 
 def stream(base: str, prompt: list[int], out: dict[str, Any]) -> None:
     """One streamed completion: client-side TTFT (send to first text chunk) and the text."""
-    body = {"model": out["model"], "prompt": prompt, "max_tokens": MAX_TOKENS,
-            "temperature": 0, "stream": True}  # fmt: skip
+    body = {
+        "model": out["model"],
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+    }
     t0 = time.perf_counter()
     text: list[str] = []
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=600) as resp:
@@ -102,10 +107,15 @@ def salted(ids: list[int], position: int, token: int) -> list[int]:
 
 
 def measure(base: str, model: str) -> dict[str, Any]:
-    long_ids = tokenize(base, model, messages=[{"role": "user", "content": wl.LONG_PROMPT}],
-                        add_generation_prompt=True)  # fmt: skip
-    words = tokenize(base, model, prompt=" ".join(f"word{i}" for i in range(40)),
-                     add_special_tokens=False)  # fmt: skip
+    long_ids = tokenize(
+        base,
+        model,
+        messages=[{"role": "user", "content": wl.LONG_PROMPT}],
+        add_generation_prompt=True,
+    )
+    words = tokenize(
+        base, model, prompt=" ".join(f"word{i}" for i in range(40)), add_special_tokens=False
+    )
     salts = iter(sorted(set(words)))
     pos = 5  # inside the default system prompt: the first block, after <|im_start|>system
     filler = " ".join(wl._FILLER_WORDS[i % len(wl._FILLER_WORDS)] for i in range(4000))
@@ -121,23 +131,28 @@ def measure(base: str, model: str) -> dict[str, Any]:
                 add_special_tokens=False,
             )
             + [13] * 30
-        )[:30]  # fmt: skip
+        )[:30]
         for q in range(N)
     ]
     # Warm-up: kernels built, caches touched (a different LONG prompt, and a short one).
     burst(base, model, [salted(long_ids, pos, next(salts))])
-    res: dict[str, Any] = {"long_prompt_tokens": len(long_ids), "doc_tokens": len(doc),
-                           "question_tokens": len(questions[0])}  # fmt: skip
+    res: dict[str, Any] = {
+        "long_prompt_tokens": len(long_ids),
+        "doc_tokens": len(doc),
+        "question_tokens": len(questions[0]),
+    }
     one, c1 = burst(base, model, [salted(long_ids, pos, next(salts))])
     eight_prompt = salted(long_ids, pos, next(salts))
     eight, c8 = burst(base, model, [eight_prompt] * N)
     res["identical"] = {
-        "single_ttft_s": one[0]["ttft_s"], "single_computed": c1,
-        "burst_ttfts_s": sorted(o["ttft_s"] for o in eight), "burst_computed": c8,
+        "single_ttft_s": one[0]["ttft_s"],
+        "single_computed": c1,
+        "burst_ttfts_s": sorted(o["ttft_s"] for o in eight),
+        "burst_computed": c8,
         "computed_ratio": c8 / c1,
         "slowest_ttft_ratio": max(o["ttft_s"] for o in eight) / one[0]["ttft_s"],
         "answers_equal": len({o["text"] for o in eight}) == 1,
-    }  # fmt: skip
+    }
     d0, d1 = salted(doc, 0, next(salts)), salted(doc, 0, next(salts))
     alone, ca = burst(base, model, [d0 + questions[0]])
     shared, cs = burst(base, model, [d1 + q for q in questions])
@@ -146,15 +161,19 @@ def measure(base: str, model: str) -> dict[str, Any]:
     # batching alone does to the answers (bf16 sums in another order at another batch shape).
     control, _ = burst(base, model, [d1 + q for q in questions])
     res["document"] = {
-        "single_ttft_s": alone[0]["ttft_s"], "single_computed": ca,
-        "burst_ttfts_s": [o["ttft_s"] for o in shared], "burst_computed": cs,
+        "single_ttft_s": alone[0]["ttft_s"],
+        "single_computed": ca,
+        "burst_ttfts_s": [o["ttft_s"] for o in shared],
+        "burst_computed": cs,
         "computed_ratio": cs / ca,
         "slowest_ttft_ratio": max(o["ttft_s"] for o in shared) / alone[0]["ttft_s"],
         "answers_equal_alone": [o["text"] == t for o, t in zip(shared, twins, strict=True)],
         "distinct_answers": len({o["text"] for o in shared}),
         "control_equal_alone": [o["text"] == t for o, t in zip(control, twins, strict=True)],
-        "burst_equal_control": [o["text"] == c["text"] for o, c in zip(shared, control, strict=True)],
-    }  # fmt: skip
+        "burst_equal_control": [
+            o["text"] == c["text"] for o, c in zip(shared, control, strict=True)
+        ],
+    }
     return res
 
 

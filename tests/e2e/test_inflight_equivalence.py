@@ -41,9 +41,14 @@ def test_followers_give_the_greedy_outputs(
     # The cap keeps the leader to 8 tokens a step, so the others arrive at blocks still
     # being computed (without it the leader takes the whole step and there is nothing to share).
     got, llm = poise_outputs(
-        tiny_llama_dir, burst_prompts(), block_size=BLOCK, enable_prefix_caching=True,
-        max_num_batched_tokens=64, long_prefill_token_threshold=8, scheduling_policy=policy,
-    )  # fmt: skip
+        tiny_llama_dir,
+        burst_prompts(),
+        block_size=BLOCK,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=64,
+        long_prefill_token_threshold=8,
+        scheduling_policy=policy,
+    )
     assert got == burst_reference
     stats = llm.engine.kv.prefix_stats
     assert stats.inflight_hits == 5 and stats.inflight_hit_tokens >= 5 * 40, stats
@@ -54,10 +59,15 @@ def test_a_follower_whose_leader_is_cancelled_mid_prefill_gives_the_greedy_outpu
     tiny_llama_dir: Path, burst_reference: list[list[int]]
 ) -> None:
     llm = LLM(
-        model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, block_size=BLOCK,
-        enable_prefix_caching=True, max_num_batched_tokens=64, long_prefill_token_threshold=8,
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        num_kv_blocks=64,
+        block_size=BLOCK,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=64,
+        long_prefill_token_threshold=8,
         attention_backend=ATTENTION_BACKEND,
-    )  # fmt: skip
+    )
     engine = llm.engine
     prompts = burst_prompts()
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)

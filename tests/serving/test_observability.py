@@ -175,8 +175,13 @@ def test_in_flight_hits_are_counted_and_reported_as_cached_tokens(smol_tokenizer
     its 16-token chunks) and reports the blocks it computed as cached tokens."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with slow_server(smol_tokenizer, delay_s=0.05, enable_prefix_caching=True,
-                     max_num_batched_tokens=64, long_prefill_token_threshold=16) as server:  # fmt: skip
+    with slow_server(
+        smol_tokenizer,
+        delay_s=0.05,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=64,
+        long_prefill_token_threshold=16,
+    ) as server:
         body = {"model": "fake", "prompt": list(range(300, 430)), "max_tokens": 2}
 
         def post(_: int) -> Any:

@@ -70,8 +70,14 @@ class EngineMachine(RuleBasedStateMachine):
         self.prompts: dict[str, list[int]] = {}
         self.live: set[str] = set()  # added, not finished
         self.next_id = 0
-        self.stats = {"steps": 0, "preemptions": 0, "cache_hits": 0, "failed_steps": 0,
-                      "deferrals": 0, "inflight_hits": 0}  # fmt: skip
+        self.stats = {
+            "steps": 0,
+            "preemptions": 0,
+            "cache_hits": 0,
+            "failed_steps": 0,
+            "deferrals": 0,
+            "inflight_hits": 0,
+        }
 
     @initialize(
         policy=st.sampled_from(SCHEDULING_POLICIES),

@@ -23,12 +23,21 @@ def make(
     # The long-prefill cap keeps the leader from taking the whole step: without it a prompt
     # longer than the budget serializes the others behind it anyway (nothing to share).
     config = EngineConfig.from_kwargs(
-        block_size=BLOCK, max_num_batched_tokens=budget, long_prefill_token_threshold=8,
-        enable_prefix_caching=caching, **kwargs,
-    )  # fmt: skip
+        block_size=BLOCK,
+        max_num_batched_tokens=budget,
+        long_prefill_token_threshold=8,
+        enable_prefix_caching=caching,
+        **kwargs,
+    )
     executor = FakeExecutor(1000, BLOCK)
-    engine = EngineCore(config, executor, num_kv_blocks=128, max_model_len=256,
-                        vocab_size=1000, clock=VirtualClock())  # fmt: skip
+    engine = EngineCore(
+        config,
+        executor,
+        num_kv_blocks=128,
+        max_model_len=256,
+        vocab_size=1000,
+        clock=VirtualClock(),
+    )
     return engine, executor
 
 
