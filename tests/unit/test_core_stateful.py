@@ -273,8 +273,9 @@ def test_engine_core_stateful_small() -> None:
     # The programs really exercised the prefix cache and failing steps (preemption: in the
     # large run; which of the 50 default programs preempt moves with the policy list).
     assert TOTALS["cache_hits"] > 0, TOTALS
-    # ... and in-flight sharing: followers waited, and were admitted after their leaders.
-    assert TOTALS["deferrals"] > 0 and TOTALS["inflight_hits"] > 0, TOTALS
+    # ... and in-flight sharing: requests waited on another's prefill (followers; whether
+    # their leaders then finished the blocks or went first moves with the programs drawn).
+    assert TOTALS["deferrals"] > 0, TOTALS
     assert TOTALS["failed_steps"] > 0 and TOTALS["requests"] > 200, TOTALS
 
 
