@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from poise.lab.managed_server import ManagedServer, ServerSpec
 
 from poise import workload as wl
+from poise.lab.managed_server import ManagedServer, ServerSpec
 
 MAX_TOKENS = 16
 N = 8
