@@ -293,8 +293,10 @@ class Scheduler:
             shared, leader = self.inflight.lookup(request)
         if not ledger.slot_allowed(cls, free) or shared is None or leader is not None:
             ledger.left_waiting(cls)
-            if leader is not None and not plan.contains(leader):  # its turn runs the leader
-                self._schedule_running(plan, leader, ledger, ctx)
+            if leader is not None:  # a follower: its class's demand is not this step's ...
+                ledger.passed(cls, min(prefill_left(request), self._long_prefill_cap or 1 << 62))
+                if not plan.contains(leader):  # ... and its turn runs the leader
+                    self._schedule_running(plan, leader, ledger, ctx)
             return True
         cached = shared
         start = len(cached) * self.kv.block_size  # the cached prefix counts as computed
