@@ -133,7 +133,8 @@ class Admission:
             if step.plan.budget <= 0:
                 break
             if request.request_id in was_running:
-                if request.status is RequestStatus.RUNNING:  # not preempted earlier this step
+                # Not preempted earlier in the step, nor run already at a deferred one's turn.
+                if request.status is RequestStatus.RUNNING and not step.plan.contains(request):
                     self._run(step, request)
             elif step.plan.made_room:
                 step.plan.refuse(request, MAKING_ROOM)
@@ -219,9 +220,11 @@ class Admission:
         if not ledger.slot_allowed(cls, free):
             return self._refuse(step, request, CLASS_SLOTS, stop=False)
         for gate in self.defer:
-            reason = gate.defer(request)
-            if reason is not None:
-                return self._refuse(step, request, reason, stop=False)
+            wait = gate.defer(request)
+            if wait is not None:
+                if wait.run is not None and not plan.contains(wait.run):
+                    self._run(step, wait.run)  # what it waits for runs at its turn
+                return self._refuse(step, request, wait.reason, stop=False)
         cached = self._cached_prefix(request)
         start = len(cached) * self.kv.block_size  # the cached prefix counts as computed
         remaining = request.num_tokens - start

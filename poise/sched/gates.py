@@ -22,6 +22,7 @@ are the policy's (``ordering.Policy``). Predictive admission acts at arrival, no
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from poise.core.request import Request
@@ -87,8 +88,16 @@ class BlockReserve(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Deferral:
+    reason: str  # recorded in ``StepPlan.refused``
+    # A running request whose progress the deferred one waits for: admission gives it its turn
+    # now, at the deferred request's place in the policy's order (None: it runs in its own).
+    run: Request | None = None
+
+
 class DeferGate(Protocol):
-    def defer(self, request: Request) -> str | None:
+    def defer(self, request: Request) -> Deferral | None:
         """Why ``request`` must wait this step although it may fit (None: it need not)."""
         ...
 

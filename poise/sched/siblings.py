@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 from poise.core.request import Request, RequestStatus
 from poise.kv.manager import KVCacheManager
+from poise.sched.gates import Deferral
 
 
 def leader_blocks(
@@ -43,8 +44,8 @@ class LeaderGate:
         self.requests = requests
         self.kv = kv
 
-    def defer(self, request: Request) -> str | None:
+    def defer(self, request: Request) -> Deferral | None:
         if request.prompt_leader is None:
             return None
         pending = leader_blocks(request, self.requests, self.kv) is None
-        return WAITING_FOR_LEADER if pending else None
+        return Deferral(WAITING_FOR_LEADER) if pending else None  # the leader runs in its turn

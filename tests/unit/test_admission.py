@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from poise.core.request import Request
 from poise.sched.classes import ClassSet, TrafficClass
+from poise.sched.gates import Deferral
 from poise.sched.step import NO_SLOT, QUEUE_BLOCKED
 from tests.unit.test_scheduler import greedy, make_engine, run_all
 
@@ -26,8 +27,8 @@ class HoldBack:
 
     held: set[str] = field(default_factory=set)
 
-    def defer(self, request: Request) -> str | None:
-        return "held" if request.request_id in self.held else None
+    def defer(self, request: Request) -> Deferral | None:
+        return Deferral("held") if request.request_id in self.held else None
 
 
 def test_a_deferred_request_waits_and_admission_goes_on_past_it() -> None:
@@ -60,3 +61,22 @@ def test_a_request_class_is_resolved_once_on_arrival() -> None:
     assert request.slo.class_name == "long"  # the default classes' prompt rule
     run_all(engine)
     assert calls == [1099]
+
+
+def test_what_a_deferred_request_waits_for_runs_once_at_its_turn() -> None:
+    """prefill_first walks the waiting queue before decodes: the decode a deferred request
+    waits for runs at that request's turn, and not again at its own."""
+    engine, executor = make_engine(scheduling_policy="prefill_first")
+    engine.add_request("a", [1, 2, 3, 4, 5], greedy(4))
+    engine.step()  # a's prompt; it decodes from now on
+    a = engine.scheduler.requests["a"]
+
+    class WaitForA:
+        def defer(self, request: Request) -> Deferral | None:
+            return Deferral("waits_for_a", run=a) if request.request_id == "b" else None
+
+    engine.scheduler.admission.defer.append(WaitForA())
+    engine.add_request("b", [6, 7, 8], greedy(2))
+    output = engine.scheduler.schedule(engine.clock.now())
+    assert [s.request_id for s in output.scheduled] == ["a"]
+    assert engine.scheduler.last_refusals == {"b": "waits_for_a"}
