@@ -236,7 +236,8 @@ class Admission:
             return self._refuse(step, request, RESERVED_TOKENS, stop=False)
         if whole_only and n < remaining:
             ledger.passed(cls, remaining)
-            # It fits the step but not the reservations: the queue behind it may go on.
+            # Fitting the step but not the reservations it never stops the queue behind it;
+            # too big for the step, the policy says.
             stop = remaining > plan.budget and self._blocks(request, view)
             return self._refuse(step, request, WHOLE_PROMPT, stop)
         if victim is not None:  # only now that this surely goes in (else two displace each other)
