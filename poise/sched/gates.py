@@ -30,6 +30,9 @@ from poise.kv.manager import KVCacheManager
 from poise.sched.step import StepPlan
 from poise.sched.view import PolicyView
 
+# Requests in a queue (running in admission order, waiting in arrival order).
+Queue = Sequence[Request]
+
 
 class StepBudget(Protocol):
     # The budget of this step (of the last one between steps: what forecasts use) ...
@@ -37,23 +40,17 @@ class StepBudget(Protocol):
     # ... and before a TTFT deadline lifted it (the budget the queue was ordered by).
     planned: int
 
-    def for_step(
-        self, running: Sequence[Request], waiting: Sequence[Request], view: PolicyView
-    ) -> int: ...
+    def for_step(self, running: Queue, waiting: Queue, view: PolicyView) -> int: ...
 
     def observe(self, num_tokens: int, duration_s: float, had_decodes: bool) -> None: ...
 
 
+# Prefill tokens per capped class this step (empty: none is capped).
+Caps = Mapping[str, int]
+
+
 class PrefillCaps(Protocol):
-    def caps(
-        self,
-        running: Sequence[Request],
-        waiting: Sequence[Request],
-        budget: int,
-        view: PolicyView,
-    ) -> Mapping[str, int]:
-        """Prefill tokens each capped class may take this step (empty: none is capped)."""
-        ...
+    def caps(self, running: Queue, waiting: Queue, budget: int, view: PolicyView) -> Caps: ...
 
 
 class ClassLedger(Protocol):
@@ -77,9 +74,7 @@ class BlockReserve(Protocol):
         """The running prefills' needs changed (one took tokens, one was preempted)."""
         ...
 
-    def keep_free(
-        self, request: Request, start: int, num_tokens: int, running: Sequence[Request]
-    ) -> int:
+    def keep_free(self, request: Request, start: int, num_tokens: int, running: Queue) -> int:
         """Blocks that must stay free when ``request`` takes ``[start, start + num_tokens)``."""
         ...
 
@@ -103,9 +98,7 @@ class DeferGate(Protocol):
 
 
 class DraftSource(Protocol):
-    def begin_step(
-        self, running: Sequence[Request], waiting: Sequence[Request], budget: int, max_seqs: int
-    ) -> None: ...
+    def begin_step(self, running: Queue, waiting: Queue, budget: int, max_seqs: int) -> None: ...
 
     def schedule(self, request: Request, plan: StepPlan, kv: KVCacheManager, max_len: int) -> bool:
         """Schedule decoding ``request`` with drafts; False: schedule it as a plain decode."""
