@@ -110,7 +110,7 @@ class EngineMachine(RuleBasedStateMachine):
         rid = f"r{self.next_id}"
         self.next_id += 1
         prompt = prefix + tail
-        known = self.engine.scheduler.steer.classes.names
+        known = self.engine.classes.names
         params = SamplingParams(
             max_tokens=max_tokens, temperature=0.0, priority=priority,
             traffic_class=traffic_class if traffic_class in known else None,
