@@ -228,6 +228,11 @@ class Admission:
         cached = self._cached_prefix(request)
         start = len(cached) * self.kv.block_size  # the cached prefix counts as computed
         remaining = request.num_tokens - start
+        # The ledger counted the whole prompt as its class's demand; what the cache holds is
+        # demand no longer (else a refused prompt left it reserved, and a budget the size of the
+        # reservation refused every prompt of the other classes, step after step).
+        counted, needed = prefill_left(request), prefill_left(request, start)
+        ledger.passed(cls, self.shares.demand(counted) - self.shares.demand(needed))
         n = self._chunk_size(step, remaining, ledger.token_allowance(cls, plan.budget))
         # Without chunked prefill a prompt goes in whole; recomputes after preemption may
         # still be chunked, or a preempted request longer than the budget could never return.

@@ -32,6 +32,11 @@ class ClassShares:
         self.max_num_seqs = max_num_seqs
         self.chunk_cap = chunk_cap  # the long-prefill cap (0: none): a chunk takes no more
 
+    def demand(self, prefill_tokens: int) -> int:
+        """A candidate's prefill demand in a step: its tokens left, up to the long-prefill cap."""
+        cap = self.chunk_cap
+        return min(prefill_tokens, cap) if cap > 0 else prefill_tokens
+
     def ledger(
         self,
         candidates: Sequence[Request],
@@ -42,11 +47,9 @@ class ClassShares:
         demand: Counter[str] = Counter()
         slots: Counter[str] = Counter()
         running_ids = {r.request_id for r in running}
-        cap = self.chunk_cap
         for r in candidates:
             cls = r.slo.class_name
-            left = prefill_left(r)  # 0 for a decode: decodes are not rationed
-            demand[cls] += min(left, cap) if cap > 0 else left
+            demand[cls] += self.demand(prefill_left(r))  # 0 for a decode: not rationed
             if r.request_id not in running_ids:
                 slots[cls] += 1
         by_class = Counter(r.slo.class_name for r in running)
