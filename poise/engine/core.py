@@ -24,7 +24,7 @@ from typing import Protocol
 
 from poise.config import EngineConfig
 from poise.core.outputs import ModelRunnerOutput, RequestDelta, StepStats
-from poise.core.request import Request, RequestStatus
+from poise.core.request import Request, RequestStatus, SloTargets
 from poise.core.sampling_params import SamplingParams
 from poise.core.structured import GrammarCompiler, GrammarState
 from poise.engine.clock import Clock, MonotonicClock
@@ -33,6 +33,7 @@ from poise.engine.observer import EngineObserver
 from poise.engine.state import EngineState
 from poise.errors import InvalidRequestError, OverloadedError, StepFailedError
 from poise.kv.manager import KVCacheManager
+from poise.sched.classes import ClassSet, load_classes
 from poise.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len)
         self.max_model_len = self.scheduler.max_len
+        # Each request's traffic class is resolved once, on arrival, and travels on it.
+        self.classes: ClassSet = load_classes(config.scheduler.traffic_classes)
 
     @classmethod
     def for_model(
@@ -108,6 +111,11 @@ class EngineCore:
 
     def validate(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
         """Raise InvalidRequestError if this request can never be served."""
+        self._resolve(prompt_token_ids, sampling_params)
+
+    def _resolve(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> SloTargets:
+        """Raise InvalidRequestError if this request can never be served; else its traffic
+        class and targets (an unknown class name is a 400 naming the field)."""
         if not prompt_token_ids:
             raise InvalidRequestError("prompt is empty", "prompt")
         sampling_params.validate(self.vocab_size)
@@ -121,8 +129,15 @@ class EngineCore:
         reason = self.scheduler.rejection_reason(len(prompt_token_ids))
         if reason is not None:
             raise InvalidRequestError(reason, "prompt", reason="too_long")
-        # An unknown class name is a 400 naming the field.
-        self.scheduler.steer.classes.assign(len(prompt_token_ids), sampling_params.traffic_class)
+        return self._slo(prompt_token_ids, sampling_params)
+
+    def _slo(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> SloTargets:
+        return self.classes.targets(
+            len(prompt_token_ids),
+            sampling_params.traffic_class,
+            sampling_params.ttft_slo_ms,
+            sampling_params.tpot_slo_ms,
+        )
 
     @property
     def num_queued(self) -> int:
@@ -160,7 +175,7 @@ class EngineCore:
         ``poise.core.parallel.fan_out``); a request with ``n`` > 1 must be fanned out first."""
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "id")
-        self.validate(prompt_token_ids, sampling_params)
+        slo = self._resolve(prompt_token_ids, sampling_params)
         if sampling_params.n != 1:
             raise InvalidRequestError(
                 "n > 1 reaches the engine as n requests: add poise.core.parallel.fan_out's "
@@ -169,7 +184,9 @@ class EngineCore:
             )
         self.check_capacity()
         now = self.clock.now()
-        request = self._new_request(request_id, prompt_token_ids, sampling_params, arrival_time)
+        request = self._new_request(
+            request_id, prompt_token_ids, sampling_params, arrival_time, slo
+        )
         request.prompt_leader = prompt_leader
         request.grammar = self.new_grammar(sampling_params)
         request.times.enqueued = now
@@ -197,7 +214,10 @@ class EngineCore:
         arrival_time: float | None = None,
     ) -> float:
         """Predicted TTFT (s, from arrival) of this request if it were added now."""
-        request = self._new_request(request_id, prompt_token_ids, sampling_params, arrival_time)
+        slo = self._slo(prompt_token_ids, sampling_params)
+        request = self._new_request(
+            request_id, prompt_token_ids, sampling_params, arrival_time, slo
+        )
         return self.scheduler.forecast(request, self.clock.now()).ttft_s
 
     def _new_request(
@@ -206,6 +226,7 @@ class EngineCore:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         arrival_time: float | None,
+        slo: SloTargets,
     ) -> Request:
         now = self.clock.now()
         return Request(
@@ -215,12 +236,7 @@ class EngineCore:
             arrival_time=now if arrival_time is None else arrival_time,
             eos_token_ids=self.eos_token_ids,
             priority=sampling_params.priority,
-            slo=self.scheduler.steer.classes.targets(
-                len(prompt_token_ids),
-                sampling_params.traffic_class,
-                sampling_params.ttft_slo_ms,
-                sampling_params.tpot_slo_ms,
-            ),
+            slo=slo,
         )
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestDelta]:
@@ -302,10 +318,10 @@ class EngineCore:
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
             kv_cache_usage=self.kv.usage,
-            token_budget=sched.steer.budget,
-            paced_prefill_tokens=MappingProxyType(sched.steer.paced_prefill_tokens()),
+            token_budget=sched.token_budget,
+            paced_prefill_tokens=MappingProxyType(sched.paced_prefill_tokens()),
             num_preemptions=sched.num_preemptions_total,
-            preemptions_by_class=MappingProxyType(dict(sched.steer.preemptions_by_class)),
+            preemptions_by_class=MappingProxyType(dict(sched.preemptions_by_class)),
             queue_full=self.queue_is_full(),
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,

@@ -31,6 +31,10 @@ from collections.abc import Mapping
 
 from poise.core.request import Request
 from poise.kv.manager import KVCacheManager
+from poise.sched.gates import Deferral
+
+# A request waits for blocks another's running prefill is writing (``StepPlan.refused``).
+WAITING_FOR_INFLIGHT_PREFIX = "waiting_for_inflight_prefix"
 
 
 class InflightSharing:
@@ -59,6 +63,14 @@ class InflightSharing:
         self._first_cached.setdefault(request.request_id, len(cached))
         self.num_deferrals += 1
         return cached, leader
+
+    def defer(self, request: Request) -> Deferral | None:
+        """Admission's ``DeferGate``: wait (and run the leader at this turn) while the next
+        block is pending in another request's prefill."""
+        if request.prompt_leader is not None:
+            return None  # an n > 1 sibling: siblings.py
+        _, leader = self.lookup(request)
+        return None if leader is None else Deferral(WAITING_FOR_INFLIGHT_PREFIX, run=leader)
 
     def admitted(self, request: Request, cached_blocks: list[int]) -> None:
         """``request`` is admitted after ``cached_blocks``: count its prefix lookup (with the

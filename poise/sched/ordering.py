@@ -1,9 +1,9 @@
 """Scheduling policies: one walk order, one waiting-queue key and one victim choice each.
 
-The scheduler's step loop is the same for every policy: it walks the candidates the policy
-lists (running requests get their next chunk or decode, waiting ones are admitted), and when
-a request needs blocks that are not there it preempts the victim the policy picks. A policy is
-a ``Policy`` value made of those functions, not a branch in the loop:
+Admission's step loop (``admission.py``) is the same for every policy: it walks the candidates
+the policy lists (running requests get their next chunk or decode, waiting ones are admitted),
+and when a request needs blocks that are not there it preempts the victim the policy picks. A
+policy is a ``Policy`` value made of those functions, not a branch in the loop:
 
 - ``fifo`` (decode-first): running requests in admission order, then the waiting queue in
   arrival order; a waiting request that does not fit stops admission (arrival order is kept);
@@ -51,12 +51,14 @@ longer than one aging period), in which case admission stops so that room gather
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from poise.config import SCHEDULING_POLICIES
 from poise.core.request import Request
+from poise.sched.view import PolicyView
 
 # The names the config accepts: one list, in config.py.
 POLICIES: tuple[str, ...] = SCHEDULING_POLICIES
@@ -65,47 +67,23 @@ POLICIES: tuple[str, ...] = SCHEDULING_POLICIES
 LPM_LOOKAHEAD = 128
 
 
-@dataclass
-class PolicyContext:
-    """What a policy may know in one step: time, predictions and the prefix cache."""
-
-    now: float
-    # Seconds of waiting worth one priority level (0: strict priority, no aging).
-    aging_s: float
-    # Seconds to compute this many prompt tokens at the current step rate.
-    prefill_time: Callable[[int], float]
-    # Prompt tokens of the longest cached prefix this request would reuse.
-    cached_tokens: Callable[[Request], int]
-    # One full step's predicted time: slack differences under it are ties.
-    step_s: float
-    # TTFT target for requests without one (seconds).
-    default_ttft_s: float
-    preemption_thrash_limit: int = 3
-    # How many of the first candidates a policy orders with its full (costlier) key.
-    lookahead: int = 64
-    # What makes a dynamic batch full, and how long its oldest request may wait for that.
-    max_num_seqs: int = 0
-    token_budget: int = 0
-    batch_delay_s: float = 0.0
-
-
 def is_partial_prefill(request: Request) -> bool:
     """More than one token behind: a chunked prefill (or a recompute) is still in progress."""
     return not request.is_decoding
 
 
-def priority_key(request: Request, ctx: PolicyContext) -> tuple[float, float]:
-    if ctx.aging_s > 0:
-        return (request.arrival_time + request.priority * ctx.aging_s, request.arrival_time)
+def priority_key(request: Request, ctx: PolicyView) -> tuple[float, float]:
+    if ctx.params.aging_s > 0:
+        return (request.arrival_time + request.priority * ctx.params.aging_s, request.arrival_time)
     return (float(request.priority), request.arrival_time)
 
 
-def deadline(request: Request, ctx: PolicyContext) -> float:
-    target = request.slo.ttft_s if request.slo.ttft_s is not None else ctx.default_ttft_s
-    return request.arrival_time + target + request.priority * ctx.aging_s
+def deadline(request: Request, ctx: PolicyView) -> float:
+    target = request.slo.ttft_s if request.slo.ttft_s is not None else ctx.params.default_ttft_s
+    return request.arrival_time + target + request.priority * ctx.params.aging_s
 
 
-def slack(request: Request, ctx: PolicyContext, cached: int = 0) -> float:
+def slack(request: Request, ctx: PolicyView, cached: int = 0) -> float:
     """Seconds to spare before its TTFT deadline, after the prefill it still needs
     (``cached``: prompt tokens the prefix cache would spare it)."""
     if request.times.first_token is not None and not is_partial_prefill(request):
@@ -114,41 +92,41 @@ def slack(request: Request, ctx: PolicyContext, cached: int = 0) -> float:
     return deadline(request, ctx) - ctx.now - ctx.prefill_time(left)
 
 
-def _bucket(s: float, ctx: PolicyContext) -> float:
+def _bucket(s: float, ctx: PolicyView) -> float:
     return math.floor(s / ctx.step_s) if ctx.step_s > 0 and math.isfinite(s) else s
 
 
-def slo_coarse_key(request: Request, ctx: PolicyContext) -> tuple[float, float]:
+def slo_coarse_key(request: Request, ctx: PolicyView) -> tuple[float, float]:
     """Slack in steps, then arrival: the order without prefix lookups."""
     return (_bucket(slack(request, ctx), ctx), request.arrival_time)
 
 
-def slo_key(request: Request, ctx: PolicyContext) -> tuple[float, int, float]:
+def slo_key(request: Request, ctx: PolicyView) -> tuple[float, int, float]:
     """The full order: slack in steps, then the longest cached prefix, then arrival."""
     cached = ctx.cached_tokens(request)
     return (_bucket(slack(request, ctx, cached), ctx), -cached, request.arrival_time)
 
 
-def is_overdue(request: Request, ctx: PolicyContext) -> bool:
+def is_overdue(request: Request, ctx: PolicyView) -> bool:
     """Waited so long that requests behind it must not take the room it needs."""
     return slack(request, ctx) < 0 or (
-        ctx.aging_s > 0 and ctx.now - request.arrival_time > ctx.aging_s
+        ctx.params.aging_s > 0 and ctx.now - request.arrival_time > ctx.params.aging_s
     )
 
 
 # -- walks: the candidates of one step, in the order they get budget -------------------------
 
-Walk = Callable[[Sequence[Request], Sequence[Request], PolicyContext], list[Request]]
+Walk = Callable[[Sequence[Request], Sequence[Request], PolicyView], list[Request]]
 
 
 def walk_fifo(
-    running: Sequence[Request], waiting: Sequence[Request], _: PolicyContext
+    running: Sequence[Request], waiting: Sequence[Request], _: PolicyView
 ) -> list[Request]:
     return [*running, *waiting]
 
 
 def walk_prefill_first(
-    running: Sequence[Request], waiting: Sequence[Request], _: PolicyContext
+    running: Sequence[Request], waiting: Sequence[Request], _: PolicyView
 ) -> list[Request]:
     partial = [r for r in running if is_partial_prefill(r)]
     decodes = [r for r in running if not is_partial_prefill(r)]
@@ -156,13 +134,13 @@ def walk_prefill_first(
 
 
 def walk_priority(
-    running: Sequence[Request], waiting: Sequence[Request], ctx: PolicyContext
+    running: Sequence[Request], waiting: Sequence[Request], ctx: PolicyView
 ) -> list[Request]:
     return [*running, *sorted(waiting, key=lambda r: priority_key(r, ctx))]
 
 
 def walk_slo(
-    running: Sequence[Request], waiting: Sequence[Request], ctx: PolicyContext
+    running: Sequence[Request], waiting: Sequence[Request], ctx: PolicyView
 ) -> list[Request]:
     decodes = [r for r in running if not is_partial_prefill(r)]
     prefills = [r for r in running if is_partial_prefill(r)] + list(waiting)
@@ -170,49 +148,49 @@ def walk_slo(
     # by slack without it (conservative: a cache hit only adds slack), then refine the head
     # that this step can reach with the full key (cache hits, ties to the longest prefix).
     prefills.sort(key=lambda r: slo_coarse_key(r, ctx))
-    head = prefills[: ctx.lookahead]
+    head = prefills[: ctx.params.lookahead]
     head.sort(key=lambda r: slo_key(r, ctx))
-    return [*decodes, *head, *prefills[ctx.lookahead :]]
+    return [*decodes, *head, *prefills[ctx.params.lookahead :]]
 
 
 def walk_lpm(
-    running: Sequence[Request], waiting: Sequence[Request], ctx: PolicyContext
+    running: Sequence[Request], waiting: Sequence[Request], ctx: PolicyView
 ) -> list[Request]:
     # Prefix lookups (a hash per prompt block) only for the queue's head, arrival order beyond
     # it; at least SGLang's 128, since a hit far back is what this policy is for.
-    queue, n = list(waiting), max(ctx.lookahead, LPM_LOOKAHEAD)
+    queue, n = list(waiting), max(ctx.params.lookahead, LPM_LOOKAHEAD)
     head, rest = queue[:n], queue[n:]
 
     def key(r: Request) -> tuple[bool, float, float]:
-        overdue = ctx.aging_s > 0 and ctx.now - r.arrival_time > ctx.aging_s
+        overdue = ctx.params.aging_s > 0 and ctx.now - r.arrival_time > ctx.params.aging_s
         return (not overdue, 0.0 if overdue else -ctx.cached_tokens(r), r.arrival_time)
 
     return [*running, *sorted(head, key=key), *rest]
 
 
 def walk_static(
-    running: Sequence[Request], waiting: Sequence[Request], _: PolicyContext
+    running: Sequence[Request], waiting: Sequence[Request], _: PolicyView
 ) -> list[Request]:
     """A running batch finishes before anyone is admitted: the waiting queue only when idle."""
     return list(running) if running else list(waiting)
 
 
-def dynamic_batch_ready(waiting: Sequence[Request], ctx: PolicyContext) -> bool:
+def dynamic_batch_ready(waiting: Sequence[Request], ctx: PolicyView) -> bool:
     """An idle engine's dynamic batch goes now: it is full, or its oldest waited long enough."""
     if not waiting:
         return False
-    full = len(waiting) >= ctx.max_num_seqs or (
-        sum(r.num_tokens for r in waiting) >= ctx.token_budget
+    full = len(waiting) >= ctx.params.max_num_seqs or (
+        sum(r.num_tokens for r in waiting) >= ctx.budget
     )
     return full or ctx.now >= dynamic_deadline(waiting, ctx)
 
 
-def dynamic_deadline(waiting: Sequence[Request], ctx: PolicyContext) -> float:
-    return min(r.arrival_time for r in waiting) + ctx.batch_delay_s
+def dynamic_deadline(waiting: Sequence[Request], ctx: PolicyView) -> float:
+    return min(r.arrival_time for r in waiting) + ctx.params.batch_delay_s
 
 
 def walk_dynamic(
-    running: Sequence[Request], waiting: Sequence[Request], ctx: PolicyContext
+    running: Sequence[Request], waiting: Sequence[Request], ctx: PolicyView
 ) -> list[Request]:
     if running:
         return list(running)
@@ -220,7 +198,7 @@ def walk_dynamic(
 
 
 def wake_dynamic(
-    running: Sequence[Request], waiting: Sequence[Request], ctx: PolicyContext
+    running: Sequence[Request], waiting: Sequence[Request], ctx: PolicyView
 ) -> float | None:
     """When an idle engine holding a dynamic batch back will start it without new input."""
     if running or not waiting:
@@ -232,12 +210,10 @@ def wake_dynamic(
 
 # ``candidates``: the running requests in admission order, ``current`` (the one that needs
 # blocks) among them; the victim may be ``current`` itself, or one already in this step.
-Victim = Callable[[Sequence[Request], Request, PolicyContext], Request]
+Victim = Callable[[Sequence[Request], Request, PolicyView], Request]
 
 
-def victim_last_admitted(
-    candidates: Sequence[Request], current: Request, _: PolicyContext
-) -> Request:
+def victim_last_admitted(candidates: Sequence[Request], current: Request, _: PolicyView) -> Request:
     """The last admitted, which may be ``current``: a request never preempts one admitted
     before it, so the longest-running request keeps its blocks. (``prefill_first`` walks
     prefills and admissions before decodes. When a prefill chose among the others not yet in
@@ -255,15 +231,13 @@ def _worst(candidates: Sequence[Request], key: Callable[[Request], tuple[float, 
 
 
 def victim_lowest_priority(
-    candidates: Sequence[Request], current: Request, ctx: PolicyContext
+    candidates: Sequence[Request], current: Request, ctx: PolicyView
 ) -> Request:
     return _worst(candidates, lambda r: priority_key(r, ctx))
 
 
-def victim_cost_aware(
-    candidates: Sequence[Request], current: Request, ctx: PolicyContext
-) -> Request:
-    spared = [r for r in candidates if r.num_preemptions < ctx.preemption_thrash_limit]
+def victim_cost_aware(candidates: Sequence[Request], current: Request, ctx: PolicyView) -> Request:
+    spared = [r for r in candidates if r.num_preemptions < ctx.params.preemption_thrash_limit]
     pool = spared or candidates
 
     def cost(r: Request) -> tuple[float, float, int]:
@@ -281,7 +255,7 @@ def victim_cost_aware(
 
 
 def displace_lower_priority(
-    request: Request, running: Sequence[Request], ctx: PolicyContext
+    request: Request, running: Sequence[Request], ctx: PolicyView
 ) -> Request | None:
     """At the sequence cap, the running request ``request`` may take the place of, if any: one
     of a strictly lower priority level that the aged order also puts behind it (never an
@@ -293,11 +267,11 @@ def displace_lower_priority(
     return worst if priority_key(worst, ctx) > priority_key(request, ctx) else None
 
 
-def never_displace(request: Request, running: Sequence[Request], ctx: PolicyContext) -> None:
+def never_displace(request: Request, running: Sequence[Request], ctx: PolicyView) -> None:
     return None
 
 
-def always_block(request: Request, ctx: PolicyContext) -> bool:
+def always_block(request: Request, ctx: PolicyView) -> bool:
     return True
 
 
@@ -307,16 +281,14 @@ class Policy:
     walk: Walk
     victim: Victim
     # Whether a waiting request that cannot be admitted stops admission behind it.
-    blocks_queue: Callable[[Request, PolicyContext], bool]
+    blocks_queue: Callable[[Request, PolicyView], bool]
     # A running request the waiting one may preempt to take its place, or None.
-    displace: Callable[[Request, Sequence[Request], PolicyContext], Request | None]
+    displace: Callable[[Request, Sequence[Request], PolicyView], Request | None]
     # Sort key of the waiting queue (None: the queue's own order), for predictions.
-    waiting_key: Callable[[Request, PolicyContext], object] | None
+    waiting_key: Callable[[Request, PolicyView], object] | None
     # When a step that schedules nothing although requests wait will schedule them without new
     # input (None: only new input changes it): a caller sleeps until then instead of spinning.
-    wake: Callable[[Sequence[Request], Sequence[Request], PolicyContext], float | None] | None = (
-        None
-    )
+    wake: Callable[[Sequence[Request], Sequence[Request], PolicyView], float | None] | None = None
     # Whether steps are kept short for the tightest TTFT target (``pacing.py``).
     paces: bool = False
     # Whether admission keeps free the KV blocks every admitted prompt still needs (see the
@@ -373,3 +345,23 @@ def get_policy(name: str) -> Policy:
         return _REGISTRY[name]
     except KeyError:
         raise ValueError(f"scheduling_policy: must be one of {POLICIES}, got {name!r}") from None
+
+
+def prefill_queue(
+    policy: Policy,
+    running: Sequence[Request],
+    waiting: Sequence[Request],
+    view: PolicyView,
+    only: Collection[str] | None = None,
+) -> list[Request]:
+    """The unfinished prefills and the waiting queue's head (the policy's lookahead), in the
+    policy's order: who is next to need prefill budget (of the classes ``only``). Filtering
+    before the sort keeps the relative order of the whole queue's: the sort is by key, stable."""
+    prefills = [r for r in running if is_partial_prefill(r)]
+    queue = [*prefills, *itertools.islice(waiting, view.params.lookahead)]
+    if only is not None:
+        queue = [r for r in queue if r.slo.class_name in only]
+    if policy.waiting_key is not None:
+        key = policy.waiting_key
+        queue.sort(key=lambda r: key(r, view))  # type: ignore[arg-type,return-value]
+    return queue

@@ -25,14 +25,15 @@ Pure Python and clock-free.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from poise.core.request import Request
 from poise.sched.classes import ClassSet
 from poise.sched.estimator import StepCostEstimator
-from poise.sched.ordering import PolicyContext, deadline
+from poise.sched.ordering import Policy, deadline, is_partial_prefill, prefill_queue
 from poise.sched.predictor import prefill_left
+from poise.sched.view import PolicyView
 
 # Paced prefill may add this fraction of the tightest TTFT target to a step. A short request's
 # TTFT is the rest of the step in progress, its own step (as long again) and its queueing
@@ -83,7 +84,7 @@ def lift_cap(
     num_decodes: int,
     budget: int,
     estimator: StepCostEstimator,
-    ctx: PolicyContext,
+    ctx: PolicyView,
 ) -> int | None:
     """The least of ``cap``, ``cap x LIFT_STEP``, ... that lets every paced prefill in
     ``paced`` (in order) meet its TTFT deadline; None when only the whole step would (or not
@@ -96,7 +97,7 @@ def lift_cap(
     return None
 
 
-def deadline_missed(queue: Sequence[Request], room: int, step_s: float, ctx: PolicyContext) -> bool:
+def deadline_missed(queue: Sequence[Request], room: int, step_s: float, ctx: PolicyView) -> bool:
     """Whether a prefill in ``queue`` (in order) misses its TTFT deadline when each finishes
     after the prompt tokens ahead of it and its own, ``room`` tokens per step of ``step_s``."""
     ahead = 0
@@ -105,3 +106,36 @@ def deadline_missed(queue: Sequence[Request], room: int, step_s: float, ctx: Pol
         if r.slo.ttft_s is not None and ctx.now + -(-ahead // room) * step_s > deadline(r, ctx):
             return True
     return False
+
+
+class PacingCaps:
+    """Admission's ``PrefillCaps`` (``gates.py``): a step's paced prefill tokens per class."""
+
+    def __init__(self, pacing: Pacing, policy: Policy, estimator: StepCostEstimator) -> None:
+        self.pacing = pacing
+        self.policy = policy
+        self.estimator = estimator
+        self.current: dict[str, int] = {}  # this step's caps (empty: no class is held back)
+
+    def caps(
+        self,
+        running: Sequence[Request],
+        waiting: Sequence[Request],
+        budget: int,
+        view: PolicyView,
+    ) -> Mapping[str, int]:
+        """The paced classes' cap, risen (``lift_cap``) where a paced prefill would miss its
+        deadline; only the paced classes' prefills are ordered, usually none or one."""
+        self.current = {}
+        num_decodes = sum(1 for r in running if not is_partial_prefill(r))
+        caps = self.pacing.caps(self.estimator, num_decodes, budget)
+        if caps:
+            paced = prefill_queue(self.policy, running, waiting, view, only=caps.keys())
+            cap = lift_cap(paced, min(caps.values()), num_decodes, budget, self.estimator, view)
+            if cap is not None:
+                self.current = dict.fromkeys(caps, cap)
+        return self.current
+
+    def gauge(self, budget: int) -> dict[str, int]:
+        """Per paced class, the prefill tokens it may take per step now."""
+        return {c: self.current.get(c, budget) for c in sorted(self.pacing.paced)}

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from poise.core.request import Request
 from poise.sched.estimator import StepCost
-from poise.sched.ordering import Policy, PolicyContext, is_partial_prefill
+from poise.sched.ordering import Policy, is_partial_prefill
+from poise.sched.view import PolicyView
 
 # A replay longer than this many steps means "far beyond any target": stop counting.
 MAX_STEPS = 20_000
@@ -170,7 +171,7 @@ def backlog_for(
     running: Sequence[Request],
     waiting: Sequence[Request],
     policy: Policy,
-    ctx: PolicyContext,
+    ctx: PolicyView,
     shares: dict[str, float],
     budget: int,
     max_num_seqs: int,

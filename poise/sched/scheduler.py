@@ -5,32 +5,20 @@ and the simulator. Each step distributes ``max_num_batched_tokens`` in the vLLM 
 request has ``num_computed_tokens`` catching up with ``num_tokens``; a decode is a request one
 token behind, a prefill (possibly a chunk of it) is one further behind.
 
-One step, as ``schedule`` walks it:
+``schedule`` asks ``Admission`` (``admission.py``) for the step: who enters it with how many
+tokens, who is preempted, and why the others wait. This class holds the queues, wires the
+concerns admission consults (budget, pacing, class shares, reservations, deferral, drafts;
+``gates.py``), forecasts at arrival (``forecasts.py``), and applies each step's results
+(``update``). A request's traffic class was resolved once, at arrival, and travels on it
+(``request.slo``).
 
-1. Walk: the policy lists the candidates in the order they get budget (``ordering.py``: fifo,
-   prefill_first, priority, slo); the step's budget comes from ``Steering`` (fixed, or the
-   token-budget controller's), class shares from its ``ShareLedger``.
-2. Size: every candidate gets ``_chunk_size`` tokens: what it still lacks, within the budget it
-   may use, and at most ``long_prefill_token_threshold`` for a prefill unless the request is
-   alone in the engine.
-3. Make room (running candidates, ``_make_room``): when one cannot get a KV block, the policy's
-   victim among all running requests, the request itself included, is preempted (recompute:
-   blocks freed, back to the front of the queue), and no request is admitted for the rest of
-   the step: the freed blocks are for the running ones.
-4. Admit (waiting candidates, ``_admit``): needs a ``max_num_seqs`` slot (the policy may
-   displace a running request for it), token budget, and KV blocks that leave ``safety_margin``
-   of the pool free (ignored when nothing runs, so a big prompt cannot block the queue
-   forever). It starts after its longest cached prefix (or waits while a running prefill
-   computes its next block: ``inflight.py``). The policy says whether one that does not fit
-   stops admission behind it.
-
-KV ordering (``kv/manager.py``): blocks for ``[start, start + n)`` are allocated passing
-``start``; ``update`` advances ``num_computed_tokens``, then caches blocks.
+KV ordering (see ``kv/manager.py``): admission allocates blocks for ``[start, start + n)``
+passing ``start`` explicitly; ``update`` advances ``num_computed_tokens``, then caches blocks.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 
 from poise.config import SchedulerConfig
@@ -44,16 +32,24 @@ from poise.core.outputs import (
 )
 from poise.core.request import Request, RequestStatus
 from poise.kv.manager import KVCacheManager
+from poise.sched.admission import Admission, long_prefill_cap
+from poise.sched.classes import ClassSet, load_classes
+from poise.sched.controller import ControlledBudget, FixedBudget, TokenBudgetController
+from poise.sched.estimator import DEFAULT_CONST_S, DEFAULT_PER_TOKEN_S, StepCostEstimator
+from poise.sched.forecasts import Forecaster
+from poise.sched.gates import StepBudget
 from poise.sched.inflight import InflightSharing
-from poise.sched.limits import chunk_size, rejection_reason
-from poise.sched.ordering import PolicyContext, is_partial_prefill
-from poise.sched.policies import StepPlan, build_output, owed_prompt_blocks, prefix_lookup
-from poise.sched.predictor import Forecast, prefill_left
-from poise.sched.shares import ShareLedger
-from poise.sched.siblings import leader_blocks
+from poise.sched.limits import rejection_reason
+from poise.sched.ordering import get_policy, is_partial_prefill
+from poise.sched.pacing import PacingCaps, pacing_for
+from poise.sched.predictor import Forecast
+from poise.sched.reserve import PromptReserve
+from poise.sched.shares import ClassShares
+from poise.sched.siblings import LeaderGate
 from poise.sched.speculation import build_speculation, emitted_tokens
-from poise.sched.steering import Steering
+from poise.sched.step import build_output
 from poise.sched.stopping import append_until_stop
+from poise.sched.view import PolicyParams, PolicyView, prefix_lookup
 from poise.spec.proposer import Proposer
 
 
@@ -73,24 +69,65 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.num_preemptions_total = 0
         self._step_id = 0
         # Finishing deltas of requests rejected in add_request, handed out by the next update.
         self._rejected: list[RequestDelta] = []
-        self._reserve_blocks = int(config.safety_margin * kv.num_blocks)
-        # The long-prefill cap (0: none). It splits prompts, so it needs chunked prefill: without
-        # it a capped prompt could never go in whole, and admission stalled behind it for good.
-        self._long_prefill_cap = (
-            config.long_prefill_token_threshold if config.enable_chunked_prefill else 0
-        )
         # Whether decodes were running when the step was scheduled (for the budget controller).
         self._had_decodes = False
-        # Policy, classes, step-cost estimate, budget controller, forecasts (sched/steering.py).
-        self.steer = Steering(config)
-        self.policy = self.steer.policy
+        self.policy = get_policy(config.scheduling_policy)
+        self.classes: ClassSet = load_classes(config.traffic_classes)
+        self.params = PolicyParams.of(config, self.classes)
+        self.estimator = StepCostEstimator(
+            config.step_cost_const_s or DEFAULT_CONST_S,
+            config.step_cost_per_token_s or DEFAULT_PER_TOKEN_S,
+        )
+        self.step_budget = self._budget_source()
+        # Steps kept short for the tightest TTFT target (the slo policy; None: not paced).
+        pacing = pacing_for(self.classes, config.min_num_batched_tokens)
+        if not self.policy.paces:
+            pacing = None
+        self.pacing = None if pacing is None else PacingCaps(pacing, self.policy, self.estimator)
+        shares = ClassShares(self.classes, config.max_num_seqs, long_prefill_cap(config))
         # Speculative decoding (None: off); ``proposer``: the draft model's, for draft_model.
-        self.spec = build_speculation(config.speculative_config, proposer, self.steer.estimator)
+        self.spec = build_speculation(config.speculative_config, proposer, self.estimator)
         self.inflight = InflightSharing(kv, self.requests)  # in-flight prefix sharing
+        self.admission = Admission(
+            config,
+            kv,
+            self.policy,
+            self.max_len,
+            self.requests,
+            budget=self.step_budget,
+            caps=self.pacing,
+            shares=shares,
+            reserve=PromptReserve(
+                kv, int(config.safety_margin * kv.num_blocks), self.policy.reserves_prompts
+            ),
+            defer=[LeaderGate(self.requests, kv), self.inflight],
+            drafts=self.spec,
+        )
+        self.forecaster = Forecaster(config, self.policy, shares.shares, pacing, self.estimator)
+        # Why each candidate the last step reached got nothing (``StepPlan.refused``).
+        self.last_refusals: dict[str, str] = {}
+
+    def _budget_source(self) -> StepBudget:
+        config = self.config
+        if not config.token_budget_controller:
+            return FixedBudget(config.max_num_batched_tokens)
+        tpot_s = (
+            config.target_tpot_ms / 1000.0
+            if config.target_tpot_ms is not None
+            else self.classes.tightest_tpot_s()
+        )
+        if tpot_s is None:
+            raise ValueError(
+                "target_tpot_ms: the token budget controller needs a TPOT target (give "
+                "target_tpot_ms, or traffic classes with tpot_p50_ms)"
+            )
+        controller = TokenBudgetController(
+            self.estimator, tpot_s, config.min_num_batched_tokens, config.max_num_batched_tokens
+        )
+        return ControlledBudget(controller, self.policy)
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -166,183 +203,58 @@ class Scheduler:
         them without new input; None when it holds nothing back."""
         if self.policy.wake is None:
             return None
-        return self.policy.wake(self.running, self.waiting, self.context(now))
+        return self.policy.wake(self.running, self.waiting, self.view(now))
 
-    # -- admission forecasts -------------------------------------------------------------------
+    # -- forecasts at arrival ---------------------------------------------------------------
 
     def check_admission(self, request: Request, now: float) -> None:
         """Raise OverloadedError when predictive admission refuses this (not yet added) request."""
-        self.steer.check_admission(request, self.running, self.waiting, self.context(now))
+        self.forecaster.check(request, self.running, self.waiting, self._forecast_view(now))
 
     def forecast(self, request: Request, now: float) -> Forecast:
-        return self.steer.forecast(request, self.running, self.waiting, self.context(now))
+        view = self._forecast_view(now)
+        return self.forecaster.forecast(request, self.running, self.waiting, view)
 
     def queue_wait_s(self) -> float:
         """Predicted seconds until the waiting queue's head is admitted (for Retry-After)."""
-        return self.steer.queue_wait_s(self.running, self.waiting)
+        return self.forecaster.queue_wait_s(self.running, self.waiting, self.step_budget.budget)
 
     # -- scheduling -------------------------------------------------------------------------
 
-    def schedule(self, now: float) -> SchedulerOutput:
-        """Decide the next step: which requests run, from which position, with which tokens.
+    @property
+    def token_budget(self) -> int:
+        """The budget of the step last scheduled (of the next one, before any)."""
+        return self.step_budget.budget
 
-        Follows the module docstring: walk the policy's candidates, size each with
-        ``_chunk_size``, ``_make_room`` for running ones (preempting if needed), ``_admit``
-        waiting ones. On return every scheduled request holds the KV blocks for its new tokens;
-        its ``num_computed_tokens`` moves only in ``update`` (admission sets it to the cached
-        prefix). ``now`` stamps the step start and first-scheduled times.
-        """
+    def paced_prefill_tokens(self) -> dict[str, int]:
+        """Per paced class, the prefill tokens it may take per step now (for the gauge)."""
+        return {} if self.pacing is None else self.pacing.gauge(self.step_budget.budget)
+
+    @property
+    def preemptions_by_class(self) -> Counter[str]:
+        return self.admission.preemptions
+
+    @property
+    def num_preemptions_total(self) -> int:
+        return sum(self.admission.preemptions.values())
+
+    def view(self, now: float) -> PolicyView:
+        """What a policy knows now, at the last step's budget (no prefix lookups)."""
+        return PolicyView(now, self.params, self.step_budget.budget, self.estimator)
+
+    def _forecast_view(self, now: float) -> PolicyView:
+        return self.view(now).at(self.step_budget.budget, prefix_lookup(self.kv))
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        """Decide the next step (``Admission.step``): which requests run, from which position,
+        with which tokens. On return every scheduled request holds the KV blocks for its new
+        tokens; its ``num_computed_tokens`` moves only in ``update`` (admission sets it to the
+        cached prefix). ``now`` stamps the step start and first-scheduled times."""
         self._step_id += 1
         self._had_decodes = any(not is_partial_prefill(r) for r in self.running)
-        plan = StepPlan(budget=self.steer.step_budget(self.running, self.waiting, now))
-        ctx = self.context(now)
-        if self.spec is not None:
-            self.spec.begin_step(self.running, self.waiting, plan.budget, self.config.max_num_seqs)
-        # The policy's walk; the loop below is the same for every policy.
-        candidates = self.policy.walk(self.running, self.waiting, ctx)
-        ledger = self.steer.ledger(candidates, self.running, self._long_prefill_cap)
-        was_running = {r.request_id for r in self.running}
-        admitting = True
-        for request in candidates:
-            if plan.budget <= 0:
-                break
-            if request.request_id in was_running:
-                # Not preempted earlier in the step, nor run already at a follower's turn.
-                if request.status is RequestStatus.RUNNING and not plan.contains(request):
-                    self._schedule_running(plan, request, ledger, ctx)
-            elif admitting and not plan.made_room:
-                admitting = self._admit(plan, request, ledger, ctx, now)
+        plan = self.admission.step(self.running, self.waiting, self.view(now))
+        self.last_refusals = plan.refused
         return build_output(plan, self._step_id, now, self.kv)
-
-    def context(self, now: float) -> PolicyContext:
-        return self.steer.context(now, prefix_lookup(self.kv))
-
-    def _chunk_size(self, remaining: int, budget: int) -> int:
-        """Tokens a request ``remaining`` tokens behind takes out of ``budget`` now (limits.py)."""
-        alone = len(self.running) + len(self.waiting) <= 1
-        return chunk_size(remaining, budget, self._long_prefill_cap, alone)
-
-    def _schedule_running(
-        self, plan: StepPlan, request: Request, ledger: ShareLedger, ctx: PolicyContext
-    ) -> None:
-        cls = request.slo.class_name
-        prefill = is_partial_prefill(request)
-        budget = ledger.token_allowance(cls, plan.budget) if prefill else plan.budget
-        n = self._chunk_size(request.num_tokens - request.num_computed_tokens, budget)
-        if n <= 0:
-            ledger.passed(cls, prefill_left(request))
-            return
-        spec = self.spec
-        if n == 1 and spec is not None and spec.schedule(request, plan, self.kv, self.max_len):
-            return  # a decode verifying drafts, its blocks allocated (never by preempting)
-        if not self._make_room(request, n, plan, ctx):
-            return
-        plan.add(request, n)
-        if prefill:
-            ledger.took_prefill(cls, n)
-            plan.owed_blocks = None  # it took some of the blocks it owed: count again
-
-    def _make_room(self, request: Request, n: int, plan: StepPlan, ctx: PolicyContext) -> bool:
-        """Get KV blocks for a running request's next ``n`` tokens, preempting the policy's
-        victims among all running requests (itself included; one already in this step gives
-        its tokens back) until they fit. False when the request had to preempt itself."""
-        rid, start = request.request_id, request.num_computed_tokens
-        while self.kv.allocate_slots(rid, num_computed_tokens=start, num_new_tokens=n) is None:
-            victim = self.policy.victim(self.running, request, ctx)
-            self._preempt(victim, plan)
-            plan.made_room = True
-            if victim is request:
-                return False
-        return True
-
-    def _preempt(self, request: Request, plan: StepPlan) -> None:
-        """Recompute preemption: free the blocks, forget progress, back to the queue's front."""
-        plan.remove(request)  # a request displaced after it was scheduled gives its tokens back
-        plan.owed_blocks = None  # it may have owed blocks: count again
-        self.running.remove(request)
-        self.kv.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions_total += 1
-        self.steer.preemptions_by_class[request.slo.class_name] += 1
-        self.waiting.appendleft(request)
-        plan.preempted_ids.append(request.request_id)
-
-    def _admit(
-        self,
-        plan: StepPlan,
-        request: Request,
-        ledger: ShareLedger,
-        ctx: PolicyContext,
-        now: float,
-    ) -> bool:
-        """Try to admit one waiting request (its ``num_computed_tokens`` is 0: new, or reset by
-        a preemption); False when admission must stop behind it."""
-        cls = request.slo.class_name
-        free = self.config.max_num_seqs - len(self.running)
-        victim = None
-        if free <= 0:
-            victim = self.policy.displace(request, self.running, ctx)
-            if victim is None:
-                ledger.left_waiting(cls)
-                return not self.policy.blocks_queue(request, ctx)
-            free = 1
-        shared, leader = leader_blocks(request, self.requests, self.kv), None
-        if shared == []:  # no n > 1 leader: a running prefill it may follow (sched/inflight.py)
-            shared, leader = self.inflight.lookup(request)
-        if not ledger.slot_allowed(cls, free) or shared is None or leader is not None:
-            ledger.left_waiting(cls)
-            if leader is not None:  # a follower: its class's demand is not this step's ...
-                ledger.passed(cls, min(prefill_left(request), self._long_prefill_cap or 1 << 62))
-                if not plan.contains(leader):  # ... and its turn runs the leader
-                    self._schedule_running(plan, leader, ledger, ctx)
-            return True
-        cached = shared
-        start = len(cached) * self.kv.block_size  # the cached prefix counts as computed
-        remaining = request.num_tokens - start
-        n = self._chunk_size(remaining, ledger.token_allowance(cls, plan.budget))
-        # Without chunked prefill a prompt goes in whole; recomputes after preemption may
-        # still be chunked, or a preempted request longer than the budget could never return.
-        whole_only = not self.config.enable_chunked_prefill and not request.num_preemptions
-        if n <= 0 or (whole_only and n < remaining):
-            # Only reserved budget left, or whole-only it fits the step but not the reservations.
-            ledger.left_waiting(cls)
-            ledger.passed(cls, remaining if n > 0 else 0)
-            return n <= 0 or remaining <= plan.budget or not self.policy.blocks_queue(request, ctx)
-        if victim is not None:  # only now that this surely goes in (else two displace each other)
-            self._preempt(victim, plan)
-        # Blocks that must stay free: the safety margin, and under a policy that reserves
-        # prompts what the running prefills and this one's own prompt still need.
-        reserve = owed = 0
-        if self.running:
-            reserve = self._reserve_blocks
-            if self.policy.reserves_prompts:
-                if plan.owed_blocks is None:
-                    plan.owed_blocks = owed_prompt_blocks(self.running, self.kv)
-                owed = self.kv.blocks_for(request.num_tokens) - self.kv.blocks_for(start + n)
-                reserve += plan.owed_blocks + owed
-        if self.kv.allocate_slots(
-            request.request_id, num_computed_tokens=start, num_new_tokens=n,
-            cached_blocks=cached, reserve_blocks=reserve,
-        ) is None:  # fmt: skip
-            ledger.left_waiting(cls)
-            ledger.passed(cls, remaining)
-            return not self.policy.blocks_queue(request, ctx)
-        self.waiting.remove(request)
-        request.num_computed_tokens = start
-        request.num_cached_tokens = start
-        request.status = RequestStatus.RUNNING
-        if request.times.first_scheduled is None:
-            request.times.first_scheduled = now
-        self.running.append(request)
-        plan.add(request, n, cached_tokens=start)
-        self.inflight.admitted(request, cached)  # counts the lookup, registers its prefill
-        ledger.admitted(cls)
-        ledger.took_prefill(cls, n)
-        if plan.owed_blocks is not None:
-            plan.owed_blocks += owed
-        return True
 
     # -- applying results ---------------------------------------------------------------------
 
@@ -374,7 +286,7 @@ class Scheduler:
             first = request.times.first_token is None
             if first:
                 request.times.first_token = now
-                self.steer.first_token(request, now)
+                self.forecaster.first_token(request, now)
             tokens = emitted_tokens(sched, result, self.spec)
             tokens, status = append_until_stop(request, tokens, now, self.max_len)
             self.kv.cache_full_blocks(request, request.num_computed_tokens)
@@ -386,10 +298,18 @@ class Scheduler:
                 self.running.remove(request)
                 delta = self._finish(request, status, now, tokens)
             deltas.append(annotate_token_delta(delta, request, result, first))
-        budget = self.steer.budget  # the one this step was scheduled under
-        self.steer.observe_step(output.total_num_scheduled_tokens, output.schedule_time, now,
-                                self._had_decodes, bool(self.running or self.waiting))  # fmt: skip
+        budget = self.step_budget.budget  # the one this step was scheduled under
+        self._observe_step(output.total_num_scheduled_tokens, output.schedule_time, now)
         finished = sum(1 for d in deltas if d.finished)
         stats = StepStats.of(output, now, running=len(self.running), waiting=len(self.waiting),
                              kv_cache_usage=self.kv.usage, finished=finished, budget=budget)  # fmt: skip
         return deltas, stats
+
+    def _observe_step(self, num_tokens: int, start: float, end: float) -> None:
+        """A step of ``num_tokens`` (0: it computed nothing) scheduled at ``start``, updated at
+        ``end``: the forecasts' slowdown, the step-cost fit and the budget controller learn."""
+        busy_after = bool(self.running or self.waiting)
+        self.forecaster.observe_step(num_tokens, start, end, busy_after)
+        if num_tokens > 0:
+            self.estimator.observe(num_tokens, end - start)
+            self.step_budget.observe(num_tokens, end - start, self._had_decodes)

@@ -16,7 +16,44 @@ then takes, and holds reserved, no more than its cap, whatever its share.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+
+from poise.core.request import Request
+from poise.sched.classes import ClassSet
+from poise.sched.predictor import prefill_left
+
+
+class ClassShares:
+    """The classes' shares; ``ledger`` opens a step's bookkeeping (admission's ``ClassLedger``,
+    ``gates.py``)."""
+
+    def __init__(self, classes: ClassSet, max_num_seqs: int, chunk_cap: int) -> None:
+        self.shares = {c.name: c.share for c in classes.classes} if classes.has_shares else {}
+        self.max_num_seqs = max_num_seqs
+        self.chunk_cap = chunk_cap  # the long-prefill cap (0: none): a chunk takes no more
+
+    def demand(self, prefill_tokens: int) -> int:
+        """A candidate's prefill demand in a step: its tokens left, up to the long-prefill cap."""
+        cap = self.chunk_cap
+        return min(prefill_tokens, cap) if cap > 0 else prefill_tokens
+
+    def ledger(
+        self,
+        candidates: Sequence[Request],
+        running: Sequence[Request],
+        budget: int,
+        caps: Mapping[str, int],
+    ) -> ShareLedger:
+        demand: Counter[str] = Counter()
+        slots: Counter[str] = Counter()
+        running_ids = {r.request_id for r in running}
+        for r in candidates:
+            cls = r.slo.class_name
+            demand[cls] += self.demand(prefill_left(r))  # 0 for a decode: not rationed
+            if r.request_id not in running_ids:
+                slots[cls] += 1
+        by_class = Counter(r.slo.class_name for r in running)
+        return ShareLedger(self.shares, budget, self.max_num_seqs, by_class, demand, slots, caps)
 
 
 class ShareLedger:

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 from poise.core.request import Request, RequestStatus
 from poise.kv.manager import KVCacheManager
+from poise.sched.gates import Deferral
 
 
 def leader_blocks(
@@ -29,3 +30,25 @@ def leader_blocks(
     ):
         return None
     return kv.get_block_ids(leader.request_id)[:full]
+
+
+# A sibling waits for its leader to compute the shared prompt blocks (``StepPlan.refused``).
+WAITING_FOR_LEADER = "waiting_for_leader"
+
+
+class LeaderGate:
+    """Admission's ``DeferGate`` (``gates.py``) for siblings: wait while the leader has not
+    computed the blocks ``leader_blocks`` would hand over."""
+
+    def __init__(self, requests: Mapping[str, Request], kv: KVCacheManager) -> None:
+        self.requests = requests
+        self.kv = kv
+
+    def defer(self, request: Request) -> Deferral | None:
+        if request.prompt_leader is None:
+            return None
+        pending = leader_blocks(request, self.requests, self.kv) is None
+        return Deferral(WAITING_FOR_LEADER) if pending else None  # the leader runs in its turn
+
+    def admitted(self, request: Request, cached_blocks: list[int]) -> None:
+        return None  # the in-flight gate counts the lookup

@@ -22,7 +22,7 @@ from poise.core.request import Request
 from poise.kv.manager import KVCacheManager
 from poise.sched.estimator import StepCostEstimator
 from poise.sched.ordering import is_partial_prefill
-from poise.sched.policies import StepPlan
+from poise.sched.step import StepPlan
 from poise.spec.ngram import NgramProposer
 from poise.spec.proposer import Proposer
 

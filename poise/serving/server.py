@@ -101,13 +101,8 @@ def build_state(
         info=info,
         enable_per_request_metrics=settings.enable_per_request_metrics,
         tracer=tracer,
-        traffic_classes=_traffic_class_names(core),
+        traffic_classes=tuple(core.classes.names),  # what a request's ``class`` may name
     )
-
-
-def _traffic_class_names(core: EngineCore) -> tuple[str, ...]:
-    """The names a request's ``class`` may take (the scheduler's classes, loaded once)."""
-    return tuple(core.scheduler.steer.classes.names)
 
 
 def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> ServingState:

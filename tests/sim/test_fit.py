@@ -223,7 +223,8 @@ def test_merge_refuses_profiles_of_different_models() -> None:
 
 def test_serve_profile_seeds_the_step_cost_estimate(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from poise.cli.serve import step_cost_prior
-    from poise.sched.steering import Steering
+    from poise.kv.manager import KVCacheManager
+    from poise.sched.scheduler import Scheduler
 
     samples = [(s, _truth(s)) for s in _grid()]
     coef, q = fit_step_costs(samples)
@@ -234,6 +235,7 @@ def test_serve_profile_seeds_the_step_cost_estimate(tmp_path) -> None:  # type: 
     )  # fmt: skip
     prior = step_cost_prior(str(save_profile(rec, tmp_path / "p.json")))
     assert prior["step_cost_per_token_s"] == pytest.approx(coef["tokens"])
-    est = Steering(EngineConfig.from_kwargs(**prior).scheduler).estimator
+    kv = KVCacheManager(64, 16, True)
+    est = Scheduler(EngineConfig.from_kwargs(**prior).scheduler, kv, 1024).estimator
     assert est.per_token_s == pytest.approx(coef["tokens"])
     assert est.const_s == pytest.approx(coef["const"])

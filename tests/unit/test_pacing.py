@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import pytest
 
 from poise.core.request import Request, SloTargets
 from poise.core.timing import percentile
-from poise.sched import steering
+from poise.sched import pacing, scheduler
 from poise.sched.classes import load_classes
 from poise.sched.estimator import StepCostEstimator
-from poise.sched.ordering import PolicyContext
 from poise.sched.pacing import LIFT_STEP, deadline_missed, lift_cap, pacing_for
+from poise.sched.reserve import PromptReserve
+from poise.sched.view import PolicyParams, PolicyView
 from tests.unit.test_policies import toks
 from tests.unit.timed import Arrival, drive, make_engine, params
 
@@ -45,7 +45,7 @@ def run(
 ) -> dict[str, float]:
     monkeypatch.undo()
     if not paced:
-        monkeypatch.setattr(steering, "pacing_for", lambda *args: None)
+        monkeypatch.setattr(scheduler, "pacing_for", lambda *args: None)
     engine, _, clock = make_engine(
         a=a, b=0.0005, num_kv_blocks=8192, scheduling_policy="slo",
         traffic_classes=SPEC.format(long=long_ms), max_num_batched_tokens=2048,
@@ -77,7 +77,7 @@ def test_pacing_gives_way_to_a_long_deadline(monkeypatch: pytest.MonkeyPatch) ->
     """With a costly step (a = 0.2 s) a paced step of ~0.35 s carries 300 prefill tokens: a
     3,000-token prompt would take ~4 s, so against a 2.5 s target the cap is lifted for it."""
     lifted = run(monkeypatch, paced=True, long_ms=2500, a=0.2, seconds=8.0)
-    monkeypatch.setattr(steering, "lift_cap", lambda paced, cap, *args: cap)  # never lifts
+    monkeypatch.setattr(pacing, "lift_cap", lambda paced, cap, *args: cap)  # never lifts
     engine, _, _ = make_engine(
         a=0.2, b=0.0005, num_kv_blocks=8192, scheduling_policy="slo",
         traffic_classes=SPEC.format(long=2500), max_num_batched_tokens=2048,
@@ -123,15 +123,14 @@ def test_other_policies_are_not_paced() -> None:
         engine, _, _ = make_engine(
             scheduling_policy=policy, traffic_classes=SPEC.format(long=15000)
         )
-        assert engine.scheduler.steer.pacing is None
+        assert engine.scheduler.pacing is None
 
 
 def test_a_lifted_cap_rises_only_as_far_as_the_deadline_needs() -> None:
     """A long prefill that misses its deadline at the paced rate gets the least cap on the
     x1.5 ladder that meets it, not the whole step; none when even the whole step is too slow."""
     cost = StepCostEstimator(const_s=0.05, per_token_s=5e-4)
-    ctx = PolicyContext(now=0.0, aging_s=0.0, prefill_time=lambda n: n * 5e-4,
-                        cached_tokens=lambda r: 0, step_s=0.1, default_ttft_s=10.0)  # fmt: skip
+    ctx = PolicyView(0.0, PolicyParams(), budget=100, cost=cost)  # deadlines: now, aging 0
 
     def long_prompt(target_s: float) -> Request:
         r = Request("l", toks(3000, 1), params(8), arrival_time=0.0)
@@ -161,8 +160,9 @@ def test_admission_reserves_the_rest_of_admitted_prompts(reserves: bool) -> None
         traffic_classes=SPEC.format(long=15000), max_num_batched_tokens=2048,
     )  # fmt: skip
     sched = engine.scheduler
-    if not reserves:
-        sched.policy = replace(sched.policy, reserves_prompts=False)
+    if not reserves:  # the slo policy without its prompt reservation
+        margin = int(engine.config.scheduler.safety_margin * sched.kv.num_blocks)
+        sched.admission.reserve = PromptReserve(sched.kv, margin, reserves_prompts=False)
     arrivals = [Arrival(0.0, f"d{i}", toks(8, i), params(40)) for i in range(8)]
     arrivals += [Arrival(0.01 * k, f"l{k}", toks(3000, 900 + k), params(8)) for k in range(2)]
     out = drive(engine, arrivals)

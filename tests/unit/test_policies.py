@@ -53,7 +53,7 @@ def test_priority_preempts_the_lowest_at_the_seq_cap() -> None:
     out = drive(engine, arrivals)
     # The later of the two lowest-priority requests made room, and still finished correctly.
     assert out["low-b"].num_preemptions == 1 and out["low-a"].num_preemptions == 0
-    assert engine.scheduler.steer.preemptions_by_class == {"interactive": 1}  # default classes
+    assert engine.scheduler.preemptions_by_class == {"interactive": 1}  # default classes
     high_start = out["high"].times.first_scheduled  # type: ignore[union-attr]
     assert high_start is not None and high_start < 0.2
     reference, _, _ = make_engine(max_num_seqs=64)
@@ -209,7 +209,7 @@ def test_queue_bound_retry_after_is_a_prediction() -> None:
     with pytest.raises(OverloadedError) as info:
         engine.add_request("x", [1], params(1))
     # The head needs 200 prompt tokens at 64 per step: 3 full steps and one of 8 tokens.
-    est = engine.scheduler.steer.estimator
+    est = engine.scheduler.estimator
     assert info.value.reason == "queue_full"
     assert info.value.retry_after_s == pytest.approx(3 * est.step_time(64) + est.step_time(8))
 
@@ -287,7 +287,7 @@ def test_slo_ties_go_to_the_longest_cached_prefix() -> None:
 def test_controller_gives_way_to_ttft_deadlines(monkeypatch: pytest.MonkeyPatch) -> None:
     """The TPOT target does not starve prompts: a prefill that would miss its TTFT target at
     the controlled budget gets the whole step (without that, the queue of long prompts grows)."""
-    from poise.sched import steering
+    from poise.sched import controller
 
     spec = "short:tpot_p50_ms=100,share=0.7;long:prompt_tokens>=200,ttft_p95_ms=3000,share=0.3"
     decoders = [Arrival(0.0, f"d{i}", toks(8, i), params(600)) for i in range(4)]
@@ -297,7 +297,7 @@ def test_controller_gives_way_to_ttft_deadlines(monkeypatch: pytest.MonkeyPatch)
     ttft, tpot = {}, {}
     for lift in (False, True):
         if not lift:
-            monkeypatch.setattr(steering, "deadline_missed", lambda *a: False)
+            monkeypatch.setattr(controller, "deadline_missed", lambda *a: False)
         else:
             monkeypatch.undo()
         engine, _, _ = make_engine(

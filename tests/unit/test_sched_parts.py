@@ -135,7 +135,9 @@ def test_forecast_replays_decodes_slots_and_classes() -> None:
 def test_cost_aware_victim_and_thrash_guard() -> None:
     from poise.core.request import Request, SloTargets
     from poise.core.sampling_params import SamplingParams
-    from poise.sched.ordering import PolicyContext, victim_cost_aware
+    from poise.sched.estimator import StepCostEstimator
+    from poise.sched.ordering import victim_cost_aware
+    from poise.sched.view import PolicyParams, PolicyView
 
     def req(rid: str, prio: int, computed: int, preempted: int = 0, ttft: float = 1.0) -> Request:
         r = Request(rid, list(range(100)), SamplingParams(), 0.0, priority=prio,
@@ -143,9 +145,9 @@ def test_cost_aware_victim_and_thrash_guard() -> None:
         r.num_computed_tokens, r.num_preemptions = computed, preempted
         return r
 
-    ctx = PolicyContext(now=0.0, aging_s=0.0, prefill_time=lambda n: 0.001 * n,
-                        cached_tokens=lambda r: 0, step_s=0.05, default_ttft_s=10.0,
-                        preemption_thrash_limit=2)  # fmt: skip
+    # A prompt token costs 1 ms, a step of the 50-token budget 50 ms.
+    cost = StepCostEstimator(const_s=0.0, per_token_s=0.001)
+    ctx = PolicyView(0.0, PolicyParams(preemption_thrash_limit=2), budget=50, cost=cost)
     current = req("cur", 0, 10)
     # Lowest priority first (largest value), whatever the work lost.
     low, high = req("low", 3, 90), req("high", 0, 5)

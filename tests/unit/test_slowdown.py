@@ -114,7 +114,7 @@ def test_admission_paces_its_forecast_and_retry_after_keeps_its_promise() -> Non
     # No admission: what the plain (compute-time) forecast says and what really happens.
     engine, clock = _backlogged("none", overhead=1.0)
     # The loop doubles every step (the fit is still within a few % of the true cost).
-    assert engine.scheduler.steer.admission_cost().factor == pytest.approx(2.0, rel=0.05)
+    assert engine.scheduler.forecaster.admission_cost().factor == pytest.approx(2.0, rel=0.05)
     plain = engine.predict_ttft("late", LATE, params(4))
     engine.add_request("late", LATE, params(4))
     actual = _first_token_s(engine, clock, 1.0)
@@ -141,7 +141,7 @@ def test_without_overhead_admission_is_the_plain_forecasts() -> None:
     """Steps that take what the fit says (the simulator): slowdown ~1 (what is left is the fit's
     own learning from its prior in the first steps), so admission answers as before."""
     engine, _ = _backlogged("predictive", overhead=0.0)
-    assert engine.scheduler.steer.admission_cost().factor == pytest.approx(1.0, abs=0.1)
+    assert engine.scheduler.forecaster.admission_cost().factor == pytest.approx(1.0, abs=0.1)
     plain = engine.predict_ttft("late", LATE, params(4))
     with pytest.raises(OverloadedError):
         engine.add_request("late", LATE, params(4, ttft_slo_ms=plain * 1000 * 0.95))
@@ -187,7 +187,7 @@ def _admitted_until_refused(margin: float, late: float | None = None) -> int:
     )  # fmt: skip
     if late is not None:
         for _ in range(sd.TAIL_MIN):
-            engine.scheduler.steer.tail.observe(late, 1.0)
+            engine.scheduler.forecaster.tail.observe(late, 1.0)
     n = 0
     while True:
         try:
@@ -220,7 +220,7 @@ def _overload(pause_every: int, tail: bool) -> tuple[list[float], int]:
         max_num_batched_tokens=64, traffic_classes="none",
     )  # fmt: skip
     if not tail:
-        engine.scheduler.steer.tail.factor = lambda: 1.0  # type: ignore[method-assign]
+        engine.scheduler.forecaster.tail.factor = lambda: 1.0  # type: ignore[method-assign]
     rng = random.Random(0)
     t, arrivals = 0.0, []
     while t < 30.0:

@@ -1,38 +1,43 @@
-"""The step plan: what one step will compute, built up while the scheduler walks its candidates,
-and the ``SchedulerOutput`` it becomes.
-
-The policies that order those candidates are in ``ordering.py``.
+"""The step plan: what one step will compute, built up by admission (``admission.py``) while it
+walks the policy's candidates, and the ``SchedulerOutput`` it becomes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from poise.core.outputs import ScheduledRequest, SchedulerOutput
 from poise.core.request import Request
 from poise.kv.manager import KVCacheManager
-from poise.sched.ordering import is_partial_prefill
+
+# Why a candidate got nothing this step (``StepPlan.refused``).
+NO_SLOT = "no_slot"  # max_num_seqs requests run, and none may be displaced
+CLASS_SLOTS = "class_slots"  # the free slots are held for other classes (shares.py)
+RESERVED_TOKENS = "reserved_tokens"  # the budget left is held for other classes, or paced
+WHOLE_PROMPT = "whole_prompt"  # chunked prefill is off and the prompt does not fit whole
+KV_BLOCKS = "kv_blocks"  # its blocks would eat into the reserve (kv free-block margin)
+MAKING_ROOM = "making_room"  # a running request lost its blocks this step: no admissions
+QUEUE_BLOCKED = "queue_blocked"  # a request ahead of it could not go and blocks the queue
 
 
 @dataclass
 class StepPlan:
-    """What one step will compute, built up while the scheduler walks its queues."""
+    """What one step will compute: per request its tokens, who was preempted, who was refused."""
 
     budget: int
     items: list[tuple[Request, int]] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     # Per request admitted in this step: prompt tokens it took from the prefix cache.
     cached_tokens: dict[str, int] = field(default_factory=dict)
-    # KV blocks the running prefills still need to finish their prompts (``owed_prompt_blocks``;
-    # None: not counted yet this step, or stale after a preemption).
-    owed_blocks: int | None = None
     # A running request lost its blocks for another's growth this step: admission stops, so the
     # freed blocks go to the running requests (as in vLLM); admitting onto them is what made
     # requests preempt each other for ever (docs/reliability.md).
     made_room: bool = False
     # Per speculating request: the draft tokens it verifies (the last of its tokens this step).
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    # Per candidate the walk reached that got no tokens: why (the constants above, or a
+    # deferral gate's reason).
+    refused: dict[str, str] = field(default_factory=dict)
     _ids: set[str] = field(default_factory=set)
 
     def add(self, request: Request, num_tokens: int, cached_tokens: int = 0) -> None:
@@ -41,6 +46,9 @@ class StepPlan:
         self.budget -= num_tokens
         if cached_tokens:
             self.cached_tokens[request.request_id] = cached_tokens
+
+    def refuse(self, request: Request, reason: str) -> None:
+        self.refused[request.request_id] = reason
 
     def contains(self, request: Request) -> bool:
         return request.request_id in self._ids
@@ -57,31 +65,6 @@ class StepPlan:
                 del self.items[i]
                 self.budget += n
                 return
-
-
-def owed_prompt_blocks(running: Iterable[Request], kv: KVCacheManager) -> int:
-    """KV blocks the unfinished prefills among ``running`` need beyond those they hold."""
-    return sum(
-        max(0, kv.blocks_for(r.num_tokens) - len(kv.get_block_ids(r.request_id)))
-        for r in running
-        if is_partial_prefill(r)
-    )
-
-
-def prefix_lookup(kv: KVCacheManager) -> Callable[[Request], int]:
-    """A step's ``PolicyContext.cached_tokens``: the cached prefix a waiting request would
-    reuse, one lookup per request per step."""
-    memo: dict[str, int] = {}
-
-    def cached_tokens(request: Request) -> int:
-        if request.num_computed_tokens or not kv.enable_prefix_caching:
-            return 0
-        rid = request.request_id
-        if rid not in memo:
-            memo[rid] = len(kv.find_cached_prefix(request)) * kv.block_size
-        return memo[rid]
-
-    return cached_tokens
 
 
 def build_output(plan: StepPlan, step_id: int, now: float, kv: KVCacheManager) -> SchedulerOutput:
