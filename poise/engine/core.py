@@ -327,5 +327,7 @@ class EngineCore:
             prefix_cache_hits=prefix.hits,
             prefix_cache_query_tokens=prefix.query_tokens,
             prefix_cache_hit_tokens=prefix.hit_tokens,
+            prefix_cache_inflight_hits=prefix.inflight_hits,
+            prefix_cache_inflight_hit_tokens=prefix.inflight_hit_tokens,
             prefix_cache_evictions=self.kv.pool.num_evictions,
         )

@@ -32,6 +32,10 @@ class EngineState:
     prefix_cache_hits: int = 0
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    # Of the hits: admissions that waited for another request's running prefill (in-flight
+    # sharing, sched/inflight.py), and the tokens it computed for them meanwhile.
+    prefix_cache_inflight_hits: int = 0
+    prefix_cache_inflight_hit_tokens: int = 0
     prefix_cache_evictions: int = 0
     # Whether the waiting queue is at max_num_queued_requests (new requests get 429).
     queue_full: bool = False

@@ -14,11 +14,17 @@ always recomputed, so the runner has a position to sample from.
 The scheduler's calls, in this order (each step, per request)::
 
     find_cached_prefix(request)                    admission only: blocks to reuse
+      (lookup_prefix: the same, and who computes the next block now: wait for it)
     allocate_slots(id, num_computed_tokens=start,  table covers start + n tokens, or None
                    num_new_tokens=n, ...)          (nothing changed: preempt or wait)
     ... the executor writes KV for [start, start + n) ...
+    expect_prefill(request, start)                 admission: the blocks it will fill
     cache_full_blocks(request, start + n)          after update advanced num_computed_tokens
     free(request)                                  on finish or preemption
+
+In-flight sharing (``kv/inflight.py``): the keys of the full blocks an admitted request will
+compute are known at admission; ``lookup_prefix`` tells a waiting request whose first uncached
+block is one of them which running request computes it, so it can wait instead of computing it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 
 from poise.core.request import Request
 from poise.kv.block_pool import BlockKey, BlockPool, block_key
+from poise.kv.inflight import PendingBlocks
 
 
 @dataclass
@@ -38,6 +45,10 @@ class PrefixCacheStats:
     hits: int = 0  # ... that found at least one cached block
     query_tokens: int = 0  # tokens of those requests (vLLM's prefix_cache_queries)
     hit_tokens: int = 0  # tokens taken from the cache (vLLM's prefix_cache_hits)
+    # Of those: admissions that waited for another request's running prefill, and the tokens
+    # they took that it computed meanwhile (in-flight sharing; part of hits / hit_tokens).
+    inflight_hits: int = 0
+    inflight_hit_tokens: int = 0
 
 
 class KVCacheManager:
@@ -49,6 +60,8 @@ class KVCacheManager:
         # Per request: prefix keys of its full blocks so far (index i = block i).
         self._keys: dict[str, list[BlockKey]] = {}
         self.prefix_stats = PrefixCacheStats()
+        # Full blocks running prefills will compute, by prefix key (in-flight sharing).
+        self.pending = PendingBlocks()
 
     @property
     def num_blocks(self) -> int:
@@ -82,8 +95,13 @@ class KVCacheManager:
         a request that still needs prompt logprobs: every prompt position must be fed to get
         the logits it predicts (vLLM does the same).
         """
+        return self.lookup_prefix(request)[0]
+
+    def lookup_prefix(self, request: Request) -> tuple[list[int], str | None]:
+        """``find_cached_prefix``, and the request whose running prefill is computing the first
+        block past it now (None: nobody; that block is this request's to compute)."""
         if not self.enable_prefix_caching or request.needs_prompt_logprobs:
-            return []
+            return [], None
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
         blocks: list[int] = []
@@ -92,12 +110,29 @@ class KVCacheManager:
             key = block_key(key, tuple(request.token_ids_slice(i * bs, (i + 1) * bs)))
             block = self.pool.lookup(key)
             if block is None:
-                break
+                return blocks, self.pending.owner(key)
             blocks.append(block)
-        return blocks
+        return blocks, None
 
-    def record_admission(self, num_tokens: int, num_cached_tokens: int) -> None:
-        """Count one admitted request's prefix lookup (with prefix caching on)."""
+    def expect_prefill(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the full blocks the admitted ``request`` will compute past
+        ``num_computed_tokens`` (its cached prefix) as pending: theirs to wait for."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        keys: list[BlockKey] = []
+        key: BlockKey | None = None
+        for i in range(request.num_tokens // bs):
+            key = block_key(key, tuple(request.token_ids_slice(i * bs, (i + 1) * bs)))
+            if i >= num_computed_tokens // bs:
+                keys.append(key)
+        self.pending.expect(request.request_id, keys)
+
+    def record_admission(
+        self, num_tokens: int, num_cached_tokens: int, num_inflight_tokens: int = 0
+    ) -> None:
+        """Count one admitted request's prefix lookup (with prefix caching on);
+        ``num_inflight_tokens`` of its cached tokens were computed while it waited for them."""
         if not self.enable_prefix_caching:
             return
         st = self.prefix_stats
@@ -106,6 +141,9 @@ class KVCacheManager:
         if num_cached_tokens:
             st.hits += 1
             st.hit_tokens += num_cached_tokens
+        if num_inflight_tokens:
+            st.inflight_hits += 1
+            st.inflight_hit_tokens += num_inflight_tokens
 
     # -- allocation -----------------------------------------------------------------------
 
@@ -160,6 +198,7 @@ class KVCacheManager:
             )
             keys.append(key)
             self.pool.cache(table[i], key)
+            self.pending.computed(request.request_id, key)
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Free the blocks past the first ``num_tokens`` tokens (tail first): speculative
@@ -175,6 +214,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         table = self._tables.pop(request.request_id, None)
         self._keys.pop(request.request_id, None)
+        self.pending.release(request.request_id)
         if table:
             # Tail first: the end of a sequence is the least likely to be shared.
             self.pool.free(table[::-1])
@@ -187,3 +227,4 @@ class KVCacheManager:
             for block in table:
                 refs[block] += 1
         assert refs == self.pool.ref_counts, "ref counts differ from block tables"
+        self.pending.check(self._tables.keys())

@@ -104,9 +104,45 @@ def q6_prefix(d: LabData) -> Section:
     return Section(
         6,
         True,
-        [verdict, why, "", f"Workload: {note}.", "", *table, "", *_few([off, on, lpm])],
+        [
+            verdict,
+            why,
+            "",
+            f"Workload: {note}.",
+            "",
+            *table,
+            "",
+            *_few([off, on, lpm]),
+            "",
+            *_burst_text(d),
+        ],
         plot="prefix",
     )
+
+
+def _burst_text(d: LabData) -> list[str]:
+    """The simultaneous-arrival cell: requests that arrive together, before anything is
+    cached, share one prefill in flight (or each compute it, cache off)."""
+    off, on = d.get("prefix-burst", "burst-cache-off"), d.get("prefix-burst", "burst-cache-on")
+    if off is None or on is None:
+        return ["Simultaneous arrival: not in this run (the prefix-burst cells are missing)."]
+    slow_off, slow_on = max(off.ttft_ms), max(on.ttft_ms)
+    return [
+        f"Simultaneous arrival ({d.group('prefix-burst').get('note', 'a cold burst')}): the "
+        "cache holds nothing when they arrive, so what it changes is scheduling again: the "
+        "requests after the first wait for the blocks its prefill is writing (in-flight "
+        f"sharing) instead of computing them. {fmt_pct(on.hit_rate)} of prompt tokens came "
+        f"from the cache; slowest TTFT {fmt_ms(slow_off)} (cache off) -> {fmt_ms(slow_on)} "
+        f"(cache on), {_x(slow_on, slow_off)}.",
+        "",
+        "| config | prefix hit rate | TTFT p50 | slowest TTFT |",
+        "|---|---|---|---|",
+        *(
+            f"| {n} | {fmt_pct(c.hit_rate)} | {fmt_ms(c.metrics.ttft_p50_ms)} | "
+            f"{fmt_ms(max(c.ttft_ms))} |"
+            for n, c in (("burst-cache-off", off), ("burst-cache-on", on))
+        ),
+    ]
 
 
 def _lpm_text(on: Cell, lpm: Cell) -> str:

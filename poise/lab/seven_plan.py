@@ -16,7 +16,9 @@ Five groups of configs x cells, each one workload held fixed while one knob move
 - ``prefix`` (Q6): documents asked the same question in turn (identical prompts per
   document, round robin), a queue (more clients than ``max_num_seqs``) and a KV pool that holds
   only two documents beside the running ones (half of them): prefix cache off, on (fifo), on
-  (lpm).
+  (lpm); ``prefix-burst`` (Q6): eight identical cold long prompts sent at once (simultaneous
+  arrival), prefix cache off and on: with in-flight sharing the burst costs about one
+  prefill (the followers wait for the first one's blocks instead of computing them).
 - ``tune`` (Q7): ``poise tune``'s procedure for a chat SLO, both answers.
 
 Sizes: the seed's on a GPU and in the simulator; on CPU every size / ``scale`` (8), as
@@ -48,6 +50,7 @@ QUESTIONS: dict[int, str] = {
 # template): sizes the KV pools below.
 _TOKENS_PER_LONG_REPEAT = 15.3
 _BLOCK = 16  # poise's default block size
+BURST = 8  # requests of Q6's simultaneous-arrival cell
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ def plan(
         ),
         _waiting_group(base, seed_mix, hi_conc, repeat, max_tokens, s),
         _prefix_group(base, conc, max_tokens, s, gpu_sizes, Path(out_dir)),
+        _burst_group(base, max_tokens, repeat),
     ]
     tune_wl = replace(seed_mix, long_ratio=(0.25,))
     tune = TunePlan(
@@ -181,6 +185,29 @@ def _waiting_group(
             "budget": {**base, "max_num_batched_tokens": _div(512, s, 64)},
         },
         note=f"KV variant: {kv_blocks} blocks of {_BLOCK} tokens (about three long requests)",
+    )
+
+
+def _burst_group(base: dict[str, Any], max_tokens: int, repeat: int) -> Group:
+    """Q6's simultaneous-arrival cell: ``BURST`` copies of one cold long prompt at once."""
+    workload = WorkloadSpec(
+        concurrency=(BURST,),
+        long_ratio=(1.0,),
+        long_repeat=repeat,
+        max_tokens=max_tokens,
+        num_requests=BURST,
+        warmup=0,
+        salt_scope="cell",  # identical within the cell, cold for each config
+    )
+    return Group(
+        "prefix-burst",
+        (6,),
+        workload,
+        {
+            "burst-cache-off": {**base, "enable_prefix_caching": False},
+            "burst-cache-on": {**base, "enable_prefix_caching": True},
+        },
+        note=f"{BURST} identical cold long prompts sent at once",
     )
 
 

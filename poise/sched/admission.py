@@ -266,7 +266,8 @@ class Admission:
             request.times.first_scheduled = view.now
         step.running.append(request)
         plan.add(request, n, cached_tokens=start)
-        self.kv.record_admission(request.num_tokens, start)
+        for gate in self.defer:  # counts the lookup (in-flight hits), registers its prefill
+            gate.admitted(request, cached)
         ledger.admitted(cls)
         ledger.took_prefill(cls, n)
         self.reserve.admitted()

@@ -96,6 +96,10 @@ class DeferGate(Protocol):
         """Why ``request`` must wait this step although it may fit (None: it need not)."""
         ...
 
+    def admitted(self, request: Request, cached_blocks: list[int]) -> None:
+        """``request`` went in after ``cached_blocks`` (the last gate counts the lookup)."""
+        ...
+
 
 class DraftSource(Protocol):
     def begin_step(self, running: Queue, waiting: Queue, budget: int, max_seqs: int) -> None: ...

@@ -1,4 +1,5 @@
-"""Prompts that can never be served: the limits a scheduler checks before queueing one."""
+"""Prompts that can never be served (the limits a scheduler checks before queueing one), and
+how many tokens a request may take in one step."""
 
 from __future__ import annotations
 
@@ -30,3 +31,17 @@ def rejection_reason(
             f"{config.max_num_batched_tokens}, and chunked prefill is disabled"
         )
     return None
+
+
+def chunk_size(remaining: int, budget: int, long_prefill_cap: int, alone: bool) -> int:
+    """Tokens a request ``remaining`` tokens behind takes out of ``budget`` now.
+
+    ``budget``: what is left of the step's for this request (less what other classes hold
+    reserved, for a prefill). A prefill (more than one token behind) takes at most
+    ``long_prefill_cap`` (0: none) unless the request is ``alone`` in the engine, so one long
+    prompt cannot take the whole budget from short ones.
+    """
+    n = min(remaining, budget)
+    if long_prefill_cap > 0 and remaining > 1 and not alone:
+        n = min(n, long_prefill_cap)
+    return n

@@ -38,6 +38,7 @@ from poise.sched.controller import ControlledBudget, FixedBudget, TokenBudgetCon
 from poise.sched.estimator import DEFAULT_CONST_S, DEFAULT_PER_TOKEN_S, StepCostEstimator
 from poise.sched.forecasts import Forecaster
 from poise.sched.gates import StepBudget
+from poise.sched.inflight import InflightSharing
 from poise.sched.limits import rejection_reason
 from poise.sched.ordering import get_policy, is_partial_prefill
 from poise.sched.pacing import PacingCaps, pacing_for
@@ -89,6 +90,7 @@ class Scheduler:
         shares = ClassShares(self.classes, config.max_num_seqs, long_prefill_cap(config))
         # Speculative decoding (None: off); ``proposer``: the draft model's, for draft_model.
         self.spec = build_speculation(config.speculative_config, proposer, self.estimator)
+        self.inflight = InflightSharing(kv, self.requests)  # in-flight prefix sharing
         self.admission = Admission(
             config,
             kv,
@@ -101,7 +103,7 @@ class Scheduler:
             reserve=PromptReserve(
                 kv, int(config.safety_margin * kv.num_blocks), self.policy.reserves_prompts
             ),
-            defer=[LeaderGate(self.requests, kv)],
+            defer=[LeaderGate(self.requests, kv), self.inflight],
             drafts=self.spec,
         )
         self.forecaster = Forecaster(config, self.policy, shares.shares, pacing, self.estimator)
@@ -190,6 +192,7 @@ class Scheduler:
         request.status = status
         request.times.finished = now
         self.kv.free(request)
+        self.inflight.forget(request.request_id)
         if self.spec is not None:
             self.spec.forget(request.request_id)
         del self.requests[request.request_id]

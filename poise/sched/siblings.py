@@ -49,3 +49,6 @@ class LeaderGate:
             return None
         pending = leader_blocks(request, self.requests, self.kv) is None
         return Deferral(WAITING_FOR_LEADER) if pending else None  # the leader runs in its turn
+
+    def admitted(self, request: Request, cached_blocks: list[int]) -> None:
+        return None  # the in-flight gate counts the lookup

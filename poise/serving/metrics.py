@@ -350,6 +350,12 @@ class _EngineStateCollector(Collector):
                 s.prefix_cache_query_tokens,
             ),
             (
+                "prefix_cache_inflight_hits",
+                "Prompt tokens served from blocks another request's running prefill computed "
+                "while this one waited for them (in-flight sharing; part of prefix_cache_hits).",
+                s.prefix_cache_inflight_hit_tokens,
+            ),
+            (
                 "prefix_cache_evictions",
                 "Cached KV blocks evicted for other use.",
                 s.prefix_cache_evictions,

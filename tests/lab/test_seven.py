@@ -45,6 +45,9 @@ def test_every_question_has_a_section_answer_and_plot(lab_run: Path) -> None:
         assert any(ch.isdigit() for ch in s.split("\n", 1)[1])  # numbers from the run
     q1 = text.split("## Q1.")[1].split("## Q2.")[0]
     assert "| mode (open loop) |" in q1 and "req/s" in q1  # the open-loop cells ran at a rate
+    q6 = text.split("## Q6.")[1].split("## Q7.")[0]
+    assert "Simultaneous arrival (8 identical cold long prompts sent at once)" in q6
+    assert "| burst-cache-on |" in q6 and "| burst-cache-off |" in q6
     manifest = yaml.safe_load((lab_run / "lab.yaml").read_text(encoding="utf-8"))
     assert manifest["answers"] == {f"Q{k}": {"answered": True} for k in QUESTIONS}
     assert manifest["simulated"] and manifest["groups"]["prefix"]["records"]
@@ -98,7 +101,14 @@ def test_plan_sizes_and_documents() -> None:
         plan("cpu", out_dir="/tmp/unused-lab-plan"),
         plan("cuda", out_dir="/tmp/unused-lab-plan"),
     )
-    assert [g.name for g in cpu.groups] == ["batching", "batching-open", "mix", "waiting", "prefix"]
+    assert [g.name for g in cpu.groups] == [
+        "batching",
+        "batching-open",
+        "mix",
+        "waiting",
+        "prefix",
+        "prefix-burst",
+    ]
     assert cpu.scale == 8 and gpu.scale == 1
     mix = {g.name: g for g in gpu.groups}["mix"]
     assert mix.workload.concurrency == (32,) and mix.workload.max_tokens == 160

@@ -170,6 +170,34 @@ def test_prefix_cache_counters_move_when_a_prompt_repeats(smol_tokenizer: Any) -
         assert metric_value(second, "poise:prefix_cache_queries_total") == 128
 
 
+def test_in_flight_hits_are_counted_and_reported_as_cached_tokens(smol_tokenizer: Any) -> None:
+    """Two identical prompts sent together: the second waits for the first's prefill (8 of
+    its 16-token chunks) and reports the blocks it computed as cached tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with slow_server(
+        smol_tokenizer,
+        delay_s=0.05,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=64,
+        long_prefill_token_threshold=16,
+    ) as server:
+        body = {"model": "fake", "prompt": list(range(300, 430)), "max_tokens": 2}
+
+        def post(_: int) -> Any:
+            return httpx.post(server.base_url + "/v1/completions", json=body, timeout=30).json()
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(post, range(2)))
+        cached = sorted(a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)
+        assert cached == [0, 128], cached  # 130 tokens: 8 full blocks before the last token
+        text = metrics(server)
+        inflight = metric_value(text, "poise:prefix_cache_inflight_hits_total")
+        assert 0 < inflight <= 128  # what the leader wrote after the follower arrived
+        assert metric_value(text, "poise:prefix_cache_hits_total") == 128
+        assert answers[0]["choices"][0]["text"] == answers[1]["choices"][0]["text"]
+
+
 def test_log_requests_writes_one_json_line_per_request_without_the_prompt(
     smol_tokenizer: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -7,7 +7,9 @@ prefix cache is hit, priorities, two traffic classes with shares, aborts, stop-s
 and failing steps, in any interleaving Hypothesis chooses. After every rule:
 
 - the pool's ref counts equal the block tables (no block leaked or freed twice:
-  ``KVCacheManager.check_invariants``), and only running requests hold blocks;
+  ``KVCacheManager.check_invariants``), and only running requests hold blocks; blocks pending
+  in a running prefill (in-flight sharing) are owned by running requests only, and a request
+  waiting on one (a follower) is waiting, never running;
 - no running request has computed more tokens than its block table has slots, or than it has;
 - waiting and running are disjoint, and together they are exactly the unfinished requests;
 - every request finishes exactly once, with a finish reason;
@@ -68,7 +70,14 @@ class EngineMachine(RuleBasedStateMachine):
         self.prompts: dict[str, list[int]] = {}
         self.live: set[str] = set()  # added, not finished
         self.next_id = 0
-        self.stats = {"steps": 0, "preemptions": 0, "cache_hits": 0, "failed_steps": 0}
+        self.stats = {
+            "steps": 0,
+            "preemptions": 0,
+            "cache_hits": 0,
+            "failed_steps": 0,
+            "deferrals": 0,
+            "inflight_hits": 0,
+        }
 
     @initialize(
         policy=st.sampled_from(SCHEDULING_POLICIES),
@@ -184,6 +193,10 @@ class EngineMachine(RuleBasedStateMachine):
         running = {r.request_id for r in sched.running}
         holders = {rid for rid, table in kv._tables.items() if table}
         assert holders <= running, f"blocks held by non-running requests {holders - running}"
+        owners = {kv.pending.owner(k) for k in list(kv.pending._owner)}
+        assert owners <= running, f"pending blocks owned by non-running {owners - running}"
+        followers = set(sched.inflight._first_cached)
+        assert followers <= {r.request_id for r in sched.waiting}, "a follower not waiting"
         for r in sched.running:
             slots = len(kv.get_block_ids(r.request_id)) * BLOCK
             assert r.num_computed_tokens <= min(slots, r.num_tokens), (r.request_id, slots)
@@ -241,6 +254,8 @@ class EngineMachine(RuleBasedStateMachine):
             for i, token in enumerate(out):
                 assert token == self.executor.next_token(self.prompts[rid] + out[:i]), rid
         self.stats["preemptions"] = self.engine.scheduler.num_preemptions_total
+        self.stats["deferrals"] = self.engine.scheduler.inflight.num_deferrals
+        self.stats["inflight_hits"] = self.engine.kv.prefix_stats.inflight_hits
         TOTALS.update({k: TOTALS.get(k, 0) + v for k, v in self.stats.items()})
         TOTALS["requests"] = TOTALS.get("requests", 0) + len(self.prompts)
 
