@@ -26,9 +26,13 @@ class HoldBack:
     """A deferral gate holding named requests back (what in-flight prefix sharing plugs in)."""
 
     held: set[str] = field(default_factory=set)
+    went_in: list[str] = field(default_factory=list)
 
     def defer(self, request: Request) -> Deferral | None:
         return Deferral("held") if request.request_id in self.held else None
+
+    def admitted(self, request: Request, cached_blocks: list[int]) -> None:
+        self.went_in.append(request.request_id)
 
 
 def test_a_deferred_request_waits_and_admission_goes_on_past_it() -> None:
@@ -43,6 +47,7 @@ def test_a_deferred_request_waits_and_admission_goes_on_past_it() -> None:
     gate.held.clear()
     engine.step()
     assert {r.request_id for r in engine.scheduler.running} == {"a", "b"}
+    assert gate.went_in == ["b", "a"]  # every gate hears of each admission, in order
     assert run_all(engine).keys() == {"a", "b"}
 
 
