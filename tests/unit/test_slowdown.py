@@ -92,8 +92,12 @@ def _backlogged(admission: str, overhead: float) -> tuple[EngineCore, VirtualClo
         a=0.02, b=0.0005, admission_control=admission, admission_margin=0.0,
         max_num_batched_tokens=128, traffic_classes="none",
     )  # fmt: skip
-    for i in range(8):
-        engine.add_request(f"w{i}", list(range(10, 30 + 30 * i)), params(3))
+    # Warm-up prompts with distinct first blocks (a shared prefix would make them in-flight
+    # followers of one another, and the fit would learn from a handful of steps): 24 of them,
+    # enough steps for the step-cost fit to leave its prior.
+    for i in range(24):
+        prompt = [*range(10 + i, 14 + i), *range(14, 30 + 30 * (i % 8))]
+        engine.add_request(f"w{i}", prompt, params(3))
     while engine.has_unfinished_requests():
         _loop_step(engine, clock, overhead)
     for i in range(10):  # lax targets: admitted
