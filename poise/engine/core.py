@@ -312,4 +312,5 @@ class EngineCore:
             prefix_cache_query_tokens=prefix.query_tokens,
             prefix_cache_hit_tokens=prefix.hit_tokens,
             prefix_cache_evictions=self.kv.pool.num_evictions,
+            spec_decode=sched.spec.stats.copy() if sched.spec is not None else None,
         )

@@ -14,7 +14,7 @@ Pure Python and clock-free, like the rest of sched/: the simulator runs this cod
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from poise.config import SpeculativeConfig
 from poise.core.outputs import ModelRunnerOutput, ScheduledRequest
@@ -45,6 +45,10 @@ class SpecDecodeStats:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def copy(self) -> SpecDecodeStats:
+        """A copy another thread may keep (the engine's snapshot for /metrics)."""
+        return replace(self, accepted_per_pos=list(self.accepted_per_pos))
 
 
 @dataclass(frozen=True)
