@@ -36,6 +36,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "SmolLM2-135M-Instruct), a config.json, a model dir or a .gguf (default: --model's, "
         "else SmolLM2).",
     )
+    g.add_argument(
+        "--spec-acceptance-rate",
+        type=float,
+        default=None,
+        metavar="A",
+        help="With --speculative-config: the chance each draft token is kept once those "
+        "before it were (0..1; a measured run's from its spec_decode counters, "
+        "docs/speculation.md).",
+    )
     g.add_argument("--compute-efficiency", type=float, default=None, help="Roofline MFU (0.5).")
     g.add_argument("--bandwidth-efficiency", type=float, default=None, help="Roofline (0.8).")
     g.add_argument(
@@ -125,6 +134,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 # ---- cost model -----------------------------------------------------------------------------
 def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
+    model = _step_cost_model(args, config)
+    rate = getattr(args, "spec_acceptance_rate", None)
+    return model if rate is None else dataclasses.replace(model, spec_acceptance_rate=rate)
+
+
+def _step_cost_model(args: argparse.Namespace, config: Any) -> Any:
     from poise.sim.fit import load_profile
     from poise.sim.roofline import RooflineCostModel
 

@@ -28,6 +28,7 @@ from poise.core.request import Request, RequestStatus
 from poise.core.sampling_params import SamplingParams
 from poise.core.structured import GrammarCompiler, GrammarState
 from poise.engine.clock import Clock, MonotonicClock
+from poise.spec.proposer import Proposer
 from poise.engine.executor import Executor
 from poise.engine.observer import EngineObserver
 from poise.engine.state import EngineState
@@ -64,7 +65,10 @@ class EngineCore:
         clock: Clock | None = None,
         observers: Sequence[EngineObserver] = (),
         grammars: GrammarCompiler | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
+        """``proposer``: speculative decoding's, where it is not the config's ngram (the
+        draft model's, the simulator's)."""
         self.config = config
         # Compiles structured-output requests (text/grammar.py); None: they are refused.
         self.grammars = grammars
@@ -76,7 +80,7 @@ class EngineCore:
         self.kv = KVCacheManager(
             num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len, proposer=proposer)
         self.max_model_len = self.scheduler.max_len
 
     @classmethod

@@ -26,8 +26,11 @@ from poise.sched.policies import StepPlan
 from poise.spec.ngram import NgramProposer
 from poise.spec.proposer import Proposer
 
-# Prior of a request's per-token acceptance rate before it verified anything: Beta(1, 1)
-# pseudo-counts, so the first few verifies move it quickly.
+# Prior of a request's per-token acceptance rate: PRIOR_TRIALS pseudo-trials at the rate of
+# every request so far (itself from Beta(1, 1) before any verify), so a request's first few
+# verifies move it quickly but a new request does not start at 1/2 where drafts mostly fail:
+# on short requests those first verifies were most of what a Beta(1, 1) prior spent (the
+# simulator at concurrency 48, acceptance 0.3: 0.97x the throughput without speculation).
 PRIOR_ACCEPTED = 1.0
 PRIOR_TRIALS = 2.0
 
@@ -119,6 +122,7 @@ class Speculation:
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         # Per request: (accepted, trials) for its acceptance estimate.
         self._history: dict[str, tuple[float, float]] = {}
+        self._overall = (0.0, 0.0)  # the same, summed over every request ever
         self._rows = 0
         self._step_tokens = 0
         self._spare = 0
@@ -204,7 +208,9 @@ class Speculation:
 
     def acceptance(self, request_id: str) -> float:
         accepted, trials = self._history.get(request_id, (0.0, 0.0))
-        return (accepted + PRIOR_ACCEPTED) / (trials + PRIOR_TRIALS)
+        all_accepted, all_trials = self._overall
+        prior = (all_accepted + PRIOR_ACCEPTED) / (all_trials + PRIOR_TRIALS)
+        return (accepted + PRIOR_TRIALS * prior) / (trials + PRIOR_TRIALS)
 
     def accepted(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """A verify step of ``num_drafts`` drafts kept ``num_accepted`` of them (a prefix)."""
@@ -218,6 +224,7 @@ class Speculation:
         trials = num_accepted + (1 if num_accepted < num_drafts else 0)
         accepted, seen = self._history.get(request_id, (0.0, 0.0))
         self._history[request_id] = (accepted + num_accepted, seen + trials)
+        self._overall = (self._overall[0] + num_accepted, self._overall[1] + trials)
 
     def forget(self, request_id: str) -> None:
         self._history.pop(request_id, None)
