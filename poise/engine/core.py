@@ -28,13 +28,13 @@ from poise.core.request import Request, RequestStatus
 from poise.core.sampling_params import SamplingParams
 from poise.core.structured import GrammarCompiler, GrammarState
 from poise.engine.clock import Clock, MonotonicClock
-from poise.spec.proposer import Proposer
 from poise.engine.executor import Executor
 from poise.engine.observer import EngineObserver
 from poise.engine.state import EngineState
 from poise.errors import InvalidRequestError, OverloadedError, StepFailedError
 from poise.kv.manager import KVCacheManager
 from poise.sched.scheduler import Scheduler
+from poise.spec.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 

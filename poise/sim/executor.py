@@ -91,7 +91,9 @@ class SimExecutor:
                     :kept
                 ]
         return ModelRunnerOutput(
-            sampled_token_ids={sr.request_id: tid for sr in scheduler_output.scheduled if sr.sample},
+            sampled_token_ids={
+                sr.request_id: tid for sr in scheduler_output.scheduled if sr.sample
+            },
             accepted_draft_ids=accepted,
         )
 
