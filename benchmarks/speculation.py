@@ -22,6 +22,7 @@ at low load, tok/s on / off at c=32) is put next to the measured one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -49,7 +50,7 @@ SPECS: dict[str, dict[str, Any] | None] = {
 ENGINE = dict(dtype="bfloat16", num_threads=1, max_num_seqs=64, max_num_batched_tokens=2048)
 INSTRUCTIONS = (
     "Repeat the following passage exactly, word for word:\n\n{p}",
-    "Quote the passage below verbatim, then stop.\n\n\"\"\"\n{p}\n\"\"\"",
+    'Quote the passage below verbatim, then stop.\n\n"""\n{p}\n"""',
     "Rewrite the passage below with only light edits: fix any typos and keep every sentence "
     "in order.\n\n{p}",
 )
@@ -156,7 +157,7 @@ def simulate(cell: Cell, prompts: list[list[int]], max_tokens: int, profile: str
     cost = load_profile(profile)
     if spec is not None:
         rate = acceptance_from_counters(cell.spec["drafts"], cell.spec["accepted"], 4)
-        cost = type(cost)(**{**cost.__dict__, "spec_acceptance_rate": rate})
+        cost = dataclasses.replace(cost, spec_acceptance_rate=rate)
     cfg = EngineConfig.from_kwargs(**ENGINE, speculative_config=spec)
     reqs = [SimRequest(i, len(p), max_tokens, token_ids=tuple(p)) for i, p in enumerate(prompts)]
     res = simulate_cell(cfg, cost, SimCell(reqs, concurrency=cell.concurrency))
@@ -176,9 +177,14 @@ def run(args: argparse.Namespace) -> list[tuple[Cell, Cell | None]]:
     plan: list[tuple[str, list[list[int]], int, int, tuple[str, ...]]] = []
     if args.only in (None, "grounded"):
         g = grounded_prompts(tok, 8)
-        plan += [("grounded", g[:4], 1, 128, (OFF, ADAPTIVE)), ("grounded", g, 4, 128, (OFF, ADAPTIVE))]
+        plan += [
+            ("grounded", g[:4], 1, 128, (OFF, ADAPTIVE)),
+            ("grounded", g, 4, 128, (OFF, ADAPTIVE)),
+        ]
     if args.only in (None, "seed"):
-        plan.append(("seed", seed_prompts(tok, args.seed_requests), 32, 160, (OFF, ADAPTIVE, FIXED)))
+        plan.append(
+            ("seed", seed_prompts(tok, args.seed_requests), 32, 160, (OFF, ADAPTIVE, FIXED))
+        )
     cells: list[tuple[Cell, Cell | None]] = []
     for rnd in range(args.rounds):
         for name, prompts, c, max_tokens, configs in plan:
@@ -232,7 +238,9 @@ def report(cells: list[tuple[Cell, Cell | None]]) -> str:
             r_rate = med(r.tok_s / o.tok_s for (o, _), (r, _) in pairs)
             r_ttft = med(r.p("ttft", 95) / o.p("ttft", 95) for (o, _), (r, _) in pairs)
             sims = [(os, s) for (_, os), (_, s) in pairs if os is not None and s is not None]
-            s_tpot = f"{med(o.p('tpot', 50) / s.p('tpot', 50) for o, s in sims):.2f}" if sims else "-"
+            s_tpot = (
+                f"{med(o.p('tpot', 50) / s.p('tpot', 50) for o, s in sims):.2f}" if sims else "-"
+            )
             s_rate = f"{med(s.tok_s / o.tok_s for o, s in sims):.3f}" if sims else "-"
             lines.append(
                 f"| {name} | {c} | {config} | {1000 * tpot:.1f} | {rate:.1f} | {1000 * ttft:.0f} "

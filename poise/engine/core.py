@@ -93,6 +93,7 @@ class EngineCore:
         clock: Clock | None = None,
         observers: Sequence[EngineObserver] = (),
         grammars: GrammarCompiler | None = None,
+        proposer: Proposer | None = None,
     ) -> EngineCore:
         """The engine around an executor whose model load found ``limits`` (its KV blocks,
         context length, vocabulary and EOS ids)."""
@@ -106,6 +107,7 @@ class EngineCore:
             clock=clock,
             observers=observers,
             grammars=grammars,
+            proposer=proposer,
         )
 
     # -- admission ----------------------------------------------------------------------------

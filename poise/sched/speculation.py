@@ -243,14 +243,14 @@ def build_speculation(
     config: SpeculativeConfig | None, proposer: Proposer | None, estimator: StepCostEstimator
 ) -> Speculation | None:
     """The scheduler's speculation (None when off): prompt lookup unless a proposer is given
-    (the draft model's would be built with the model runner; not written yet)."""
+    (the draft model's is built with the model runner, engine/draft.py)."""
     if config is None:
         return None
     if proposer is None:
         if config.method != "ngram":
             raise ValueError(
-                f"speculative_config.method: {config.method}'s proposer is not implemented yet "
-                "(docs/speculation.md); use ngram"
+                f"speculative_config.method: {config.method} needs its proposer built with "
+                "the model (build_engine); this engine has none"
             )
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     return Speculation(config, proposer, estimator)
