@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import random
 import statistics
+from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
+from poise.cli import main
 from poise.config import EngineConfig
 from poise.sim.cost import FixedCostModel
 from poise.sim.simulator import SimCell, SimRequest, simulate_cell
@@ -70,3 +74,25 @@ def test_acceptance_draws_and_their_inverse() -> None:
 def test_speculation_without_an_acceptance_rate_is_refused() -> None:
     with pytest.raises(ValueError, match="^speculative_config: .*acceptance rate"):
         simulate_cell(_config(FIXED), COST, SimCell([SimRequest(0, 10, 5)], concurrency=1))
+
+
+def _cli_tpot(tmp_path: Path, *extra: str) -> tuple[float, dict[str, Any]]:
+    out = tmp_path / f"sim{len(extra)}.yaml"
+    rc = main(
+        [
+            "simulate", "--accelerator", "a10", "--model-shape", "SmolLM2-135M-Instruct",
+            "--concurrency", "1", "--max-tokens", "32", "--num-requests", "4",
+            "--long-ratio", "0", "-o", str(out), *extra,
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    rec = yaml.safe_load(out.read_text())
+    return rec["results"][0]["metrics"]["overall"]["tpot_ms"]["p50"], rec
+
+
+def test_simulate_cli_takes_serves_flag_and_an_acceptance_rate(tmp_path: Path) -> None:
+    off, _ = _cli_tpot(tmp_path)
+    on, rec = _cli_tpot(tmp_path, "--speculative-config", FIXED, "--spec-acceptance-rate", "0.9")
+    assert on < off / 2  # a memory-bound GPU decode verifies 5 tokens for about the cost of 1
+    assert rec["provenance"]["cost_model"]["spec_acceptance_rate"] == 0.9
+    assert main(["simulate", "--accelerator", "a10", "--speculative-config", FIXED]) == 2
