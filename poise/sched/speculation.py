@@ -167,20 +167,23 @@ class Speculation:
         )
         if room <= 0:
             return []
+        inputs = DepthInputs(
+            max_k=room,
+            acceptance=self.acceptance(request.request_id),
+            num_rows=self._rows,
+            step_tokens=self._step_tokens,
+            step_time=self.estimator.step_time,
+            tpot_target_s=request.slo.tpot_s,
+            tpot_s=current_tpot(request),
+        )
+        # No depth up to ``room`` pays, so none up to what the proposer finds would: skip the
+        # proposal (a prompt lookup scans the whole context; a draft model runs forwards).
+        if self.rule(inputs) <= 0:
+            return []
         proposed = self.proposer.propose(request, room)[:room]
         if not proposed:
             return []
-        k = self.rule(
-            DepthInputs(
-                max_k=len(proposed),
-                acceptance=self.acceptance(request.request_id),
-                num_rows=self._rows,
-                step_tokens=self._step_tokens,
-                step_time=self.estimator.step_time,
-                tpot_target_s=request.slo.tpot_s,
-                tpot_s=current_tpot(request),
-            )
-        )
+        k = self.rule(replace(inputs, max_k=len(proposed)))
         k = max(0, min(k, len(proposed)))
         self._spare -= k
         self._step_tokens += k
