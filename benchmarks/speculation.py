@@ -44,9 +44,13 @@ FIXED = "ngram k=4 fixed"
 SPECS: dict[str, dict[str, Any] | None] = {
     OFF: None,
     ADAPTIVE: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
-    FIXED: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-            "adaptive": False},
-}  # fmt: skip
+    FIXED: {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_min": 2,
+        "adaptive": False,
+    },
+}
 ENGINE = dict(dtype="bfloat16", num_threads=1, max_num_seqs=64, max_num_batched_tokens=2048)
 INSTRUCTIONS = (
     "Repeat the following passage exactly, word for word:\n\n{p}",
@@ -110,8 +114,10 @@ def grounded_prompts(tok: Any, n: int) -> list[list[int]]:
 def seed_prompts(tok: Any, n: int) -> list[list[int]]:
     from poise.text import apply_chat_template
 
-    return [apply_chat_template(tok, [{"role": "user", "content": p}])
-            for _, p in seed_workload(n, 160, 0.25)]  # fmt: skip
+    return [
+        apply_chat_template(tok, [{"role": "user", "content": p}])
+        for _, p in seed_workload(n, 160, 0.25)
+    ]
 
 
 def closed_loop(llm: Any, prompts: list[list[int]], c: int, max_tokens: int, cell: Cell) -> None:
@@ -143,8 +149,11 @@ def _spec_counts(core: Any) -> dict[str, float]:
     if spec is None:
         return {"drafts": 0, "draft_tokens": 0, "accepted": 0}
     st = spec.stats
-    return {"drafts": st.num_drafts, "draft_tokens": st.num_draft_tokens,
-            "accepted": st.num_accepted_tokens}  # fmt: skip
+    return {
+        "drafts": st.num_drafts,
+        "draft_tokens": st.num_draft_tokens,
+        "accepted": st.num_accepted_tokens,
+    }
 
 
 def simulate(cell: Cell, prompts: list[list[int]], max_tokens: int, profile: str) -> Cell:
@@ -203,13 +212,20 @@ def run(args: argparse.Namespace) -> list[tuple[Cell, Cell | None]]:
 
 def summary(cell: Cell, sim: Cell | None) -> dict[str, Any]:
     d: dict[str, Any] = {
-        "workload": cell.workload, "config": cell.config, "c": cell.concurrency,
-        "tpot_p50_ms": 1000 * cell.p("tpot", 50), "ttft_p95_ms": 1000 * cell.p("ttft", 95),
-        "tok_s": cell.tok_s, **cell.spec,
-    }  # fmt: skip
+        "workload": cell.workload,
+        "config": cell.config,
+        "c": cell.concurrency,
+        "tpot_p50_ms": 1000 * cell.p("tpot", 50),
+        "ttft_p95_ms": 1000 * cell.p("ttft", 95),
+        "tok_s": cell.tok_s,
+        **cell.spec,
+    }
     if sim is not None:
-        d.update(sim_tpot_p50_ms=1000 * sim.p("tpot", 50), sim_tok_s=sim.tok_s,
-                 sim_ttft_p95_ms=1000 * sim.p("ttft", 95))  # fmt: skip
+        d.update(
+            sim_tpot_p50_ms=1000 * sim.p("tpot", 50),
+            sim_tok_s=sim.tok_s,
+            sim_ttft_p95_ms=1000 * sim.p("ttft", 95),
+        )
     return d
 
 
@@ -221,9 +237,11 @@ def report(cells: list[tuple[Cell, Cell | None]]) -> str:
             (cell, sim)
         )
     med = statistics.median
-    lines = ["| workload | c | config | TPOT p50 ms | tok/s | TTFT p95 ms | accepted / drafted "
-             "| TPOT off/on | tok/s on/off | TTFT p95 on/off | sim TPOT off/on | sim tok/s on/off |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| workload | c | config | TPOT p50 ms | tok/s | TTFT p95 ms | accepted / drafted "
+        "| TPOT off/on | tok/s on/off | TTFT p95 on/off | sim TPOT off/on | sim tok/s on/off |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for (name, c), by in groups.items():
         off = by[OFF]
         for config, runs in by.items():

@@ -55,8 +55,10 @@ class DraftModelProposer:
             return []
         held = self._held.get(rid, [])
         # Still right: the longest common prefix, less at least the last token (fed to sample).
-        keep = next((i for i, (a, b) in enumerate(zip(held, tokens, strict=False)) if a != b),
-                    min(len(held), len(tokens)))  # fmt: skip
+        keep = next(
+            (i for i, (a, b) in enumerate(zip(held, tokens, strict=False)) if a != b),
+            min(len(held), len(tokens)),
+        )
         keep = min(keep, len(tokens) - 1)
         self.kv.trim(rid, keep)
         drafts: list[int] = []
@@ -116,7 +118,7 @@ def build_draft_proposer(config: EngineConfig, target: ModelInfo) -> DraftModelP
         cache=dataclasses.replace(
             config.cache, num_kv_blocks=target.num_kv_blocks, enable_prefix_caching=False
         ),
-    )  # fmt: skip
+    )
     try:
         runner, info = create_model_runner(draft_config)
     except (OSError, ValueError) as exc:

@@ -88,8 +88,13 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_llama_dir: Path) -> 
     t0_likely = int(first.argmax())
     # d1: likely after the likeliest t0, so it is kept often; d2: anything.
     d1 = int(target_probs(model, [[*PROMPT, t0_likely]])[0].argmax())
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=2048, max_num_seqs=256,
-              speculative_config={"num_speculative_tokens": 2, "adaptive": False})  # fmt: skip
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        num_kv_blocks=2048,
+        max_num_seqs=256,
+        speculative_config={"num_speculative_tokens": 2, "adaptive": False},
+    )
     spec = llm.engine.scheduler.spec
     assert spec is not None
     spec.proposer = ForcedProposer([d1, 3])

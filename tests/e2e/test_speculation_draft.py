@@ -40,12 +40,20 @@ def _spec(draft: Path, **kw: Any) -> dict[str, Any]:
     ],
 )
 def test_greedy_outputs_equal_transformers_with_a_draft_model(
-    which: str, kwargs: dict[str, Any], tiny_llama_dir: Path, other_draft: Path,
+    which: str,
+    kwargs: dict[str, Any],
+    tiny_llama_dir: Path,
+    other_draft: Path,
     reference: list[list[int]],
-) -> None:  # fmt: skip
+) -> None:
     draft = tiny_llama_dir if which == "self" else other_draft
-    got, llm = poise_outputs(tiny_llama_dir, make_prompts(), max_num_seqs=4,
-                             max_num_batched_tokens=64, speculative_config=_spec(draft, **kwargs))  # fmt: skip
+    got, llm = poise_outputs(
+        tiny_llama_dir,
+        make_prompts(),
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        speculative_config=_spec(draft, **kwargs),
+    )
     assert got == reference
     spec = llm.engine.scheduler.spec
     assert spec is not None and spec.stats.num_draft_tokens > 0
@@ -65,8 +73,12 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_llama_dir: Path, tmp_pa
     cfg.vocab_size = 640
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path, safe_serialization=True)
     with pytest.raises(ValueError, match=r"^speculative_config\.model: .*640 tokens.*512"):
-        LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64,
-            speculative_config=_spec(tmp_path))  # fmt: skip
+        LLM(
+            model=str(tiny_llama_dir),
+            dtype="float32",
+            num_kv_blocks=64,
+            speculative_config=_spec(tmp_path),
+        )
 
 
 def test_greedy_outputs_hold_under_preemption_with_a_draft_model(
@@ -74,9 +86,14 @@ def test_greedy_outputs_hold_under_preemption_with_a_draft_model(
 ) -> None:
     # 12 blocks of 8 tokens: far less than 11 requests need at once (the draft's pool as well).
     got, llm = poise_outputs(
-        tiny_llama_dir, make_prompts(), num_kv_blocks=12, block_size=8, safety_margin=0.0,
-        enable_prefix_caching=True, speculative_config=_spec(other_draft, adaptive=False),
-    )  # fmt: skip
+        tiny_llama_dir,
+        make_prompts(),
+        num_kv_blocks=12,
+        block_size=8,
+        safety_margin=0.0,
+        enable_prefix_caching=True,
+        speculative_config=_spec(other_draft, adaptive=False),
+    )
     assert llm.engine.scheduler.num_preemptions_total > 0
     assert got == reference
     assert llm.engine.kv.num_free_blocks == 12

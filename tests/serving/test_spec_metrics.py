@@ -32,8 +32,9 @@ class HalfExecutor(FakeExecutor):
 
 def _engine(executor: FakeExecutor, spec: str | None) -> EngineCore:
     cfg = EngineConfig.from_kwargs(block_size=4, speculative_config=spec)
-    return EngineCore(cfg, executor, num_kv_blocks=64, max_model_len=256, vocab_size=100,
-                      clock=VirtualClock())  # fmt: skip
+    return EngineCore(
+        cfg, executor, num_kv_blocks=64, max_model_len=256, vocab_size=100, clock=VirtualClock()
+    )
 
 
 def _run(engine: EngineCore, n: int = 2) -> int:
@@ -71,8 +72,10 @@ def test_counters_are_vllms_names_and_add_up() -> None:
         for i in range(4)
     ]
     assert (drafts, drafted, accepted) == (
-        stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
-    )  # fmt: skip
+        stats.num_drafts,
+        stats.num_draft_tokens,
+        stats.num_accepted_tokens,
+    )
     assert drafts > 0 and 0 < accepted < drafted <= 4 * drafts
     assert sum(per_pos) == accepted
     assert per_pos == sorted(per_pos, reverse=True)  # a later position needs all before it

@@ -24,8 +24,13 @@ COST = FixedCostModel(step_s=0.02, per_token_s=2e-4, vocab_size=1000, model_max_
 
 
 def _config(spec: str | None, **kw: object) -> EngineConfig:
-    base: dict[str, object] = dict(max_num_seqs=64, max_num_batched_tokens=256, block_size=16,
-                                   num_kv_blocks=4000, speculative_config=spec)  # fmt: skip
+    base: dict[str, object] = dict(
+        max_num_seqs=64,
+        max_num_batched_tokens=256,
+        block_size=16,
+        num_kv_blocks=4000,
+        speculative_config=spec,
+    )
     base.update(kw)
     return EngineConfig.from_kwargs(**base)
 
@@ -80,11 +85,24 @@ def _cli_tpot(tmp_path: Path, *extra: str) -> tuple[float, dict[str, Any]]:
     out = tmp_path / f"sim{len(extra)}.yaml"
     rc = main(
         [
-            "simulate", "--accelerator", "a10", "--model-shape", "SmolLM2-135M-Instruct",
-            "--concurrency", "1", "--max-tokens", "32", "--num-requests", "4",
-            "--long-ratio", "0", "-o", str(out), *extra,
+            "simulate",
+            "--accelerator",
+            "a10",
+            "--model-shape",
+            "SmolLM2-135M-Instruct",
+            "--concurrency",
+            "1",
+            "--max-tokens",
+            "32",
+            "--num-requests",
+            "4",
+            "--long-ratio",
+            "0",
+            "-o",
+            str(out),
+            *extra,
         ]
-    )  # fmt: skip
+    )
     assert rc == 0
     rec = yaml.safe_load(out.read_text())
     return rec["results"][0]["metrics"]["overall"]["tpot_ms"]["p50"], rec
