@@ -71,6 +71,7 @@ class Cell:
     tpot: list[float] = field(default_factory=list)
     ttft: list[float] = field(default_factory=list)
     spec: dict[str, float] = field(default_factory=dict)
+    outputs: dict[int, list[int]] = field(default_factory=dict)  # prompt index -> tokens
 
     @property
     def tok_s(self) -> float:
@@ -125,14 +126,18 @@ def closed_loop(llm: Any, prompts: list[list[int]], c: int, max_tokens: int, cel
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     before = _spec_counts(core)
     nxt = in_flight = 0
+    index: dict[str, int] = {}
     start = time.perf_counter()
     while nxt < len(prompts) or in_flight:
         while in_flight < c and nxt < len(prompts):
-            core.add_request(f"{cell.config}-{c}-{nxt}-{time.monotonic_ns()}", prompts[nxt], params)
+            rid = f"{cell.config}-{c}-{nxt}-{time.monotonic_ns()}"
+            index[rid] = nxt
+            core.add_request(rid, prompts[nxt], params)
             nxt, in_flight = nxt + 1, in_flight + 1
         deltas, _ = core.step()
         for d in deltas:
             cell.output_tokens += len(d.new_token_ids)
+            cell.outputs.setdefault(index[d.request_id], []).extend(d.new_token_ids)
             if d.finished:
                 in_flight -= 1
                 m = derive(d.times) if d.times else None
@@ -178,8 +183,9 @@ def simulate(cell: Cell, prompts: list[list[int]], max_tokens: int, profile: str
     return out
 
 
-def run(args: argparse.Namespace) -> list[tuple[Cell, Cell | None]]:
-    from poise.engine.llm import LLM
+def plan_cells(
+    args: argparse.Namespace,
+) -> list[tuple[str, list[list[int]], int, int, tuple[str, ...]]]:
     from poise.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(None)
@@ -194,7 +200,15 @@ def run(args: argparse.Namespace) -> list[tuple[Cell, Cell | None]]:
         plan.append(
             ("seed", seed_prompts(tok, args.seed_requests), 32, 160, (OFF, ADAPTIVE, FIXED))
         )
-    cells: list[tuple[Cell, Cell | None]] = []
+    return plan
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from poise.engine.llm import LLM
+
+    rows: list[dict[str, Any]] = []
+    plan = plan_cells(args)
+    greedy_off: dict[tuple[str, int], dict[int, list[int]]] = {}
     for rnd in range(args.rounds):
         for name, prompts, c, max_tokens, configs in plan:
             order = configs if rnd % 2 == 0 else tuple(reversed(configs))
@@ -204,22 +218,51 @@ def run(args: argparse.Namespace) -> list[tuple[Cell, Cell | None]]:
                 cell = Cell(name, config, c)
                 closed_loop(llm, prompts, c, max_tokens, cell)
                 sim = simulate(cell, prompts, max_tokens, args.profile) if args.profile else None
-                cells.append((cell, sim))
-                print(json.dumps({"round": rnd, **summary(cell, sim)}), flush=True)
+                rows.append({"round": rnd, **summary(cell, sim)})
+                # Greedy: the same tokens with speculation as without (off ran first in
+                # round 0; later rounds compare with it too).
+                if config == OFF:
+                    greedy_off.setdefault((name, c), cell.outputs)
+                ref = greedy_off.get((name, c))
+                if ref is not None:
+                    same = sum(ref.get(i) == toks for i, toks in cell.outputs.items())
+                    rows[-1]["greedy_identical"] = f"{same}/{len(cell.outputs)}"
+                print(json.dumps(rows[-1]), flush=True)
                 del llm
-    return cells
+    return rows
 
 
-def summary(cell: Cell, sim: Cell | None) -> dict[str, Any]:
-    d: dict[str, Any] = {
-        "workload": cell.workload,
-        "config": cell.config,
-        "c": cell.concurrency,
-        "tpot_p50_ms": 1000 * cell.p("tpot", 50),
-        "ttft_p95_ms": 1000 * cell.p("ttft", 95),
-        "tok_s": cell.tok_s,
-        **cell.spec,
+def resimulate(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The measured rows of an earlier run's log (its JSON lines), simulated again with
+    ``--profile`` at the acceptance each row measured."""
+    plan = {
+        (name, c): (prompts, max_tokens) for name, prompts, c, max_tokens, _ in plan_cells(args)
     }
+    rows = []
+    for line in Path(args.from_log).read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        row = json.loads(line)
+        if (row["workload"], row["c"]) not in plan:
+            continue
+        prompts, max_tokens = plan[(row["workload"], row["c"])]
+        cell = Cell(row["workload"], row["config"], row["c"])
+        cell.spec = {k: row[k] for k in ("drafts", "draft_tokens", "accepted")}
+        sim = simulate(cell, prompts, max_tokens, args.profile)
+        row.update(summary(cell, sim, measured=False))
+        rows.append(row)
+    return rows
+
+
+def summary(cell: Cell, sim: Cell | None, measured: bool = True) -> dict[str, Any]:
+    d: dict[str, Any] = {"workload": cell.workload, "config": cell.config, "c": cell.concurrency}
+    if measured:
+        d.update(
+            tpot_p50_ms=1000 * cell.p("tpot", 50),
+            ttft_p95_ms=1000 * cell.p("ttft", 95),
+            tok_s=cell.tok_s,
+            **cell.spec,
+        )
     if sim is not None:
         d.update(
             sim_tpot_p50_ms=1000 * sim.p("tpot", 50),
@@ -229,13 +272,22 @@ def summary(cell: Cell, sim: Cell | None) -> dict[str, Any]:
     return d
 
 
-def report(cells: list[tuple[Cell, Cell | None]]) -> str:
-    """Per (workload, c): each config's medians over rounds, ratios to off (measured, sim)."""
-    groups: dict[tuple[str, int], dict[str, list[tuple[Cell, Cell | None]]]] = {}
-    for cell, sim in cells:
-        groups.setdefault((cell.workload, cell.concurrency), {}).setdefault(cell.config, []).append(
-            (cell, sim)
-        )
+def _ratio(
+    pairs: list[tuple[dict[str, Any], dict[str, Any]]], key: str, inverse: bool, fmt: str
+) -> str:
+    have = [(o, r) for o, r in pairs if key in o and key in r]
+    if not have:
+        return "-"
+    v = statistics.median(o[key] / r[key] if inverse else r[key] / o[key] for o, r in have)
+    return format(v, fmt)
+
+
+def report(rows: list[dict[str, Any]]) -> str:
+    """Per (workload, c): each config's medians over rounds, and same-round ratios to off
+    (measured, simulated), their median."""
+    groups: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {}
+    for r in rows:
+        groups.setdefault((r["workload"], r["c"]), {}).setdefault(r["config"], []).append(r)
     med = statistics.median
     lines = [
         "| workload | c | config | TPOT p50 ms | tok/s | TTFT p95 ms | accepted / drafted "
@@ -243,27 +295,22 @@ def report(cells: list[tuple[Cell, Cell | None]]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (name, c), by in groups.items():
-        off = by[OFF]
+        off = {r["round"]: r for r in by[OFF]}
         for config, runs in by.items():
-            tpot = med(r.p("tpot", 50) for r, _ in runs)
-            rate = med(r.tok_s for r, _ in runs)
-            ttft = med(r.p("ttft", 95) for r, _ in runs)
-            drafted = sum(r.spec["draft_tokens"] for r, _ in runs)
-            acc = sum(r.spec["accepted"] for r, _ in runs)
-            # Same-round ratios, then their median.
-            pairs = list(zip(off, runs, strict=False))
-            r_tpot = med(o.p("tpot", 50) / r.p("tpot", 50) for (o, _), (r, _) in pairs)
-            r_rate = med(r.tok_s / o.tok_s for (o, _), (r, _) in pairs)
-            r_ttft = med(r.p("ttft", 95) / o.p("ttft", 95) for (o, _), (r, _) in pairs)
-            sims = [(os, s) for (_, os), (_, s) in pairs if os is not None and s is not None]
-            s_tpot = (
-                f"{med(o.p('tpot', 50) / s.p('tpot', 50) for o, s in sims):.2f}" if sims else "-"
-            )
-            s_rate = f"{med(s.tok_s / o.tok_s for o, s in sims):.3f}" if sims else "-"
+            pairs = [(off[r["round"]], r) for r in runs if r["round"] in off]
+
+            def ratio(key: str, inverse: bool = False, fmt: str = ".2f") -> str:
+                return _ratio(pairs, key, inverse, fmt)  # noqa: B023 (called in this pass)
+
             lines.append(
-                f"| {name} | {c} | {config} | {1000 * tpot:.1f} | {rate:.1f} | {1000 * ttft:.0f} "
-                f"| {int(acc)} / {int(drafted)} | {r_tpot:.2f} | {r_rate:.3f} | {r_ttft:.3f} "
-                f"| {s_tpot} | {s_rate} |"
+                f"| {name} | {c} | {config} | {med(r['tpot_p50_ms'] for r in runs):.1f} "
+                f"| {med(r['tok_s'] for r in runs):.1f} "
+                f"| {med(r['ttft_p95_ms'] for r in runs):.0f} "
+                f"| {int(sum(r['accepted'] for r in runs))} / "
+                f"{int(sum(r['draft_tokens'] for r in runs))} "
+                f"| {ratio('tpot_p50_ms', True)} | {ratio('tok_s', fmt='.3f')} "
+                f"| {ratio('ttft_p95_ms', fmt='.3f')} | {ratio('sim_tpot_p50_ms', True)} "
+                f"| {ratio('sim_tok_s', fmt='.3f')} |"
             )
     return "\n".join(lines)
 
@@ -274,9 +321,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", choices=("grounded", "seed"), default=None)
     ap.add_argument("--seed-requests", type=int, default=64)
+    ap.add_argument(
+        "--from-log",
+        help="Measure nothing: simulate again (with --profile) the rows of an earlier run's log.",
+    )
     args = ap.parse_args()
-    cells = run(args)
-    print(report(cells))
+    rows = resimulate(args) if args.from_log else run(args)
+    print(report(rows))
     return 0
 
 
