@@ -32,39 +32,40 @@ import torch.nn.functional as F  # noqa: E402
 from poise.model import linear_kernel as lk  # noqa: E402
 from poise.model.quant import quantize_int4, quantize_int8  # noqa: E402
 
-SHAPES = [(2048, 6144), (2048, 2048), (2048, 16384), (8192, 2048)]  # (in, out)
+# (in, out) per layer: SmolLM2-1.7B's fused projections, and SmolLM2-135M's (q, k, v, o, gate,
+# up, down: 576-wide rows, where short weight rows test the prefetch rather than the stream).
+MODEL_SHAPES = {
+    "1.7b": [(2048, 6144), (2048, 2048), (2048, 16384), (8192, 2048)],
+    "135m": [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)],
+}
+SHAPES = MODEL_SHAPES["1.7b"]
 BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
 
 
-def build(layers: int) -> list[dict[str, object]]:
-    """Per layer and shape: the bf16 weight, our packed int8 / int4, torch's int8 / int4."""
+def build(layers: int, formats: set[str]) -> list[dict[str, object]]:
+    """Per layer and shape: the bf16 weight, and (if asked for) our packed int8 / int4 and
+    torch's int8 / int4."""
     out: list[dict[str, object]] = []
     torch.manual_seed(0)
     for _ in range(layers):
         for k, n in SHAPES:
             w = (torch.randn(n, k) * 0.02).bfloat16()
-            q8, s8 = quantize_int8(w)
-            q4, d4, m4 = quantize_int4(w)
-            zeros = torch.stack((d4, m4 + 8 * d4), -1).transpose(0, 1).bfloat16().contiguous()
-            out.append(
-                {
-                    "k": k,
-                    "bf16": w,
-                    "int8": lk.pack_int8(q8, s8),
-                    "int4": lk.pack_int4(q4, d4, m4),
-                    "torch int8": (q8, s8.bfloat16()),
-                    "torch int4": (
-                        torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4.to(torch.int32), 1),
-                        zeros,
-                    ),
-                }
-            )
+            layer: dict[str, object] = {"k": k, "bf16": w}
+            if "int8" in formats:
+                q8, s8 = quantize_int8(w)
+                layer.update({"int8": lk.pack_int8(q8, s8), "torch int8": (q8, s8.bfloat16())})
+            if "int4" in formats:
+                q4, d4, m4 = quantize_int4(w)
+                zeros = torch.stack((d4, m4 + 8 * d4), -1).transpose(0, 1).bfloat16().contiguous()
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4.to(torch.int32), 1)
+                layer.update({"int4": lk.pack_int4(q4, d4, m4), "torch int4": (packed, zeros)})
+            out.append(layer)
     return out
 
 
 def time_pass(layers: list[dict[str, object]], run: Callable[[dict[str, object], torch.Tensor],
               object], rows: int, repeats: int, cpu: bool) -> float:  # fmt: skip
-    xs = {k: torch.randn(rows, k).bfloat16() for k, _ in SHAPES}
+    xs = {int(layer["k"]): torch.randn(rows, int(layer["k"])).bfloat16() for layer in layers}
     clock = time.process_time if cpu else time.perf_counter
     best = float("inf")
     for _ in range(repeats + 1):
@@ -92,7 +93,7 @@ def paths() -> dict[str, tuple[str, Callable[[dict[str, object], torch.Tensor], 
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, 32, z)
 
     def bf16_ours(layer: dict[str, object], x: torch.Tensor) -> object:
-        lk.BF16_ROWS = 1 << 30
+        lk.BF16_ROWS = lk.BF16_ROWS_NO_AMX = 1 << 30
         return lk.bf16_linear(x, layer["bf16"], None)  # type: ignore[arg-type]
 
     return {
@@ -114,27 +115,32 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--cpu-time", action="store_true", help="process CPU time, not wall")
+    parser.add_argument("--shapes", choices=sorted(MODEL_SHAPES), default="1.7b")
+    parser.add_argument("--formats", default="bf16,int8,int4", help="comma-separated subset")
     args = parser.parse_args()
+    global SHAPES
+    SHAPES = MODEL_SHAPES[args.shapes]
     if args.threads:
         torch.set_num_threads(args.threads)
     if lk.load_linear_kernel() is None:
         raise SystemExit("linear kernel unavailable (needs AVX512-BF16 and VNNI, and g++)")
-    layers = build(args.layers)
+    formats = set(args.formats.split(","))
+    layers = build(args.layers, formats)
     params = sum(k * n for k, n in SHAPES) * args.layers
     clock = "CPU" if args.cpu_time else "wall"
     print(f"{args.layers} layers x {len(SHAPES)} projections, {params / 1e6:.0f} M weights, "
           f"threads {torch.get_num_threads()}, AMX {lk.amx_available()}, {clock} ms "
           f"(weight GB/s), load {os.getloadavg()[0]:.1f}")  # fmt: skip
-    table = paths()
+    table = {name: path for name, path in paths().items() if path[0] in formats}
     print(f"{'rows':>5} " + " ".join(f"{name:>18}" for name in table))
-    saved = dict(lk.TILED_FROM_ROWS), lk.BF16_ROWS
+    saved = dict(lk.TILED_FROM_ROWS), lk.BF16_ROWS, lk.BF16_ROWS_NO_AMX
     for rows in (int(r) for r in args.rows.split(",")):
         cells = []
         for fmt, run in table.values():
             t = time_pass(layers, run, rows, args.repeats, args.cpu_time)
             cells.append(f"{t * 1e3:8.1f} ({params * BYTES[fmt] / t / 1e9:5.1f})")
         lk.TILED_FROM_ROWS.update(saved[0])
-        lk.BF16_ROWS = saved[1]
+        lk.BF16_ROWS, lk.BF16_ROWS_NO_AMX = saved[1], saved[2]
         print(f"{rows:>5} " + " ".join(f"{c:>18}" for c in cells))
 
 

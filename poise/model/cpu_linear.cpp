@@ -2,7 +2,8 @@
 // measured by benchmarks/linear_kernels.py (RESULTS.md "Linear kernels").
 //
 // Weights:
-// - bf16, as the checkpoint stores them, for 1-2 rows (cpu_linear_bf16.h; more rows: torch);
+// - bf16, as the checkpoint stores them, for decode-sized row counts (cpu_linear_bf16.h;
+//   more rows: torch);
 // - int8: q in [-127, 127], w = q * scale[n], with 16-bit integer activations on VNNI / AMX
 //   int8 (cpu_linear_int8.h);
 // - int4: q in [0, 15], w = q * d + m per channel and group of 32 inputs (cpu_linear_int4.h).
@@ -125,9 +126,10 @@ using namespace plk;
 extern "C" int poise_linear_bf16_rows(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w,
                                       int64_t n, uint16_t* y, int threads) {
   if (k % 32) return 1;
-  const int64_t blocks = (n + 7) / 8;
-#pragma omp parallel for schedule(dynamic) num_threads(threads)
-  for (int64_t b = 0; b < blocks; ++b) dot_bf16_block(x, m, k, w, n, b * 8, y);
+  const int64_t blocks = (n + kBf16Channels - 1) / kBf16Channels;
+  // Runs of 4 blocks per thread, so that most prefetched next blocks are the same thread's.
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
+  for (int64_t b = 0; b < blocks; ++b) dot_bf16_block(x, m, k, w, n, b * kBf16Channels, y);
   return 0;
 }
 

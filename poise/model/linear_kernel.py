@@ -1,8 +1,9 @@
 """The C++ linear-layer kernels (cpu_linear.cpp): build, load, pack, and pick a path per call.
 
-- ``bf16_linear``: bf16 weights as stored, for 1-2 rows of x (decode at low concurrency),
-  where torch's GEMM reads the weights at 2/3 of the rate ours does; more rows go to torch
-  (oneDNN's AMX GEMM), so the weights are held once, in torch's layout.
+- ``bf16_linear``: bf16 weights as stored, for decode-sized row counts (1-2 rows where torch's
+  GEMM has AMX, up to 32 without), where torch's GEMM reads the weights at a third to 2/3 of
+  the rate ours does; more rows go to torch (oneDNN), so the weights are held once, in torch's
+  layout.
 - ``PackedWeight``: int8 or int4 weights packed once at load; the streamed path (weights read
   once and used by every row in registers) or the AMX-tiled one is chosen by the number of
   rows, from the crossovers measured by ``benchmarks/linear_kernels.py`` (``TILED_FROM_ROWS``).
@@ -40,8 +41,16 @@ INT8_BLOCK = 64  # int8 inputs per AMX K block
 # Rows from which the AMX-tiled path beats the streamed one (benchmarks/linear_kernels.py,
 # SmolLM2-1.7B's layers, RESULTS.md "Linear kernels").
 TILED_FROM_ROWS = {"int8": 4, "int4": 4}
-# bf16: our dot-product kernel up to this many rows, torch's GEMM from the next.
+# bf16: our dot-product kernel up to this many rows, torch's GEMM from the next. Where the CPU
+# has AMX, torch's GEMM runs on it and wins from 3 rows (Sapphire Rapids); without AMX (Zen 4)
+# oneDNN's AVX512-BF16 GEMM on these skinny shapes reads the weights at a third of the rate ours
+# does up to 32 rows (RESULTS.md "bf16 rows kernel").
 BF16_ROWS = 2
+BF16_ROWS_NO_AMX = 32
+
+
+def bf16_rows() -> int:
+    return BF16_ROWS if amx_available() else BF16_ROWS_NO_AMX
 
 
 def _cpu_flags() -> str:
@@ -93,11 +102,11 @@ def amx_available() -> bool:
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias) in bf16 on CPU: our kernel for up to BF16_ROWS rows
+    """x [M, K] @ weight [N, K]^T (+ bias) in bf16 on CPU: our kernel for up to bf16_rows() rows
     (and K % 32 == 0), torch's GEMM otherwise."""
     lib = load_linear_kernel()
     m, k = x.shape
-    if m > BF16_ROWS or lib is None or k % GROUP or not weight.is_contiguous():
+    if m > bf16_rows() or lib is None or k % GROUP or not weight.is_contiguous():
         return F.linear(x, weight, bias)
     x = x.contiguous()
     n = weight.shape[0]

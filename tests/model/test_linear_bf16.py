@@ -1,0 +1,61 @@
+"""The bf16 rows kernel (model/cpu_linear_bf16.h through linear_kernel.bf16_linear): against a
+float reference for every row-block size and channel tail, and a row's bits alone equal to the
+same row inside a batch (a request's greedy tokens must not depend on its batch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from poise.model import linear_kernel as lk
+
+NO_KERNEL = "no AVX512-BF16 or no C++ compiler"
+
+
+def _ours(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    lib = lk.load_linear_kernel()
+    m, k = x.shape
+    y = torch.empty(m, w.shape[0], dtype=torch.bfloat16)
+    assert (
+        lib.poise_linear_bf16_rows(x.data_ptr(), m, k, w.data_ptr(), w.shape[0], y.data_ptr(), 2)
+        == 0
+    )
+    return y
+
+
+@pytest.mark.skipif(lk.load_linear_kernel() is None, reason=NO_KERNEL)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 33])
+@pytest.mark.parametrize(("n", "k"), [(64, 96), (13, 160), (18, 576), (7, 32)])
+def test_bf16_rows_kernel_matches_float(m: int, n: int, k: int) -> None:
+    # n = 13, 18, 7: channel tails past the 4-channel blocks (and no next block to prefetch).
+    torch.manual_seed(m * 1000 + n)
+    x = torch.randn(m, k).bfloat16()
+    w = torch.randn(n, k).bfloat16()
+    want = x.float() @ w.float().T
+    got = _ours(x, w).float()
+    # One bf16 rounding of a float sum (the kernel's only rounding): 2^-8 relative.
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=2**-8)
+
+
+@pytest.mark.skipif(lk.load_linear_kernel() is None, reason=NO_KERNEL)
+def test_bf16_rows_kernel_rows_do_not_depend_on_the_batch() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(52, 1088).bfloat16()
+    x = torch.randn(11, 1088).bfloat16()
+    together = _ours(x, w)
+    for r in range(11):
+        assert torch.equal(_ours(x[r : r + 1].contiguous(), w), together[r : r + 1])
+
+
+@pytest.mark.skipif(lk.load_linear_kernel() is None, reason=NO_KERNEL)
+def test_bf16_linear_adds_bias_and_refuses_nothing() -> None:
+    # bf16_linear takes any shape: ours where it fits, torch's GEMM otherwise (k % 32 != 0).
+    torch.manual_seed(2)
+    for m, n, k in ((1, 24, 64), (2, 24, 40), (40, 24, 64)):
+        x, w, b = (
+            torch.randn(m, k).bfloat16(),
+            torch.randn(n, k).bfloat16(),
+            torch.randn(n).bfloat16(),
+        )
+        want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+        torch.testing.assert_close(lk.bf16_linear(x, w, b).float(), want, atol=0.05, rtol=0.02)
