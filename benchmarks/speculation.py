@@ -170,7 +170,9 @@ def simulate(cell: Cell, prompts: list[list[int]], max_tokens: int, profile: str
     spec = SPECS[cell.config]
     cost = load_profile(profile)
     if spec is not None:
-        rate = acceptance_from_counters(cell.spec["drafts"], cell.spec["accepted"], 4)
+        # No drafts measured (adaptive judged none paid): the simulator's rule decides alone.
+        d, a = cell.spec["drafts"], cell.spec["accepted"]
+        rate = acceptance_from_counters(d, a, 4) if d else 0.0
         cost = dataclasses.replace(cost, spec_acceptance_rate=rate)
     cfg = EngineConfig.from_kwargs(**ENGINE, speculative_config=spec)
     c = cell.concurrency
