@@ -12,8 +12,9 @@ hits them alike:
   adaptive vs fixed k=4. Reported: output tokens/s and TTFT p95, ratios to off.
 
 Each measured cell is then simulated (``poise.sim``, the same scheduler) with a step-cost
-profile of this machine (``--profile``, from ``poise profile --threads 1``) and the acceptance
-rate the cell measured (``acceptance_from_counters``), and the simulator's gain (TPOT off / on
+profile of this machine (``--profile``, from ``poise profile --threads 1``), the acceptance
+rate the cell measured (``acceptance_from_counters``) and the share of its decode steps that
+had a draft (``draft_rate_from_counts``), and the simulator's gain (TPOT off / on
 at low load, tok/s on / off at c=32) is put next to the measured one.
 
     .venv/bin/python benchmarks/speculation.py --profile P.json [--rounds 2] [--only grounded]
@@ -165,7 +166,7 @@ def simulate(cell: Cell, prompts: list[list[int]], max_tokens: int, profile: str
     """The same cell through the simulator at the acceptance rate it measured."""
     from poise.sim.fit import load_profile
     from poise.sim.simulator import SimCell, SimRequest, simulate_cell
-    from poise.sim.speculation import acceptance_from_counters
+    from poise.sim.speculation import acceptance_from_counters, draft_rate_from_counts
 
     spec = SPECS[cell.config]
     cost = load_profile(profile)
@@ -173,7 +174,9 @@ def simulate(cell: Cell, prompts: list[list[int]], max_tokens: int, profile: str
         # No drafts measured (adaptive judged none paid): the simulator's rule decides alone.
         d, a = cell.spec["drafts"], cell.spec["accepted"]
         rate = acceptance_from_counters(d, a, 4) if d else 0.0
-        cost = dataclasses.replace(cost, spec_acceptance_rate=rate)
+        # ignore_eos: every request emits exactly max_tokens.
+        drafted = draft_rate_from_counts(d, a, len(prompts) * max_tokens, len(prompts))
+        cost = dataclasses.replace(cost, spec_acceptance_rate=rate, spec_draft_rate=drafted)
     cfg = EngineConfig.from_kwargs(**ENGINE, speculative_config=spec)
     c = cell.concurrency
     # The measured engine ran a warmup wave first (the first c prompts, 8 tokens): the same

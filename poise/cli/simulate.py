@@ -45,6 +45,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "before it were (0..1; a measured run's from its spec_decode counters, "
         "docs/speculation.md).",
     )
+    g.add_argument(
+        "--spec-draft-rate",
+        type=float,
+        default=None,
+        metavar="R",
+        help="With --speculative-config: the share of decode steps the proposer has a draft "
+        "for (0..1, default 1; prompt lookup finds none where the text is new).",
+    )
     g.add_argument("--compute-efficiency", type=float, default=None, help="Roofline MFU (0.5).")
     g.add_argument("--bandwidth-efficiency", type=float, default=None, help="Roofline (0.8).")
     g.add_argument(
@@ -136,7 +144,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
     model = _step_cost_model(args, config)
     rate = getattr(args, "spec_acceptance_rate", None)
-    return model if rate is None else dataclasses.replace(model, spec_acceptance_rate=rate)
+    if rate is not None:
+        model = dataclasses.replace(model, spec_acceptance_rate=rate)
+    drafts = getattr(args, "spec_draft_rate", None)
+    return model if drafts is None else dataclasses.replace(model, spec_draft_rate=drafts)
 
 
 def _step_cost_model(args: argparse.Namespace, config: Any) -> Any:

@@ -175,6 +175,8 @@ class CostModel:
     # (sim/speculation.py). What a verify step yields, so it travels with what it costs;
     # None: an engine with --speculative-config cannot be simulated.
     spec_acceptance_rate: float | None = None
+    # The share of a decoding request's steps its proposer has a draft for (sim/speculation.py).
+    spec_draft_rate: float = 1.0
     provenance: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -188,6 +190,10 @@ class CostModel:
         a = self.spec_acceptance_rate
         if a is not None and not 0.0 <= a <= 1.0:
             raise ValueError(f"cost model: spec_acceptance_rate must be in [0, 1], got {a}")
+        if not 0.0 <= self.spec_draft_rate <= 1.0:
+            raise ValueError(
+                f"cost model: spec_draft_rate must be in [0, 1], got {self.spec_draft_rate}"
+            )
 
     def step_time(self, shape: StepShape) -> float:
         raise NotImplementedError
@@ -233,6 +239,7 @@ class CostModel:
             "time_scale": self.time_scale,
             "step_jitter_cv": self.step_jitter_cv,
             "spec_acceptance_rate": self.spec_acceptance_rate,
+            "spec_draft_rate": self.spec_draft_rate,
             "provenance": self.provenance,
         }
 

@@ -59,7 +59,8 @@ def sim_engine(
                 "speculative_config: the simulator needs the drafts' acceptance rate "
                 "(--spec-acceptance-rate, docs/speculation.md)"
             )
-        proposer = SimProposer(pick_token_id(cost_model.eos_token_ids, cost_model.vocab_size))
+        token = pick_token_id(cost_model.eos_token_ids, cost_model.vocab_size)
+        proposer = SimProposer(token, cost_model.spec_draft_rate)
     return EngineCore(
         engine_config,
         executor,

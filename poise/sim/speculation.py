@@ -10,7 +10,8 @@ random stream, so a run is deterministic for its seed.
 
 The acceptance rate is the workload's (and the proposer's) property, not the accelerator's:
 ``poise simulate --spec-acceptance-rate`` sets it, e.g. from a measured run's
-``spec_decode`` counters (``acceptance_from_counters``).
+``spec_decode`` counters (``acceptance_from_counters``); ``--spec-draft-rate`` the share of
+decode steps the proposer has a draft for at all (``draft_rate_from_counts``; 1 by default).
 """
 
 from __future__ import annotations
@@ -21,10 +22,17 @@ from poise.core.request import Request
 
 
 class SimProposer:
-    def __init__(self, token_id: int) -> None:
+    """``k`` drafts on a ``draft_rate`` share of the calls (a prompt lookup finds no earlier
+    occurrence of the suffix on the others), from its own seeded stream."""
+
+    def __init__(self, token_id: int, draft_rate: float = 1.0, seed: int = 0) -> None:
         self.token_id = token_id
+        self.draft_rate = draft_rate
+        self._rng = random.Random(f"spec-draft|{seed}")
 
     def propose(self, request: Request, k: int) -> list[int]:
+        if self.draft_rate < 1.0 and self._rng.random() >= self.draft_rate:
+            return []
         return [self.token_id] * k
 
     def forget(self, request_id: str) -> None:
@@ -37,6 +45,16 @@ def accepted_drafts(rng: random.Random, acceptance_rate: float, k: int) -> int:
     while kept < k and rng.random() < acceptance_rate:
         kept += 1
     return kept
+
+
+def draft_rate_from_counts(
+    num_drafts: float, num_accepted: float, output_tokens: float, num_requests: float
+) -> float:
+    """The share of decode steps that verified drafts: each request's first token comes from
+    its prefill and each decode step emits 1 + its accepted drafts, so the decode steps were
+    ``output_tokens - num_requests - num_accepted``."""
+    steps = output_tokens - num_requests - num_accepted
+    return min(1.0, num_drafts / steps) if steps > 0 else 0.0
 
 
 def mean_accepted(acceptance_rate: float, k: int) -> float:

@@ -15,7 +15,12 @@ from poise.cli import main
 from poise.config import EngineConfig
 from poise.sim.cost import FixedCostModel
 from poise.sim.simulator import SimCell, SimRequest, simulate_cell
-from poise.sim.speculation import acceptance_from_counters, accepted_drafts, mean_accepted
+from poise.sim.speculation import (
+    acceptance_from_counters,
+    accepted_drafts,
+    draft_rate_from_counts,
+    mean_accepted,
+)
 
 FIXED = '{"num_speculative_tokens": 4, "adaptive": false}'
 ADAPTIVE = '{"num_speculative_tokens": 4}'
@@ -114,3 +119,18 @@ def test_simulate_cli_takes_serves_flag_and_an_acceptance_rate(tmp_path: Path) -
     assert on < off / 2  # a memory-bound GPU decode verifies 5 tokens for about the cost of 1
     assert rec["provenance"]["cost_model"]["spec_acceptance_rate"] == 0.9
     assert main(["simulate", "--accelerator", "a10", "--speculative-config", FIXED]) == 2
+
+
+def test_draft_rate_scales_the_gain_and_is_read_from_counters() -> None:
+    cost = FixedCostModel(**{**COST.__dict__, "spec_acceptance_rate": 0.7})
+    reqs = [SimRequest(i, 64, 40) for i in range(4)]
+
+    def duration(rate: float) -> float:
+        model = FixedCostModel(**{**cost.__dict__, "spec_draft_rate": rate})
+        return simulate_cell(_config(FIXED), model, SimCell(reqs, concurrency=1)).duration_s
+
+    off = simulate_cell(_config(None), COST, SimCell(reqs, concurrency=1)).duration_s
+    assert duration(0.0) == pytest.approx(off)  # no draft ever: speculation off
+    assert duration(1.0) < duration(0.5) < off
+    # 10 requests of 41 tokens: 10 from prefills, 31 decode steps each, 20 of them verified.
+    assert draft_rate_from_counts(200, 100, 410, 10) == pytest.approx(200 / 300)
