@@ -37,6 +37,7 @@ from poise.model.quant import quantize_int4, quantize_int8  # noqa: E402
 MODEL_SHAPES = {
     "1.7b": [(2048, 6144), (2048, 2048), (2048, 16384), (8192, 2048)],
     "135m": [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)],
+    "135m-fused": [(576, 960), (576, 576), (576, 3072), (1536, 576)],  # as llama.py runs them
 }
 SHAPES = MODEL_SHAPES["1.7b"]
 BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5}
