@@ -14,11 +14,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from poise.bench.config import BenchConfig, WorkloadSpec
-from poise.bench.metrics import cell_metrics
+from poise.bench.bench_config import BenchConfig, WorkloadSpec
+from poise.bench.stats import cell_metrics
 from poise.checkpoint.embedded import embedded_gguf_path
+from poise.lab.managed_server import ManagedServer
 from poise.lab.presets import plan
-from poise.lab.server import ManagedServer
 from poise.lab.sweep import spec_from_dict
 
 CONCURRENCY = (8, 16, 32)

@@ -44,7 +44,7 @@ from typing import Any
 import aiohttp
 
 from poise.core.timing import percentile
-from poise.lab.server import ManagedServer, ServerSpec
+from poise.lab.managed_server import ManagedServer, ServerSpec
 
 # ---- the client process ------------------------------------------------------------------
 

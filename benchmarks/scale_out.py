@@ -76,12 +76,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from poise import workload as wl
 from poise.bench.client import Endpoint, discover_model, make_session, now, send_one
-from poise.bench.metrics import RequestRecord, derive
+from poise.bench.stats import RequestRecord, derive
 from poise.config import EngineConfig
 from poise.core.timing import percentile
 from poise.lab import cpu_accounting as acc
 from poise.lab.calibration import request_timing
-from poise.lab.server import ManagedServer, ServerSpec
+from poise.lab.managed_server import ManagedServer, ServerSpec
 from poise.router import RouterConfig
 from poise.sim import calibrate as cal
 from poise.sim.arrival import ArrivalModel

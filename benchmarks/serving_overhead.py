@@ -52,8 +52,9 @@ def serve_fake(port: int) -> int:
     cfg = EngineConfig.from_kwargs(max_num_seqs=128, max_num_batched_tokens=8192)
     core = EngineCore(cfg, FreeExecutor(), num_kv_blocks=16384, max_model_len=8192,
                       vocab_size=len(tok), eos_token_ids=eos_token_ids(tok))  # fmt: skip
-    state = build_state(core, tok, model_name="bench", vocab_size=len(tok), log_interval_s=0)
-    return serve(state, ServerSettings(port=port, log_interval_s=0))
+    settings = ServerSettings(port=port, log_interval_s=0)
+    state = build_state(core, tok, model_name="bench", vocab_size=len(tok), settings=settings)
+    return serve(state, settings)
 
 
 def main() -> int:

@@ -3,7 +3,7 @@
 For the seed workload (SHORT/LONG prompts, ``--long-ratio`` 0.25, ``--max-tokens`` 160,
 closed loop at ``--concurrency`` 8, 16, 32) on the embedded SmolLM2 on this CPU.
 
-A thin driver of the lab's own pieces: the server is ``poise.lab.server.ManagedServer``, the
+A thin driver of the lab's own pieces: the server is ``poise.lab.managed_server.ManagedServer``, the
 load is ``poise.bench.runner.run_matrix`` (what `poise bench` runs), the simulations are
 ``poise.lab.sim_bridge.simulate_matrix`` (what `poise simulate` runs) and the calibration is
 ``poise.sim.calibrate`` read from the bench records by ``poise.lab.calibration`` (what
@@ -76,13 +76,13 @@ from typing import Any
 
 import yaml
 
-from poise.bench.config import BenchConfig, WorkloadSpec
+from poise.bench.bench_config import BenchConfig, WorkloadSpec
 from poise.bench.record import ExperimentRecord
 from poise.bench.runner import run_matrix
 from poise.cli.options import add_engine_args, engine_config_from_args
 from poise.config import EngineConfig
 from poise.lab.calibration import calibration_cells, link_step_trace, pooled_metrics
-from poise.lab.server import ManagedServer, ServerSpec
+from poise.lab.managed_server import ManagedServer, ServerSpec
 from poise.lab.sim_bridge import simulate_matrix
 from poise.sim import calibrate as cal
 from poise.sim.arrival import ArrivalModel
@@ -250,8 +250,8 @@ def spread_table(real: dict[int, dict[str, Any]]) -> str:
 def by_class(paths: list[Path]) -> dict[str, dict[str, float]]:
     """Per request class: admission (send to response headers: the way in plus the wait for
     the step under way) and TTFT, p50 in ms, over the measured requests of ``paths``."""
-    from poise.bench.metrics import derive, percentile
     from poise.bench.record import ExperimentRecord
+    from poise.bench.stats import derive, percentile
 
     out: dict[str, dict[str, list[float]]] = {}
     for p in paths:

@@ -33,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-from poise.lab.server import ManagedServer, ServerSpec
+from poise.lab.managed_server import ManagedServer, ServerSpec
 from poise.workload import SHORT_PROMPT, long_prompt
 
 KINDS = {"seed": 0.51, "cancel": 0.12, "structured": 0.12, "n3": 0.10, "tools": 0.10,

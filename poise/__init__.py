@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from poise.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # not LLM: type checkers would follow it into the torch model code
-    from poise.engine.outputs import CompletionOutput, RequestOutput
+    from poise.engine.request_output import CompletionOutput, RequestOutput
 
 __version__ = "0.1.0"
 
@@ -34,8 +34,8 @@ __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__vers
 
 _LAZY = {
     "LLM": "poise.engine.llm",
-    "RequestOutput": "poise.engine.outputs",
-    "CompletionOutput": "poise.engine.outputs",
+    "RequestOutput": "poise.engine.request_output",
+    "CompletionOutput": "poise.engine.request_output",
 }
 
 

@@ -44,9 +44,10 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         f = _FIELD
         _require(
-            self.method in SPEC_METHODS, f"{f}.method",
+            self.method in SPEC_METHODS,
+            f"{f}.method",
             f"unknown method {self.method!r}; choose from {', '.join(SPEC_METHODS)}",
-        )  # fmt: skip
+        )
         k = self.num_speculative_tokens
         _require(
             isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_SPECULATIVE_TOKENS,
@@ -57,18 +58,21 @@ class SpeculativeConfig:
         for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             _require(
                 isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                f"{f}.{name}", f"must be an integer >= 1, got {value!r}",
-            )  # fmt: skip
+                f"{f}.{name}",
+                f"must be an integer >= 1, got {value!r}",
+            )
         _require(
-            lo <= hi, f"{f}.prompt_lookup_min",
+            lo <= hi,
+            f"{f}.prompt_lookup_min",
             f"must be <= prompt_lookup_max ({hi}), got {lo}",
-        )  # fmt: skip
+        )
         _require(isinstance(self.adaptive, bool), f"{f}.adaptive", "must be true or false")
         if self.method == "draft_model":
             _require(
-                isinstance(self.model, str) and bool(self.model), f"{f}.model",
+                isinstance(self.model, str) and bool(self.model),
+                f"{f}.model",
                 "draft_model needs the draft checkpoint's path",
-            )  # fmt: skip
+            )
         else:
             _require(
                 self.model is None, f"{f}.model", f"is only for draft_model, not {self.method}"

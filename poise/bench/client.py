@@ -1,7 +1,7 @@
 """The HTTP side: OpenAI-compatible streaming requests timed event by event, the capability
 probe, the ``/metrics`` scraper and the event-loop lag monitor.
 
-Timing rules (see metrics.py for the definitions):
+Timing rules (see stats.py for the definitions):
 - ``t_sent`` is taken just before the POST, after any wait for a concurrency slot; the slot
   wait is visible as ``sched_lag`` (intended - sent), never hidden.
 - Every SSE line is timestamped when read. A token event is one with generated text (content,
@@ -24,8 +24,8 @@ from typing import Any
 
 import aiohttp
 
-from poise.bench.metrics import RequestRecord
 from poise.bench.prom import ADAPTERS, Scrape, detect_engine, map_scrape, parse_samples
+from poise.bench.stats import RequestRecord
 
 log = logging.getLogger(__name__)
 now = time.perf_counter

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from poise.bench.metrics import RequestRecord, percentile, summarize
+from poise.bench.stats import RequestRecord, percentile, summarize
 
 
 def _overlaps(a0: float, a1: float, windows: Sequence[tuple[float, float]]) -> bool:

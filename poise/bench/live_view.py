@@ -28,7 +28,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from poise.bench.config import server_root
+from poise.bench.bench_config import server_root
 
 HISTORY = 120  # points kept (one a second): the sparklines' width
 _SPARKS = "▁▂▃▄▅▆▇█"

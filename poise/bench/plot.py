@@ -19,8 +19,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from poise.bench.metrics import derive  # noqa: E402
 from poise.bench.record import TEMPLATE_METRICS, CellResult, ExperimentRecord  # noqa: E402
+from poise.bench.stats import derive  # noqa: E402
 
 Named = tuple[str, ExperimentRecord]
 

@@ -143,7 +143,7 @@ def _first(values: dict[str, float], names: Sequence[str]) -> float | None:
     return None
 
 
-# poise's router (poise/deploy/metrics.py): 1 per replica in rotation, so the sum counts them.
+# poise's router (poise/deploy/merged_metrics.py): 1 per replica in rotation, so the sum counts them.
 REPLICAS_METRIC = "poise_router_replica_healthy"
 
 

@@ -20,8 +20,8 @@ from typing import Any
 import yaml
 
 from poise.bench.interference import prefill_interference
-from poise.bench.metrics import SLO, RequestRecord, cell_metrics, client_health
 from poise.bench.prom import Scrape, summarize_window, timeseries
+from poise.bench.stats import SLO, RequestRecord, cell_metrics, client_health
 
 SCHEMA_VERSION = 1
 TEMPLATE_METRICS = (

@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 
 from poise import workload as wl
+from poise.bench.bench_config import BenchConfig, CellSpec, cell_counts, cell_requests
 from poise.bench.client import (
     Endpoint,
     LoopLagMonitor,
@@ -35,10 +36,9 @@ from poise.bench.client import (
     probe,
     send_one,
 )
-from poise.bench.config import BenchConfig, CellSpec, cell_counts, cell_requests
-from poise.bench.metrics import RequestRecord
 from poise.bench.record import CellResult, ExperimentRecord, build_cell, cell_load
 from poise.bench.server_info import ServerInfo, discover_server_info
+from poise.bench.stats import RequestRecord
 
 log = logging.getLogger(__name__)
 

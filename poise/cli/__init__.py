@@ -1,7 +1,9 @@
 """`poise` command line: one subcommand per module in this package; wiring only.
 
-Each subcommand module exposes ``register(subparsers)``, which adds its parser and sets
-``func`` (called with the parsed namespace, returning an exit code).
+Each subcommand module exposes ``HELP`` (its line in ``poise --help``), ``DESCRIPTION`` (the
+top of its own ``--help``), ``add_arguments(parser)`` and ``run(args)`` (called with the parsed
+namespace, returning an exit code); ``build_parser`` is the one place that turns them into
+a subparser, so the modules hold options and work, not argparse plumbing.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != f"poise.cli.{name}":
                 raise
             continue  # not built yet
-        module.register(subparsers)
+        command = subparsers.add_parser(name, help=module.HELP, description=module.DESCRIPTION)
+        module.add_arguments(command)
+        # After add_arguments: a nested subcommand (`bench plot`) sets its own func first.
+        command.set_defaults(func=module.run)
     return parser
 
 

@@ -13,15 +13,15 @@ from typing import Any
 
 from poise.cli import lab_options
 
+HELP = "Load-test an OpenAI-compatible server; write a YAML experiment record."
+DESCRIPTION = """
+Runs every (concurrency or rate) x long-ratio cell against --base-url, streams chat completions,
+scrapes /metrics, prints a table and writes a YAML record plus per-request JSONL. `poise bench
+plot RECORD...` draws the plots.
+"""
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "bench",
-        help="Load-test an OpenAI-compatible server; write a YAML experiment record.",
-        description="Runs every (concurrency or rate) x long-ratio cell against --base-url, "
-        "streams chat completions, scrapes /metrics, prints a table and writes a YAML record "
-        "plus per-request JSONL. `poise bench plot RECORD...` draws the plots.",
-    )
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("target")
     g.add_argument(
         "--base-url",
@@ -55,7 +55,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lab_options.add_output_args(plot, "Output folder (default: beside the first record).")
     lab_options.deprecate(plot, slo_ttft_ms="--slo-ttft-p95-ms")
     plot.set_defaults(func=run_plot)
-    parser.set_defaults(func=run_bench)
 
 
 def _add_metrics_args(p: argparse.ArgumentParser) -> None:
@@ -104,7 +103,7 @@ def command_line() -> str:
 def config_from_args(args: argparse.Namespace) -> Any:
     import yaml
 
-    from poise.bench.config import BenchConfig
+    from poise.bench.bench_config import BenchConfig
 
     server_args = {}
     for item in args.server_arg:
@@ -133,7 +132,7 @@ def finish_record(record: Any, out: Path, args: argparse.Namespace) -> None:
     """Label, save and print a record (bench or simulated), and its plots if asked."""
     from rich.console import Console
 
-    from poise.bench.report import print_record
+    from poise.bench.terminal import print_record
 
     if args.label:
         record.provenance["label"] = args.label
@@ -148,11 +147,11 @@ def finish_record(record: Any, out: Path, args: argparse.Namespace) -> None:
             print(f"{key}: {path}")
 
 
-def run_bench(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from poise.bench.report import CellProgress
     from poise.bench.runner import run_matrix
+    from poise.bench.terminal import CellProgress
 
     if not args.base_url:
         print("poise bench: error: --base-url is required", file=sys.stderr)

@@ -8,13 +8,13 @@ import time
 
 from poise.cli.options import add_engine_args, engine_kwargs_from_args
 
+HELP = "Generate a reply to a prompt with the offline engine."
+DESCRIPTION = """
+Generate a reply to one or more prompts (the chat template is applied).
+"""
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "generate",
-        help="Generate a reply to a prompt with the offline engine.",
-        description="Generate a reply to one or more prompts (the chat template is applied).",
-    )
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="+", help="Prompt text; several prompts run as a batch.")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -26,7 +26,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--raw", action="store_true", help="Send the prompt as plain text, without chat template."
     )
     add_engine_args(parser)
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,17 +13,17 @@ from poise.cli import lab_options
 GROUPS = ("batching", "batching-open", "mix", "waiting", "prefix", "speculation", "tune")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "lab",
-        help="Answer the seed lab's seven questions with this engine's own measurements.",
-        description="Runs the cells each question needs (batching modes; decode-first vs "
-        "prefill-first on the seed mix; the limits behind a high `waiting`; prefix cache off / "
-        "on / cache-aware; a tuning run for a chat SLO) on live poise servers (scaled down on a "
-        "CPU) or through the simulator (--simulate), and writes report.md (one section per "
-        "question: the answer, this run's numbers, a plot) plus lab.yaml (the records, and "
-        "which questions this run answers).",
-    )
+HELP = "Answer the seed lab's seven questions with this engine's own measurements."
+DESCRIPTION = """
+Runs the cells each question needs (batching modes; decode-first vs prefill-first on the seed
+mix; the limits behind a high `waiting`; prefix cache off / on / cache-aware; a tuning run for a
+chat SLO) on live poise servers (scaled down on a CPU) or through the simulator (--simulate),
+and writes report.md (one section per question: the answer, this run's numbers, a plot) plus
+lab.yaml (the records, and which questions this run answers).
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("target")
     g.add_argument(
         "--device",
@@ -35,14 +35,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="Model for the live servers (default: the embedded SmolLM2-135M-Instruct).",
     )
-    g.add_argument(
-        "--scale", type=int, default=None, help="Size divisor (CPU default 8, GPU and simulator 1)."
-    )
-    g.add_argument(
-        "--kv-base",
-        default=None,
-        metavar="BYTES",
-        help="CPU: KV bytes at memory fraction 1.0 (default 512MiB).",
+    lab_options.add_preset_size_args(
+        g,
+        scale_help="Size divisor (CPU default 8, GPU and simulator 1).",
+        kv_help="CPU: KV bytes at memory fraction 1.0 (default 512MiB).",
     )
     g.add_argument(
         "--simulate",
@@ -82,12 +78,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lab_options.add_output_args(
         parser, "Output folder (default lab-<time>); re-use it to resume a live run.", plots=True
     )
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from poise.cli.options import parse_bytes
-    from poise.lab.presets import DEFAULT_KV_BASE_BYTES
     from poise.lab.seven_plan import plan
     from poise.lab.seven_report import write_report
     from poise.lab.seven_run import run_lab
@@ -105,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--only: groups are {', '.join(GROUPS)}")
         slo_ttft, slo_tpot = lab_options.single_slos(args)
         target = "simulated" if args.simulate else args.device
-        kv = parse_bytes(args.kv_base) if args.kv_base else DEFAULT_KV_BASE_BYTES
+        kv = lab_options.kv_base_bytes(args)
         lab = plan(
             target,
             scale=args.scale,

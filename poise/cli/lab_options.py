@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from poise.bench.config import WorkloadSpec, parse_class
+from poise.bench.bench_config import WorkloadSpec, parse_class
 
 PREFIX = "wl_"  # workload dests: WorkloadSpec.seed must not collide with the engine's --seed
 
@@ -259,6 +259,22 @@ def record_path(out: str | None, folder: str) -> Path:
     if out and Path(out).suffix in (".yaml", ".yml"):
         return Path(out)
     return Path(out or folder) / f"{time.strftime('%Y%m%d-%H%M%S')}.yaml"
+
+
+# ---- the lab's presets, scaled to the machine -----------------------------------------------
+def add_preset_size_args(group: Any, *, scale_help: str, kv_help: str) -> None:
+    """``--scale`` and ``--kv-base``: how far the lab's presets are scaled down
+    (poise.lab.presets); the help says which defaults apply to the command."""
+    group.add_argument("--scale", type=int, default=None, help=scale_help)
+    group.add_argument("--kv-base", default=None, metavar="BYTES", help=kv_help)
+
+
+def kv_base_bytes(args: argparse.Namespace) -> int:
+    """``--kv-base`` in bytes: the KV budget at memory fraction 1.0 that presets scale."""
+    from poise.cli.options import parse_bytes
+    from poise.lab.presets import DEFAULT_KV_BASE_BYTES  # lazy: --help stays light
+
+    return parse_bytes(args.kv_base) if args.kv_base else DEFAULT_KV_BASE_BYTES
 
 
 # ---- started servers ------------------------------------------------------------------------

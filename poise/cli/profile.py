@@ -23,16 +23,17 @@ from poise.cli.options import add_engine_args, engine_config_from_args
 logger = logging.getLogger(__name__)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "profile",
-        help="Measure this machine's step times and fit the simulator's cost model.",
-        description="Drives the real model runner with hand-built batches over a grid of "
-        "(prefill tokens, decode batch size, context length), fits step time = c0 + c1*tokens "
-        "+ c2*seqs + c3*sampled + c4*prefill attention pairs + c5*decode context tokens + "
-        "c6*decode requests x longest decode context by least squares, and writes the "
-        "coefficients with their provenance (JSON). `poise simulate --profile FILE` uses it.",
-    )
+HELP = "Measure this machine's step times and fit the simulator's cost model."
+DESCRIPTION = """
+Drives the real model runner with hand-built batches over a grid of (prefill tokens, decode
+batch size, context length), fits step time = c0 + c1*tokens + c2*seqs + c3*sampled + c4*prefill
+attention pairs + c5*decode context tokens + c6*decode requests x longest decode context by
+least squares, and writes the coefficients with their provenance (JSON). `poise simulate
+--profile FILE` uses it.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-o",
         "--output",
@@ -80,7 +81,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "shape, then refit) and write the result to -o: a profile of the whole window.",
     )
     add_engine_args(parser, positional_model=True)
-    parser.set_defaults(func=run)
 
 
 def refit(path: str, output: str | None) -> int:

@@ -6,8 +6,8 @@ import argparse
 from typing import Any
 
 from poise.cli.flags import Flag, add_flags
-from poise.router.policies import POLICIES
 from poise.router.router import RouterConfig
+from poise.router.routing_policies import POLICIES
 
 _ROUTER = RouterConfig()
 

@@ -18,18 +18,16 @@ from poise.cli.router_options import router_from_args
 from poise.cli.serve_flags import LIMIT_FLAGS, add_serve_flags, serve_flags
 from poise.serving.settings import RequestLimitsConfig
 
+HELP = "Serve a model over the OpenAI HTTP API."
+DESCRIPTION = """
+Serve a model over the OpenAI HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
+/tokenize, /detokenize, /health, /ready, /metrics, /version). MODEL: a HF directory, a Hub id in
+the local HF cache, a .gguf file; without it, the embedded SmolLM2-135M-Instruct.
+"""
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "serve",
-        help="Serve a model over the OpenAI HTTP API.",
-        description="Serve a model over the OpenAI HTTP API (/v1/chat/completions, "
-        "/v1/completions, /v1/models, /tokenize, /detokenize, /health, /ready, /metrics, "
-        "/version). MODEL: a HF directory, a Hub id in the local HF cache, a .gguf file; "
-        "without it, the embedded SmolLM2-135M-Instruct.",
-    )
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_serve_flags(parser)
-    parser.set_defaults(func=run)
 
 
 def step_cost_prior(profile: str) -> dict[str, float]:
@@ -51,8 +49,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         prior = step_cost_prior(args.profile) if args.profile else {}
         config = engine_config_from_args(args, **prior)
-        if args.enable_auto_tool_choice and args.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         limits = config_from_args(RequestLimitsConfig, args)
     except (ValueError, OSError) as exc:
         print(f"poise serve: error: {exc}", file=sys.stderr)

@@ -280,6 +280,36 @@ LIMIT_FLAGS: tuple[Flag, ...] = tuple(
 )
 
 
+# The page's "Adding a flag" note, with a worked example (a flag poise does not have).
+ADDING_A_FLAG = (
+    "## Adding a flag",
+    "",
+    "A server option is one declaration, a `Flag` in `SERVER_FLAGS` (poise/cli/serve_flags.py); "
+    "its spelling, type, default, help, group, vLLM and other spellings are there and nowhere "
+    "else:",
+    "",
+    "```python",
+    "Flag(",
+    '    "max_log_len",  # --max-log-len; the argparse dest',
+    '    "observability",  # the --help group and this page\'s table',
+    '    "Characters of a prompt that a request log line shows.",',
+    "    None,  # the default",
+    "    type=positive_int,",
+    '    metavar="N",',
+    '    setting="max_log_len",  # the ServerSettings field it fills',
+    '    vllm="--max-log-len",  # vLLM\'s spelling, taken as is',
+    "),",
+    "```",
+    "",
+    "The argparse option, the `ServerSettings` keyword, `/server_info`'s `server_args`, "
+    "`poise bench`'s record and this page follow from it: cli/serve.py names no flag. The "
+    "server reads the value from the `ServerSettings` field `setting=` names (declared beside "
+    "the code that uses it). An engine "
+    "option is likewise one field with `_help(...)` in a config dataclass (poise/config.py): "
+    "its flag is generated. Then regenerate this page.",
+)
+
+
 def serve_flags() -> list[Flag]:
     """Every option of ``poise serve`` except the positional MODEL, in --help order."""
     flags = [*engine_flags(), *SERVER_FLAGS, *LIMIT_FLAGS, *SCALE_OUT_FLAGS]
@@ -305,12 +335,7 @@ def flags_page() -> str:
         "engines' names) are accepted too; the vLLM column names vLLM's flag where poise "
         "takes the same one.",
         "",
-        "## Adding a flag",
-        "",
-        "One declaration: a `Flag(...)` entry in `SERVER_FLAGS` (with `setting=` naming the "
-        "`ServerSettings` field it fills), or a field with `_help(...)` in a config dataclass "
-        "for an engine option. The CLI, `/server_info`'s `server_args`, `poise bench`'s "
-        "record and this page follow from it; then regenerate this page.",
+        *ADDING_A_FLAG,
     ]
     for title, description in GROUPS:
         mine = [f for f in flags if f.group == title]

@@ -18,15 +18,15 @@ from poise.cli import lab_options
 from poise.cli.options import add_engine_args, engine_config_from_args
 from poise.cli.router_options import add_router_args, router_from_args
 
+HELP = "Run the bench matrix against the simulator (the real scheduler, virtual time)."
+DESCRIPTION = """
+Same engine flags as `poise serve`, same workload flags as `poise bench`; step times come from a
+profile (`poise profile`) or a roofline model of a named accelerator. Writes a YAML experiment
+record marked simulated.
+"""
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "simulate",
-        help="Run the bench matrix against the simulator (the real scheduler, virtual time).",
-        description="Same engine flags as `poise serve`, same workload flags as `poise bench`; "
-        "step times come from a profile (`poise profile`) or a roofline model of a named "
-        "accelerator. Writes a YAML experiment record marked simulated.",
-    )
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("cost model")
     g.add_argument("--profile", help="Step-cost profile from `poise profile` (this machine).")
     g.add_argument("--accelerator", help="Roofline model of a GPU: a10, l40s, a100, h100, h200.")
@@ -137,7 +137,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         slo_ttft_ms="--slo-ttft-p95-ms",
         slo_tpot_ms="--slo-tpot-p50-ms",
     )
-    parser.set_defaults(func=run)
 
 
 # ---- cost model -----------------------------------------------------------------------------
@@ -239,7 +238,7 @@ def _workload(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from poise.bench.config import BenchConfig
+    from poise.bench.bench_config import BenchConfig
     from poise.cli.bench import command_line, finish_record
     from poise.lab.sim_bridge import simulate_matrix
 

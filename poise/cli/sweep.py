@@ -8,17 +8,17 @@ import sys
 
 from poise.cli import lab_options
 
+HELP = "Run the bench matrix against several server configs; resumable; one report."
+DESCRIPTION = """
+For each CONFIG (YAML: poise server args, or a command template that starts another engine plus
+its base URL) start the server, wait until ready, run every cell, stop it. Cells already stored
+in --out are not measured again. Writes report.md, one bench record per config and the plots
+comparing configs. `--preset lab` runs the seed lab's configs A, B, C (scaled down on CPU: see
+docs/tuning.md).
+"""
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "sweep",
-        help="Run the bench matrix against several server configs; resumable; one report.",
-        description="For each CONFIG (YAML: poise server args, or a command template that starts "
-        "another engine plus its base URL) start the server, wait until ready, run every cell, "
-        "stop it. Cells already stored in --out are not measured again. Writes report.md, one "
-        "bench record per config and the plots comparing configs. `--preset lab` runs the seed "
-        "lab's configs A, B, C (scaled down on CPU: see docs/tuning.md).",
-    )
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("configs", nargs="*", metavar="CONFIG", help="Config YAML files.")
     g = parser.add_argument_group("configs")
     g.add_argument(
@@ -33,14 +33,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Model for poise configs without one (default: the embedded SmolLM2-135M-Instruct).",
     )
     g.add_argument("--device", default="cpu", help="Device for presets: cpu or cuda.")
-    g.add_argument(
-        "--scale", type=int, default=None, help="Preset size divisor (CPU default 8, GPU 1)."
-    )
-    g.add_argument(
-        "--kv-base",
-        default=None,
-        metavar="BYTES",
-        help="CPU presets: KV bytes at memory fraction 1.0 (default 512MiB).",
+    lab_options.add_preset_size_args(
+        g,
+        scale_help="Preset size divisor (CPU default 8, GPU 1).",
+        kv_help="CPU presets: KV bytes at memory fraction 1.0 (default 512MiB).",
     )
     lab_options.add_server_args(parser)
     lab_options.add_workload_args(
@@ -53,12 +49,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         parser, "Output folder (default sweep-<time>); re-use it to resume.", plots=True
     )
     lab_options.deprecate(parser, threads="--omp-num-threads")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from poise.bench.config import WorkloadSpec
-    from poise.cli.options import parse_bytes
+    from poise.bench.bench_config import WorkloadSpec
     from poise.lab import presets
     from poise.lab.sweep import load_specs, run_sweep, spec_from_dict
 
@@ -71,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         specs = []
         base = WorkloadSpec()
         if args.preset:
-            kv = parse_bytes(args.kv_base) if args.kv_base else presets.DEFAULT_KV_BASE_BYTES
+            kv = lab_options.kv_base_bytes(args)
             plan = presets.plan(
                 args.preset,
                 device=args.device,

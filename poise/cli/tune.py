@@ -9,7 +9,7 @@ import json
 import sys
 from typing import Any
 
-from poise.bench.config import int_list
+from poise.bench.bench_config import int_list
 from poise.cli import lab_options
 from poise.cli.options import add_engine_args, engine_kwargs_from_args
 
@@ -18,16 +18,16 @@ CPU_BUDGETS = (256, 512, 1024, 2048)
 CPU_SEQS = (1, 2, 4, 8)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "tune",
-        help="Find a throughput-first and a latency-first config for a TTFT SLO.",
-        description="Fixes the request sample and client concurrency, takes a conservative "
-        "token-budget baseline, raises the budget one step at a time while TTFT p95 meets the "
-        "SLO, backs off when the tail worsens, raises max_num_seqs only while the KV cache "
-        "keeps headroom, tries the other scheduling policy, and prints both answers with "
-        "the evidence and a ready command line. See docs/tuning.md.",
-    )
+HELP = "Find a throughput-first and a latency-first config for a TTFT SLO."
+DESCRIPTION = """
+Fixes the request sample and client concurrency, takes a conservative token-budget baseline,
+raises the budget one step at a time while TTFT p95 meets the SLO, backs off when the tail
+worsens, raises max_num_seqs only while the KV cache keeps headroom, tries the other scheduling
+policy, and prints both answers with the evidence and a ready command line. See docs/tuning.md.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     lab_options.add_slo_args(parser, required=True, per_class=False)
     g = parser.add_argument_group("search")
     g.add_argument(
@@ -102,7 +102,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lab_options.add_output_args(parser, "Output folder (default tune-<time>); re-use it to resume.")
     add_engine_args(parser)
     lab_options.deprecate(parser, threads="--omp-num-threads")
-    parser.set_defaults(func=run)
 
 
 def _simulate_defaults() -> argparse.Namespace:
@@ -111,13 +110,13 @@ def _simulate_defaults() -> argparse.Namespace:
     from poise.cli import simulate
 
     parser = argparse.ArgumentParser()
-    simulate.register(parser.add_subparsers())
-    return parser.parse_args(["simulate"])
+    simulate.add_arguments(parser)
+    return parser.parse_args([])
 
 
 def _probe(args: argparse.Namespace, fixed: dict[str, Any], workload: Any, out: str) -> Any:
     from poise.lab.live import LiveProbe, SimProbe
-    from poise.lab.server import DEFAULT_READY_PATHS, ServerSpec
+    from poise.lab.managed_server import DEFAULT_READY_PATHS, ServerSpec
 
     cell = workload.cells()[0]
     if args.simulate:
@@ -184,7 +183,7 @@ def _write(out: str, text: str, record: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from poise.bench.config import WorkloadSpec
+    from poise.bench.bench_config import WorkloadSpec
     from poise.lab.commands import fill_template, poise_serve_command
     from poise.lab.tune import Tuner, TuneSettings
     from poise.lab.tune_report import format_result

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from poise.deploy.metrics import exposition
+from poise.deploy.merged_metrics import exposition
 from poise.router import Router, RouteRequest
 from poise.text import apply_chat_template, encode_prompt
 from poise.text.tokenizer import normalize_messages

@@ -1,5 +1,5 @@
 """The offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, SamplingParams)``
-and ``chat(messages, ...)`` return ``RequestOutput``s (``poise.engine.outputs``).
+and ``chat(messages, ...)`` return ``RequestOutput``s (``poise.engine.request_output``).
 
 Runs the engine loop in the caller's thread until every request of the call is finished.
 Text handling (chat template, incremental detokenization, stop strings) comes from
@@ -16,8 +16,8 @@ from typing import Any
 from poise.config import EngineConfig
 from poise.core.sampling_params import SamplingParams
 from poise.engine.builder import build_engine
-from poise.engine.outputs import RequestOutput
 from poise.engine.progress import run_requests
+from poise.engine.request_output import RequestOutput
 
 # A prompt: text, token ids, or vLLM's dict form {"prompt": ...} / {"prompt_token_ids": [...]}.
 Prompt = str | list[int] | dict[str, Any]

@@ -20,7 +20,7 @@ from poise.core.parallel import fan_out
 from poise.core.sampling_params import SamplingParams
 from poise.core.timing import derive
 from poise.engine.core import EngineCore
-from poise.engine.outputs import CompletionOutput, RequestOutput, position_logprobs
+from poise.engine.request_output import CompletionOutput, RequestOutput, position_logprobs
 
 
 def run_requests(

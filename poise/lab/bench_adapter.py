@@ -1,7 +1,7 @@
 """The one seam between the lab and ``poise.bench``: run a list of cells of a workload against
 a live server with the bench's programmatic API.
 
-A lab workload is a ``poise.bench.config.WorkloadSpec`` (the same traffic `poise bench` sends,
+A lab workload is a ``poise.bench.bench_config.WorkloadSpec`` (the same traffic `poise bench` sends,
 built from the same flags) and a lab cell is one of its ``CellSpec`` s.
 
 Invariants: the request sample of a cell depends only on the workload and the cell (seed
@@ -16,9 +16,10 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from poise.bench.config import CellSpec, WorkloadSpec
+from poise.bench.bench_config import CellSpec, WorkloadSpec
+from poise.bench.record import CellResult
 
-CellDone = Callable[[CellSpec, Any], None]  # (cell, poise.bench.record.CellResult)
+CellDone = Callable[[CellSpec, CellResult], None]
 
 
 def run_cells(
@@ -44,8 +45,8 @@ async def _run_cells(
     salt: str | None,
     extra: dict[str, Any],
 ) -> dict[str, Any]:
+    from poise.bench.bench_config import BenchConfig
     from poise.bench.client import make_session
-    from poise.bench.config import BenchConfig
     from poise.bench.runner import open_endpoint, run_cell
 
     cfg = BenchConfig.for_workload(workload, base_url=base_url, **extra)

@@ -26,8 +26,8 @@ from typing import Any
 
 import yaml
 
-from poise.bench.metrics import RequestRecord, cell_metrics, derive, percentile
 from poise.bench.record import ExperimentRecord
+from poise.bench.stats import RequestRecord, cell_metrics, derive, percentile
 from poise.sim.arrival import ArrivalModel
 from poise.sim.calibrate import (
     CALIBRATED,

@@ -13,11 +13,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from poise.bench.config import BenchConfig, CellSpec, WorkloadSpec
+from poise.bench.bench_config import BenchConfig, CellSpec, WorkloadSpec
+from poise.bench.record import CellResult
 from poise.lab.bench_adapter import run_cells
-from poise.lab.metrics import CellMetrics
+from poise.lab.cell_metrics import CellMetrics
+from poise.lab.managed_server import ManagedServer, ServerSpec
 from poise.lab.probe import Candidate
-from poise.lab.server import ManagedServer, ServerSpec
 from poise.lab.store import CellStore
 
 logger = logging.getLogger(__name__)
@@ -66,8 +67,8 @@ class LiveProbe:
             return CellMetrics.from_bench(stored["result"])
         got: list[Any] = []
 
-        def done(cell: CellSpec, result: Any) -> None:
-            records = [r.to_dict() for r in getattr(result, "records", [])]
+        def done(cell: CellSpec, result: CellResult) -> None:
+            records = [r.to_dict() for r in result.records]
             self.store.save(spec.name, cell.label, fp, result.to_dict(), records)
             got.append(result)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from poise.bench.config import WorkloadSpec
+from poise.bench.bench_config import WorkloadSpec
 from poise.workload import SEED_LONG_REPEAT
 
 MiB = 1 << 20

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from poise.lab.metrics import CellMetrics
+from poise.lab.cell_metrics import CellMetrics
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from poise.bench.config import CellSpec, WorkloadSpec
-from poise.lab.metrics import CellMetrics, fmt_ms, fmt_pct, rel_change
+from poise.bench.bench_config import CellSpec, WorkloadSpec
+from poise.lab.cell_metrics import CellMetrics, fmt_ms, fmt_pct, rel_change
 from poise.lab.store import CellStore, safe_name
 from poise.lab.sweep_questions import answer_questions
 from poise.lab.tune_report import table
@@ -79,8 +79,8 @@ def build_records(
     result: SweepResult, entries: dict[str, list[dict[str, Any]]]
 ) -> list[tuple[str, Any]]:
     """One bench ExperimentRecord per config (saved under records/), for the bench plots."""
-    from poise.bench.metrics import RequestRecord
     from poise.bench.record import CellResult, ExperimentRecord
+    from poise.bench.stats import RequestRecord
 
     named = []
     for spec in result.specs:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from poise.lab.metrics import CellMetrics, fmt_ms
+from poise.lab.cell_metrics import CellMetrics, fmt_ms
 from poise.lab.seven_data import FEW_REQUESTS, Cell, LabData, mean, percentile
 
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from poise.lab.metrics import fmt_ms, fmt_pct
+from poise.lab.cell_metrics import fmt_ms, fmt_pct
 from poise.lab.seven_answers import (
     Section,
     _few,

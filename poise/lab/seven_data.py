@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from poise.lab.metrics import CellMetrics
+from poise.lab.cell_metrics import CellMetrics
 from poise.lab.seven_run import MANIFEST
 
 # Below this many measured requests a cell's p95 is its maximum or close to it: the report says
@@ -68,7 +68,7 @@ def mean(xs: list[float]) -> float | None:
 
 
 def _cell(config: str, c: Any) -> Cell:
-    from poise.bench.metrics import derive
+    from poise.bench.stats import derive
 
     cell = Cell(
         config,

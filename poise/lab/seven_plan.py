@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from poise import workload as wl
-from poise.bench.config import WorkloadSpec
+from poise.bench.bench_config import WorkloadSpec
 from poise.lab.presets import DEFAULT_KV_BASE_BYTES, LAB_C, scaled_args
 
 QUESTIONS: dict[int, str] = {

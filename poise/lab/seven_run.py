@@ -82,7 +82,7 @@ def _run_group_live(group: Group, out: Path, model: str | None, env: dict[str, s
 
 
 def _run_group_sim(group: Group, out: Path, sim: SimTarget) -> None:
-    from poise.bench.config import BenchConfig
+    from poise.bench.bench_config import BenchConfig
     from poise.config import EngineConfig
     from poise.lab.sim_bridge import simulate_matrix
 
@@ -102,7 +102,7 @@ def _run_tune(
     plan: LabPlan, out: Path, model: str | None, env: dict[str, str], sim: SimTarget | None
 ) -> dict[str, Any]:
     from poise.lab.live import LiveProbe, SimProbe
-    from poise.lab.server import ServerSpec
+    from poise.lab.managed_server import ServerSpec
     from poise.lab.tune import Tuner, TuneSettings
 
     t = plan.tune

@@ -21,7 +21,7 @@ def _records(result: Any, timeout_s: float) -> list[Any]:
     """Bench records of the simulated requests. A request slower than ``timeout_s`` is recorded
     as the client sees it (timed out, the tokens before the deadline); the simulated engine
     still finished it, where a real server would have aborted it on the disconnect."""
-    from poise.bench.metrics import RequestRecord
+    from poise.bench.stats import RequestRecord
 
     out = []
     for r in result.requests:
@@ -122,7 +122,7 @@ def simulate_bench_cell(
     client arrival model (``poise.sim.arrival.ArrivalModel``; None: requests reach the engine
     as they are sent). ``cluster`` ({replicas, router_config, pools}): that many replicas
     behind the router."""
-    from poise.bench.config import cell_counts, cell_requests
+    from poise.bench.bench_config import cell_counts, cell_requests
     from poise.bench.record import build_cell
     from poise.sim.arrival import ArrivalModel
     from poise.sim.simulator import SimCell, simulate_cell

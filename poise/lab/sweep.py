@@ -22,9 +22,10 @@ from typing import Any
 
 import yaml
 
-from poise.bench.config import CellSpec, WorkloadSpec
+from poise.bench.bench_config import CellSpec, WorkloadSpec
+from poise.bench.record import CellResult
 from poise.lab.bench_adapter import run_cells
-from poise.lab.server import DEFAULT_READY_PATHS, ManagedServer, ServerSpec
+from poise.lab.managed_server import DEFAULT_READY_PATHS, ManagedServer, ServerSpec
 from poise.lab.store import CellStore, safe_name
 
 logger = logging.getLogger(__name__)
@@ -151,8 +152,8 @@ def sweep_config(
         logger.info("%s: all %d cells stored: nothing to measure", spec.name, len(outcome.reused))
         return outcome
 
-    def done(cell: CellSpec, result: Any) -> None:
-        records = [r.to_dict() for r in getattr(result, "records", [])]
+    def done(cell: CellSpec, result: CellResult) -> None:
+        records = [r.to_dict() for r in result.records]
         store.save(spec.name, cell.label, fp, result.to_dict(), records)
         outcome.measured.append(cell.label)
         logger.info("%s %s: stored", spec.name, cell.label)

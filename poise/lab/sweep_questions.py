@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from poise.bench.config import CellSpec
-from poise.lab.metrics import CellMetrics, fmt_ms, fmt_pct, rel_change
+from poise.bench.bench_config import CellSpec
+from poise.lab.cell_metrics import CellMetrics, fmt_ms, fmt_pct, rel_change
 
 if TYPE_CHECKING:
     from poise.lab.sweep import SweepResult

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from poise.lab.metrics import CellMetrics, fmt_ms, fmt_pct, rel_change
+from poise.lab.cell_metrics import CellMetrics, fmt_ms, fmt_pct, rel_change
 from poise.lab.probe import Candidate, Probe
 from poise.lab.tune_result import DEFAULT_BUDGETS, DEFAULT_SEQS, Evidence, TuneResult, TuneSettings
 from poise.lab.tune_slo import phase_slo

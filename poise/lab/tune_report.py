@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from poise.lab.metrics import fmt_ms, fmt_pct
+from poise.lab.cell_metrics import fmt_ms, fmt_pct
 from poise.lab.probe import Candidate
 from poise.lab.tune_result import Evidence, TuneResult
 
@@ -38,32 +38,17 @@ def evidence_rows(result: TuneResult) -> list[tuple[str, ...]]:
         if e is result.latency_first:
             marks.append("L")
         slo = ("yes" if e.meets_slo else "no") + (f" [{','.join(marks)}]" if marks else "")
-        if m is None:
-            rows.append(
-                (
-                    str(e.index),
-                    e.phase,
-                    str(c.max_num_batched_tokens),
-                    str(c.max_num_seqs),
-                    c.scheduling_policy,
-                    "error",
-                    "",
-                    "",
-                    "",
-                    "",
-                    "",
-                    "",
-                    slo,
-                )
-            )
-            continue
-        rows.append(
-            (
-                str(e.index),
-                e.phase,
-                str(c.max_num_batched_tokens),
-                str(c.max_num_seqs),
-                c.scheduling_policy,
+        knobs = (
+            str(e.index),
+            e.phase,
+            str(c.max_num_batched_tokens),
+            str(c.max_num_seqs),
+            c.scheduling_policy,
+        )
+        if m is None:  # the probe failed: its row says so and leaves the measurements blank
+            measured = ("error", "", "", "", "", "", "")
+        else:
+            measured = (
                 fmt_ms(m.ttft_p50_ms),
                 fmt_ms(m.ttft_p95_ms),
                 fmt_ms(m.tpot_p50_ms),
@@ -71,9 +56,8 @@ def evidence_rows(result: TuneResult) -> list[tuple[str, ...]]:
                 "-" if m.output_tokens_per_s is None else f"{m.output_tokens_per_s:.1f}",
                 fmt_pct(m.kv_usage_peak),
                 "-" if m.preemptions is None else str(m.preemptions),
-                slo,
             )
-        )
+        rows.append((*knobs, *measured, slo))
     return rows
 
 

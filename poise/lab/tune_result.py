@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from poise.lab.metrics import CellMetrics
+from poise.lab.cell_metrics import CellMetrics
 from poise.lab.probe import Candidate
 
 DEFAULT_BUDGETS = (512, 1024, 2048, 4096, 8192, 16384)

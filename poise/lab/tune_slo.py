@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from poise.lab.metrics import rel_change
+from poise.lab.cell_metrics import rel_change
 from poise.sched.classes import ClassSet, TrafficClass, load_classes, to_inline
 
 if TYPE_CHECKING:

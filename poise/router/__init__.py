@@ -4,8 +4,8 @@ The same code routes for ``poise serve --replicas N`` (Ray Serve replicas) and f
 ``poise simulate --replicas N`` (copies of the real scheduler in virtual time).
 """
 
-from poise.router.policies import POLICIES
+from poise.router.account import Decision, ReplicaState, RouteRequest
 from poise.router.router import Router, RouterConfig
-from poise.router.state import Decision, ReplicaState, RouteRequest
+from poise.router.routing_policies import POLICIES
 
 __all__ = ["POLICIES", "Decision", "ReplicaState", "RouteRequest", "Router", "RouterConfig"]

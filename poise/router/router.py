@@ -19,8 +19,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from poise.kv.block_pool import prefix_keys
-from poise.router.policies import POLICIES, PolicyContext
-from poise.router.state import Decision, InFlight, ReplicaState, RouteRequest
+from poise.router.account import Decision, InFlight, ReplicaState, RouteRequest
+from poise.router.routing_policies import POLICIES, PolicyContext
 
 
 @dataclass(frozen=True)

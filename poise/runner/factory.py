@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from poise.checkpoint.generation import sampling_defaults
+from poise.checkpoint.generation_config import sampling_defaults
 from poise.checkpoint.source import resolve_model
 from poise.config import EngineConfig
 from poise.model.attention import CpuPagedAttentionBackend
@@ -42,7 +42,7 @@ class ModelInfo:
     device: str
     attention_backend: str
     tokenizer: Any  # a transformers tokenizer (chat_template set when known), or None
-    # SamplingParams defaults from the generation config (checkpoint/generation.py).
+    # SamplingParams defaults from the generation config (checkpoint/generation_config.py).
     default_sampling: dict[str, Any] = field(default_factory=dict)
     quantization: str | None = None  # ModelConfig.quantization: how the weights are stored
 
@@ -83,8 +83,11 @@ def create_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelInfo]:
     loaded.model.init_rope(max_model_len)
     blocks = num_kv_blocks(cc, config.scheduler, arch, dtype, device, kv_dtype)
     # Decode graphs on CUDA unless --enforce-eager, for backends whose prepare captures.
-    graphs = (device.type == "cuda" and not mc.enforce_eager
-              and getattr(attention, "decode_capturable", False))  # fmt: skip
+    graphs = (
+        device.type == "cuda"
+        and not mc.enforce_eager
+        and getattr(attention, "decode_capturable", False)
+    )
     # With graphs, block ``blocks`` (one past the KV manager's) is the padded rows' own.
     caches = allocate_kv_caches(arch, blocks + graphs, cc.block_size, kv_dtype, device)
     decode_graphs: DecodeGraphs | None = None
@@ -95,14 +98,27 @@ def create_model_runner(config: EngineConfig) -> tuple[ModelRunner, ModelInfo]:
             return model(ids, pos, caches, meta, attention)
 
         decode_graphs = decode_graphs_for(
-            forward, config.scheduler.max_num_seqs, max_model_len, cc.block_size, blocks,
-            device, CudaGraphDevice(device),
-        )  # fmt: skip
+            forward,
+            config.scheduler.max_num_seqs,
+            max_model_len,
+            cc.block_size,
+            blocks,
+            device,
+            CudaGraphDevice(device),
+        )
     tokenizer_source = mc.tokenizer or loaded.tokenizer_source
     tokenizer = load_tokenizer(tokenizer_source) if tokenizer_source else None
     eos_ids = _eos_ids(loaded, tokenizer)
-    runner = ModelRunner(loaded.model, attention, caches, cc.block_size, device, seed=mc.seed,
-                         eos_token_ids=eos_ids, decode_graphs=decode_graphs)  # fmt: skip
+    runner = ModelRunner(
+        loaded.model,
+        attention,
+        caches,
+        cc.block_size,
+        device,
+        seed=mc.seed,
+        eos_token_ids=eos_ids,
+        decode_graphs=decode_graphs,
+    )
     info = ModelInfo(
         model_name=loaded.name,
         vocab_size=arch.vocab_size,

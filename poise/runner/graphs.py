@@ -106,8 +106,9 @@ class StaticDecodeInputs:
         def ints(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=torch.int64, device=device)
 
-        return cls(ints(rows), ints(rows), ints(rows), ints(rows, width), ints(rows), block_size,
-                   pad_block)  # fmt: skip
+        return cls(
+            ints(rows), ints(rows), ints(rows), ints(rows, width), ints(rows), block_size, pad_block
+        )
 
     def stage(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rows: int

@@ -153,7 +153,7 @@ def _penalise(
         factor = np.repeat(
             np.asarray(
                 [min(params[i].repetition_penalty, F32_MAX) for i in rep_rows * 2], dtype=np.float32
-            ),  # fmt: skip
+            ),
             lengths,
         )
         at = torch.from_numpy(seen).to(dev)

@@ -53,8 +53,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 # --kv-cache-dtype names -> storage dtypes ("fp8" is e4m3, vLLM's default fp8 format).
-KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-                   "fp8_e5m2": torch.float8_e5m2}  # fmt: skip
+KV_CACHE_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 
 # Backends that read the int8 cache (model/attention/kv_int8.py): the cpu kernels, and the

@@ -91,8 +91,9 @@ def sample(
     # and a grammar's masked -inf / inf is NaN, which sampled forbidden tokens (the API fuzzer
     # found it). Any temperature past ~1e30 already makes every finite logit 0 (uniform), so
     # the bound does not change the distribution.
-    temps = torch.tensor([min(p.temperature, F32_MAX) for p in sub_params], dtype=torch.float32,
-                         device=dev)  # fmt: skip
+    temps = torch.tensor(
+        [min(p.temperature, F32_MAX) for p in sub_params], dtype=torch.float32, device=dev
+    )
     if (logits_writable or sub is not raw) and sub.dtype == torch.float32:
         scaled = sub.div_(temps.unsqueeze(1))
     else:

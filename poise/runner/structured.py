@@ -59,7 +59,8 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     [R, V] bool."""
     shifts = _SHIFTS.get(bitmask.device)
     if shifts is None:
-        shifts = _SHIFTS[bitmask.device] = torch.arange(32, dtype=torch.int32,
-                                                        device=bitmask.device)  # fmt: skip
+        shifts = _SHIFTS[bitmask.device] = torch.arange(
+            32, dtype=torch.int32, device=bitmask.device
+        )
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
     return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()

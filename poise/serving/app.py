@@ -5,7 +5,7 @@ app owns no globals, so tests can run several in one process. The AsyncEngine th
 and stops with the app's lifespan.
 
 A request body goes through ``body.BodySizeLimit`` (413 before anything is read) and strict
-JSON parsing (``body.OpenAIRoute``); every error is answered in OpenAI's shape (errors.py).
+JSON parsing (``body.OpenAIRoute``); every error is answered in OpenAI's shape (http_errors.py).
 The published schema (``/openapi.json``) is the request models' constraints, with the error
 answers the server really gives (400 with OpenAI's error model, never FastAPI's 422).
 Statuses: validation and InvalidRequestError -> 400, unknown model -> 404 model_not_found,
@@ -32,8 +32,8 @@ from poise.serving.async_engine import AsyncEngine
 from poise.serving.body import BodySizeLimit, OpenAIRoute
 from poise.serving.completions import CompletionRequest
 from poise.serving.dashboard import add_dashboard_routes
-from poise.serving.errors import error_response, install_error_handlers, map_exception
 from poise.serving.generation import Generator
+from poise.serving.http_errors import error_response, install_error_handlers, map_exception
 from poise.serving.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -80,6 +80,8 @@ class ServingState:
     info: dict[str, Any] = field(default_factory=dict)
     enable_per_request_metrics: bool = False  # --enable-per-request-metrics
     tracer: RequestTracer | None = None  # --otlp-traces-endpoint
+    # The traffic class names a request's ``class`` may take (--traffic-classes).
+    traffic_classes: tuple[str, ...] = ("default",)
 
     @property
     def metrics(self) -> Any:
@@ -167,15 +169,9 @@ def _document_limits(props: dict[str, Any], state: ServingState) -> None:
         for v in _variants(props.get(name, {}), "integer"):
             v["maximum"] = state.max_model_len - 1  # and the prompt must fit next to it
     for v in _variants(props.get("class", {}), "string"):
-        v["enum"] = _class_names(state)
+        v["enum"] = list(state.traffic_classes)
     if not state.enable_per_request_metrics and "include_metrics" in props:
         props["include_metrics"]["enum"] = [False]  # true is a 400 naming the flag
-
-
-def _class_names(state: ServingState) -> list[str]:
-    scheduler = getattr(state.engine.core, "scheduler", None)
-    steer = getattr(scheduler, "steer", None)
-    return list(steer.classes.names) if steer is not None else ["default"]
 
 
 def _document_models(models: dict[str, Any], names: list[str]) -> None:

@@ -26,42 +26,20 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
 from poise.core.outputs import RequestDelta, StepStats
 from poise.core.sampling_params import SamplingParams
-from poise.engine.clock import Clock
 from poise.engine.state import EngineState
 from poise.errors import EngineDeadError, ShuttingDownError, StepFailedError
 from poise.serving.metrics import ServingMetrics
 
+if TYPE_CHECKING:  # the engine is imported lazily (serving/server.py builds it)
+    from poise.engine.core import EngineCore
+
 logger = logging.getLogger(__name__)
-
-
-class CoreLike(Protocol):
-    """What the AsyncEngine needs from poise.engine.core.EngineCore."""
-
-    clock: Clock  # read, for arrival times on the engine's clock
-
-    def validate(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None: ...
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        arrival_time: float | None = None,
-        *,
-        prompt_leader: str | None = None,
-    ) -> Any: ...
-    def abort(self, request_ids: Iterable[str]) -> list[RequestDelta]: ...
-    def finish(self, request_id: str) -> RequestDelta | None: ...
-    def step(self) -> tuple[list[RequestDelta], StepStats | None]: ...
-    def has_unfinished_requests(self) -> bool: ...
-    def ready_in_s(self) -> float | None: ...
-    def fail(self, request_ids: Iterable[str], message: str) -> list[RequestDelta]: ...
-    def snapshot(self) -> EngineState: ...
 
 
 @dataclass
@@ -93,7 +71,7 @@ class _Add:
 class AsyncEngine:
     def __init__(
         self,
-        core: CoreLike,
+        core: EngineCore,
         metrics: ServingMetrics,
         *,
         log_interval_s: float = 10.0,
@@ -184,8 +162,9 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, len(prompt_token_ids))
         self._streams[request_id] = stream
-        add = _Add(request_id, prompt_token_ids, params, arrival_time, loop.create_future(),
-                   prompt_leader)  # fmt: skip
+        add = _Add(
+            request_id, prompt_token_ids, params, arrival_time, loop.create_future(), prompt_leader
+        )
         with self._cv:
             self._adds.append(add)
             self._cv.notify()
@@ -287,8 +266,13 @@ class AsyncEngine:
         for add in adds:
             exc: BaseException | None = None
             try:
-                self.core.add_request(add.request_id, add.prompt_token_ids, add.params,
-                                      add.arrival_time, prompt_leader=add.prompt_leader)  # fmt: skip
+                self.core.add_request(
+                    add.request_id,
+                    add.prompt_token_ids,
+                    add.params,
+                    add.arrival_time,
+                    prompt_leader=add.prompt_leader,
+                )
                 self._live.add(add.request_id)
                 self._awaiting_first[add.request_id] = len(add.prompt_token_ids)
             except Exception as e:  # noqa: BLE001 - InvalidRequest/Overloaded go to the client

@@ -21,8 +21,8 @@ import hmac
 import os
 from typing import Any
 
-from poise.serving.errors import error_response
 from poise.serving.hosts import is_loopback
+from poise.serving.http_errors import error_response
 
 PROBES = frozenset({"/health", "/ready", "/version"})
 OPERATOR_PATHS = frozenset({"/metrics", "/dashboard", "/dashboard/feed", "/server_info"})

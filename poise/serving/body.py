@@ -186,7 +186,7 @@ class OpenAIRoute(APIRoute):
     """A route whose JSON body goes through ``parse_json_body``.
 
     FastAPI wraps what ``Request.json`` raises (other than a syntax error) in an HTTPException
-    400 whose ``__cause__`` is our InvalidRequestError; errors.py answers with its message."""
+    400 whose ``__cause__`` is our InvalidRequestError; http_errors.py answers with its message."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()

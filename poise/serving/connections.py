@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from poise.serving.errors import error_response
+from poise.serving.http_errors import error_response
 
 
 @dataclass(frozen=True)

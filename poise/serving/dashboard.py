@@ -2,7 +2,7 @@
 ``GET /dashboard/feed`` (server-sent events).
 
 The feed's first event, ``config``, is the server's self-description (``/server_info``); then
-one ``point`` event per second from ``poise.serving.live.LiveFeed`` (the history first, so a
+one ``point`` event per second from ``poise.serving.live_page.LiveFeed`` (the history first, so a
 page opened late still draws the last minutes). A feed ends when the server starts shutting
 down, so an open page never holds a graceful shutdown for its grace period.
 """

@@ -36,16 +36,16 @@ from poise.core.structured import GrammarCompiler
 from poise.errors import EngineDeadError, InvalidRequestError, ShuttingDownError
 from poise.serving.async_engine import AsyncEngine
 from poise.serving.completions import CompletionRequest
-from poise.serving.errors import GenerationFailed
-from poise.serving.limits import (
+from poise.serving.http_errors import GenerationFailed
+from poise.serving.logprobs import LogprobEntry
+from poise.serving.protocol import ChatCompletionRequest
+from poise.serving.request_limits import (
     PromptCharBound,
     TokenizerQueue,
     check_sampling_limits,
     check_stop_limits,
     longest_token_chars,
 )
-from poise.serving.logprobs import LogprobEntry
-from poise.serving.protocol import ChatCompletionRequest
 from poise.serving.request_metrics import response_metrics
 from poise.serving.settings import RequestLimitsConfig
 from poise.serving.tool_calls import ToolPlan, plan_tools, template_kwargs
@@ -99,8 +99,11 @@ class Generator:
         default_sampling: dict[str, Any] | None = None,
         limits: RequestLimitsConfig | None = None,
         tool_parser: str | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.engine = engine
+        # The engine's structured-output compiler (EngineCore.grammars; None: no grammars).
+        self.grammars = grammars
         # --tool-call-parser when --enable-auto-tool-choice is on: tool_choice "auto" parses.
         self.tool_parser = tool_parser
         # Defaults for fields a request leaves out (the model's generation config).
@@ -186,8 +189,7 @@ class Generator:
         """Compile the request's structured-output grammar on the tokenizer thread (a 400 naming
         the field if it is invalid), so the engine thread only copies the cached result."""
         spec = prep.params.structured_outputs
-        # EngineCore.grammars; not part of AsyncEngine's CoreLike, which fakes need not carry.
-        grammars: GrammarCompiler | None = getattr(self.engine.core, "grammars", None)
+        grammars = self.grammars
         if spec is not None and grammars is not None:
             await self.call_tokenizer(lambda: grammars.new_state(spec))
         return prep
@@ -310,23 +312,11 @@ class Generator:
                     lps.extend(zip(delta.new_token_ids, delta.new_logprobs, strict=True))
                 text, echo = echo + out.text, ""
                 sent, lps = (lps if want_logprobs else None), []
-                if out.stopped and not delta.finished:
-                    # A stop string matched: the engine may already be computing more tokens
-                    # for this request; end it there and report "stop" to the client now.
-                    self.engine.finish(rid)
-                    done = True
-                    yield Piece(
-                        text,
-                        n_tokens,
-                        "stop",
-                        self._metrics(prep, delta, n_tokens),
-                        index,
-                        sent,
-                        cached,
-                        times=_times(delta, n_tokens),
-                    )
-                    return
-                if delta.finished:
+                if out.stopped or delta.finished:
+                    if not delta.finished:
+                        # A stop string matched: the engine may already be computing more
+                        # tokens for this request; end it there and report "stop" now.
+                        self.engine.finish(rid)
                     done = True
                     reason = "stop" if out.stopped else delta.finish_reason
                     yield Piece(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
-from poise.serving.errors import error_response
+from poise.serving.http_errors import error_response
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 

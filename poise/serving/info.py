@@ -18,6 +18,8 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from poise.config import EngineConfig
+
 
 def cpu_model() -> str:
     """The CPU's model name (Linux /proc/cpuinfo; else what ``platform`` knows)."""
@@ -51,7 +53,7 @@ def hardware(device: str | None) -> dict[str, Any]:
 
 
 def describe(
-    config: Any,
+    config: EngineConfig,
     *,
     model: str,
     version: str,
@@ -64,7 +66,7 @@ def describe(
     """The server's self-description. ``config`` is the EngineConfig (``to_flat_dict``);
     ``server_args`` every ``poise serve`` option as given or defaulted (the flag registry,
     poise/cli/serve_flags.py), the API key only as "set"."""
-    engine_config = config.to_flat_dict() if config is not None else {}
+    engine_config = config.to_flat_dict()
     described: dict[str, Any] = json.loads(
         json.dumps(
             {

@@ -47,7 +47,7 @@ from poise.core.outputs import RequestDelta, StepStats
 from poise.core.request import SloTargets
 from poise.core.timing import derive
 from poise.engine.state import EngineState
-from poise.serving.live import LiveFeed
+from poise.serving.live_page import LiveFeed
 
 # The metric prefix and histogram buckets, re-exported: they live in metric_buckets.py.
 from poise.serving.metric_buckets import LATENCY_BUCKETS as LATENCY_BUCKETS
@@ -185,7 +185,7 @@ class ServingMetrics:
         )
         ProcessCollector(registry=r)
         self._model_name = model_name
-        # The live page's one-point-a-second feed (poise.serving.live), fed from here.
+        # The live page's one-point-a-second feed (poise.serving.live_page), fed from here.
         self.live = LiveFeed()
         # n > 1: a request's samples are counted as one request (sample_groups.py).
         self.groups = SampleGroups()

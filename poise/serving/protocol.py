@@ -298,14 +298,23 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class _Envelope(BaseModel):
+    """What every completion response and stream chunk carries around its choices, in OpenAI's
+    order; each kind narrows ``object`` and ``choices`` (a redeclared field keeps its place)."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int = Field(default_factory=now_s)
     model: str
+    choices: list[Any]
+    usage: UsageInfo | None = None
+    metrics: dict[str, Any] | None = None  # include_metrics; left out when None
+
+
+class ChatCompletionResponse(_Envelope):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: UsageInfo
-    metrics: dict[str, Any] | None = None  # include_metrics; left out when None
 
 
 class DeltaMessage(BaseModel):
@@ -321,14 +330,9 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=now_s)
-    model: str
     choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-    metrics: dict[str, Any] | None = None  # include_metrics; left out when None
 
 
 class CompletionChoice(BaseModel):
@@ -338,14 +342,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Envelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now_s)
-    model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    metrics: dict[str, Any] | None = None  # include_metrics; left out when None
 
 
 class ModelCard(BaseModel):

@@ -19,7 +19,7 @@ import copy
 import logging
 import signal
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from starlette.middleware.cors import CORSMiddleware
@@ -34,10 +34,13 @@ from poise.serving.generation import Generator
 from poise.serving.hosts import AllowedHostsMiddleware, allowed_host_names
 from poise.serving.info import ConfigInfoCollector, describe
 from poise.serving.metrics import ServingMetrics
-from poise.serving.settings import RequestLimitsConfig, ServerSettings
+from poise.serving.settings import ServerSettings
 from poise.serving.shutdown import PoiseServer, backstop_timeout_s
 from poise.serving.tokenize import add_tokenize_routes
 from poise.serving.tracing import RequestTracer
+
+if TYPE_CHECKING:  # the engine is imported lazily (it is built only by build_state_from_config)
+    from poise.engine.core import EngineCore
 
 __all__ = ["ServerSettings", "build_state", "build_state_from_config", "serve", "uvicorn_config"]
 
@@ -45,65 +48,66 @@ logger = logging.getLogger(__name__)
 
 
 def build_state(
-    core: Any,
+    core: EngineCore,
     tokenizer: Any,
     *,
     model_name: str,
-    served_model_names: list[str] | None = None,
     vocab_size: int | None = None,
-    log_interval_s: float = 10.0,
+    settings: ServerSettings | None = None,
     dtype: str | None = None,
     device: str | None = None,
     num_kv_blocks: int | None = None,
-    log_requests: bool = False,
     default_sampling: dict[str, Any] | None = None,
-    limits: RequestLimitsConfig | None = None,
-    enable_per_request_metrics: bool = False,
-    tool_parser: str | None = None,
-    otlp_traces_endpoint: str | None = None,
-    server_args: dict[str, Any] | None = None,
 ) -> ServingState:
-    names = served_model_names or [model_name]
-    metrics = ServingMetrics(names[0], log_requests=log_requests)
-    engine = AsyncEngine(core, metrics, log_interval_s=log_interval_s)
+    """The server's state around ``core``; what the model load found (vocabulary, dtype,
+    device, KV blocks, generation-config defaults) is given apart from the ``settings``."""
+    settings = settings or ServerSettings()
+    names = settings.served_model_names or [model_name]
+    metrics = ServingMetrics(names[0], log_requests=settings.enable_log_requests)
+    engine = AsyncEngine(core, metrics, log_interval_s=settings.log_interval_s)
     max_len = int(core.max_model_len)
-    limits = limits or RequestLimitsConfig()
     generator = Generator(
         engine,
         tokenizer,
         max_model_len=max_len,
         vocab_size=vocab_size,
         default_sampling=default_sampling,
-        limits=limits,
-        tool_parser=tool_parser,
+        limits=settings.limits,
+        tool_parser=settings.auto_tool_parser,
+        grammars=core.grammars,
     )
     info = describe(
-        getattr(core, "config", None),
+        core.config,
         model=names[0],
         version=VERSION,
         max_model_len=max_len,
         dtype=dtype,
         device=device,
         num_kv_blocks=num_kv_blocks,
-        server_args=server_args,
+        server_args=settings.server_args,
     )
     metrics.registry.register(ConfigInfoCollector(info))
     tracer = None
-    if otlp_traces_endpoint is not None:
-        config = getattr(core, "config", None)
-        policy = config.scheduler.scheduling_policy if config is not None else "unknown"
-        tracer = RequestTracer(otlp_traces_endpoint, policy=policy, clock=core.clock.now)
+    if settings.otlp_traces_endpoint is not None:
+        policy = core.config.scheduler.scheduling_policy
+        tracer = RequestTracer(settings.otlp_traces_endpoint, policy=policy, clock=core.clock.now)
         logger.info("request traces: OTLP/HTTP to %s", tracer.endpoint)
     return ServingState(
         engine,
         generator,
         names,
         max_len,
-        limits=limits,
+        limits=settings.limits,
         info=info,
-        enable_per_request_metrics=enable_per_request_metrics,
+        enable_per_request_metrics=settings.enable_per_request_metrics,
         tracer=tracer,
+        traffic_classes=_traffic_class_names(core),
     )
+
+
+def _traffic_class_names(core: EngineCore) -> tuple[str, ...]:
+    """The names a request's ``class`` may take (the scheduler's classes, loaded once)."""
+    return tuple(core.scheduler.steer.classes.names)
 
 
 def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> ServingState:
@@ -145,19 +149,12 @@ def build_state_from_config(config: EngineConfig, settings: ServerSettings) -> S
         core,
         tokenizer,
         model_name=name,
-        served_model_names=settings.served_model_names or None,
         vocab_size=info.vocab_size,
-        log_interval_s=settings.log_interval_s,
+        settings=settings,
         dtype=str(info.dtype),
         device=str(info.device),
         num_kv_blocks=info.num_kv_blocks,
-        log_requests=settings.enable_log_requests,
         default_sampling=info.default_sampling,
-        limits=settings.limits,
-        enable_per_request_metrics=settings.enable_per_request_metrics,
-        tool_parser=settings.auto_tool_parser,
-        otlp_traces_endpoint=settings.otlp_traces_endpoint,
-        server_args=settings.server_args,
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +26,8 @@ from typing import Any
 from fastapi import Request
 
 from poise.errors import EngineDeadError, InvalidRequestError, ShuttingDownError
-from poise.serving.errors import GenerationFailed
 from poise.serving.generation import Piece
+from poise.serving.http_errors import GenerationFailed
 from poise.serving.logprobs import ChatLogprobs, CompletionLogprobs, LogprobEntry, LogprobFormatter
 from poise.serving.protocol import (
     ChatChoice,
@@ -168,22 +169,12 @@ async def sse(
     def so_far() -> UsageInfo | None:  # vLLM's continuous_usage_stats: usage on every chunk
         return usage() if continuous_usage else None
 
+    # Every chunk of this stream names the same request, model, creation time and kind.
+    chunk = functools.partial(_chunk, rid, model, created, chat)
     try:
         if chat:
             for i in range(n):
-                yield _event(
-                    _chunk(
-                        rid,
-                        model,
-                        created,
-                        chat,
-                        "",
-                        None,
-                        role="assistant",
-                        usage=so_far(),
-                        index=i,
-                    )
-                )
+                yield _event(chunk("", None, role="assistant", usage=so_far(), index=i))
         async for piece in pieces:
             i = piece.index
             counts[i] = piece.num_tokens
@@ -195,11 +186,7 @@ async def sse(
                 metrics = piece.metrics  # the choice finishing last gives the request's timing
                 last = None if include_usage or finished < n else metrics
             yield _event(
-                _chunk(
-                    rid,
-                    model,
-                    created,
-                    chat,
+                chunk(
                     piece.text,
                     piece.finish_reason,
                     usage=so_far(),

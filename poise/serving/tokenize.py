@@ -74,7 +74,7 @@ class DetokenizeRequest(BaseModel):
 
 def add_tokenize_routes(app: FastAPI, state: Any) -> None:
     from poise.serving.app import ERRORS
-    from poise.serving.errors import error_response, map_exception
+    from poise.serving.http_errors import error_response, map_exception
 
     def unknown_model(name: str | None) -> JSONResponse | None:
         if name is None or name in state.served_model_names:

@@ -24,10 +24,8 @@ from typing import Any
 
 from poise.config import EngineConfig
 from poise.core.outputs import RequestDelta, StepStats
-from poise.core.sampling_params import SamplingParams
 from poise.engine.clock import VirtualClock
 from poise.engine.core import EngineCore
-from poise.errors import InvalidRequestError, OverloadedError
 from poise.router import ReplicaState, Router, RouterConfig, RouteRequest
 from poise.sim.arrival import ArrivalModel, WayIn
 from poise.sim.cell import SimCell, SimResult
@@ -91,23 +89,8 @@ class _ClusterDriver(_Driver):
             if not engine.has_unfinished_requests() and self.pending[i] is None:
                 clock.advance_to(max(clock.now(), t_engine))
             self.stalls[i] = 0
-            params = SamplingParams(
-                max_tokens=req.max_tokens,
-                temperature=0.0,
-                ignore_eos=req.ignore_eos,
-                priority=req.priority,
-                traffic_class=req.traffic_class,
-            )
-            try:
-                engine.add_request(res.request_id, ids, params, arrival_time=res.sent)
-            except (InvalidRequestError, OverloadedError) as exc:
-                code = 400 if isinstance(exc, InvalidRequestError) else 429
-                res.error = f"{code}: {exc}"
-                res.finished = t_engine
-                self.router.on_finish(res.request_id)
-                self.complete(res)
-                continue
-            self.live[res.request_id] = res
+            if not self.submit(engine, res, req, ids, t_engine):
+                self.router.on_finish(res.request_id)  # refused: the router forgets it
 
     def apply(self, deltas: list[RequestDelta]) -> None:
         for d in deltas:

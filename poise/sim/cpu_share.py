@@ -22,6 +22,7 @@ Stdlib only.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections import deque
 from collections.abc import Sequence
@@ -64,13 +65,7 @@ class SharedCpu:
         return max(MIN_SHARE, min(1.0, free / busy))
 
     def describe(self) -> dict[str, float]:
-        return {
-            "cores": self.cores,
-            "background_cores": self.background_cores,
-            "relay_s_per_request": self.relay_s_per_request,
-            "relay_s_per_token": self.relay_s_per_token,
-            "window_s": self.window_s,
-        }
+        return dataclasses.asdict(self)
 
 
 class RateWindow:

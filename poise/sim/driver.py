@@ -108,24 +108,36 @@ class _Driver:
     def deliver(self, now: float) -> None:
         while self.inbox and self.inbox[0][0] <= now:
             t_engine, _, res, req = heapq.heappop(self.inbox)
-            params = SamplingParams(
-                max_tokens=req.max_tokens,
-                temperature=0.0,
-                ignore_eos=req.ignore_eos,
-                priority=req.priority,
-                traffic_class=req.traffic_class,
-            )
-            try:
-                self.engine.add_request(
-                    res.request_id, self.token_ids(req), params, arrival_time=res.sent
-                )
-            except (InvalidRequestError, OverloadedError) as exc:
-                code = 400 if isinstance(exc, InvalidRequestError) else 429
-                res.error = f"{code}: {exc}"
-                res.finished = t_engine
-                self.complete(res)
-                continue
-            self.live[res.request_id] = res
+            self.submit(self.engine, res, req, self.token_ids(req), t_engine)
+
+    def submit(
+        self,
+        engine: EngineCore,
+        res: SimRequestResult,
+        req: SimRequest,
+        ids: list[int],
+        t_engine: float,
+    ) -> bool:
+        """Add ``req`` to ``engine`` as the bench client sends it (greedy, its priority and
+        class); a refusal is the client's 400 / 429 and completes it at ``t_engine``. Returns
+        whether the engine took it."""
+        params = SamplingParams(
+            max_tokens=req.max_tokens,
+            temperature=0.0,
+            ignore_eos=req.ignore_eos,
+            priority=req.priority,
+            traffic_class=req.traffic_class,
+        )
+        try:
+            engine.add_request(res.request_id, ids, params, arrival_time=res.sent)
+        except (InvalidRequestError, OverloadedError) as exc:
+            code = 400 if isinstance(exc, InvalidRequestError) else 429
+            res.error = f"{code}: {exc}"
+            res.finished = t_engine
+            self.complete(res)
+            return False
+        self.live[res.request_id] = res
+        return True
 
     def complete(self, res: SimRequestResult) -> None:
         self.done.append(res)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from poise.bench.config import BenchConfig
+from poise.bench.bench_config import BenchConfig
 from poise.bench.record import ExperimentRecord
 from poise.bench.runner import run_matrix
 
@@ -162,7 +162,7 @@ def test_timeouts_counted_and_optionally_infinite(mock: Any) -> None:
 
 
 def test_named_classes_and_duration(mock: Any) -> None:
-    from poise.bench.config import parse_class
+    from poise.bench.bench_config import parse_class
 
     classes = (parse_class("chat:3:fixed/20:8", 16), parse_class("doc:1:seed-long:4", 16))
     rec = run(mock(ttft=0.01, tpot=0.002), classes=classes, num_requests=None, duration=0.5)
@@ -174,7 +174,7 @@ def test_named_classes_and_duration(mock: Any) -> None:
 
 
 def test_run_cell_alone_for_sweeps(mock: Any) -> None:
-    from poise.bench.config import CellSpec
+    from poise.bench.bench_config import CellSpec
     from poise.bench.runner import run_cell
 
     srv = mock(ttft=0.01, tpot=0.001)
@@ -186,7 +186,7 @@ def test_run_cell_alone_for_sweeps(mock: Any) -> None:
 
 def test_stream_timer_edge_events() -> None:
     from poise.bench.client import StreamTimer
-    from poise.bench.metrics import RequestRecord
+    from poise.bench.stats import RequestRecord
 
     rec = RequestRecord(0, "short", 0.0)
     timer = StreamTimer(rec)

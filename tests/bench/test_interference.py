@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from poise.bench.interference import prefill_interference
-from poise.bench.metrics import RequestRecord
+from poise.bench.stats import RequestRecord
 
 
 def rec(i: int, cls: str, start: float, times: list[float], warmup: bool = False) -> RequestRecord:

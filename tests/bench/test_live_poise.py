@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from poise.bench.config import BenchConfig
+from poise.bench.bench_config import BenchConfig
 from poise.bench.prom import ADAPTERS, map_scrape
 from poise.bench.record import TEMPLATE_METRICS, ExperimentRecord
 from poise.bench.runner import run_matrix

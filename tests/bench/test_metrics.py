@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from poise.bench.metrics import (
+from poise.bench.stats import (
     SLO,
     RequestRecord,
     apportion,

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import yaml
 
-from poise.bench.metrics import RequestRecord
 from poise.bench.plot import pareto_front, write_report
 from poise.bench.prom import Scrape
 from poise.bench.record import TEMPLATE_METRICS, ExperimentRecord, build_cell
+from poise.bench.stats import RequestRecord
 
 
 def simulated_record() -> ExperimentRecord:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from poise.bench.config import BenchConfig, WorkloadSpec, api_root, server_root
+from poise.bench.bench_config import BenchConfig, WorkloadSpec, api_root, server_root
 from poise.cli import build_parser, main
 
 
@@ -55,7 +55,7 @@ def test_base_url_with_or_without_v1() -> None:
     # Another mount point is kept as given.
     assert api_root("http://h/openai/v1") == "http://h/openai/v1"
     assert api_root("http://h/api/") == "http://h/api"
-    from poise.lab.server import ServerSpec
+    from poise.lab.managed_server import ServerSpec
 
     assert ServerSpec("x", base_url="http://127.0.0.1:{port}").url(9) == "http://127.0.0.1:9/v1"
 

@@ -118,7 +118,7 @@ def test_workload_imports_stdlib_only() -> None:
 
 def test_metric_and_record_modules_need_no_http_client_or_torch() -> None:
     code = (
-        "import sys, poise.bench.metrics, poise.bench.record, poise.bench.config; "
+        "import sys, poise.bench.stats, poise.bench.record, poise.bench.bench_config; "
         "print(sorted(m for m in ('torch','aiohttp','httpx') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from poise.bench.config import WorkloadSpec
+from poise.bench.bench_config import WorkloadSpec
 
 HERE = Path(__file__).resolve().parent
 MOCK_TEMPLATE = (

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from poise.lab.metrics import CellMetrics
+from poise.lab.cell_metrics import CellMetrics
 from poise.lab.probe import Candidate
 
 CLIENT_CONCURRENCY = 32

@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from poise import workload as wl
-from poise.bench.config import WorkloadSpec
+from poise.bench.bench_config import WorkloadSpec
 from poise.config import EngineConfig
-from poise.lab.metrics import CellMetrics
+from poise.lab.cell_metrics import CellMetrics
+from poise.lab.managed_server import ServerSpec
 from poise.lab.presets import DEFAULT_KV_BASE_BYTES, plan
-from poise.lab.server import ServerSpec
 from poise.lab.sweep import SweepResult, spec_from_dict
 from poise.lab.sweep_questions import answer_questions, policy_pairs
 from poise.workload import long_prompt

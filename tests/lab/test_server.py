@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from poise.lab.commands import args_to_flags, fill_template, poise_serve_command
-from poise.lab.server import ManagedServer, ServerSpec, ServerStartError
+from poise.lab.managed_server import ManagedServer, ServerSpec, ServerStartError
 from tests.lab.conftest import MOCK_TEMPLATE, pid_gone
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from poise.bench.config import WorkloadSpec
+from poise.bench.bench_config import WorkloadSpec
 from poise.cli import main
 from poise.lab.probe import Candidate
 

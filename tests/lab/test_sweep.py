@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
-from poise.bench.config import WorkloadSpec
+from poise.bench.bench_config import WorkloadSpec
 from poise.lab.bench_adapter import run_cells
-from poise.lab.server import ServerSpec
+from poise.lab.managed_server import ServerSpec
 from poise.lab.sweep import load_specs, run_sweep
 from tests.lab.conftest import MOCK_TEMPLATE, pid_gone
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from poise.lab.cell_metrics import CellMetrics
 from poise.lab.commands import poise_serve_command
-from poise.lab.metrics import CellMetrics
 from poise.lab.probe import Candidate, FunctionProbe
 from poise.lab.tune import Tuner, TuneSettings
 from poise.lab.tune_report import format_result

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from poise.bench.config import WorkloadSpec
+from poise.bench.bench_config import WorkloadSpec
 from poise.lab.live import LiveProbe
-from poise.lab.server import ServerSpec
+from poise.lab.managed_server import ServerSpec
 from poise.lab.tune import Tuner, TuneSettings
 from tests.lab.conftest import MOCK_TEMPLATE, pid_gone
 

@@ -9,8 +9,8 @@ import shlex
 import pytest
 
 from poise.config import EngineConfig
+from poise.lab.cell_metrics import CellMetrics
 from poise.lab.commands import poise_serve_command
-from poise.lab.metrics import CellMetrics
 from poise.lab.probe import Candidate, FunctionProbe
 from poise.lab.tune import Tuner, TuneSettings
 from poise.lab.tune_slo import with_share

@@ -60,7 +60,7 @@ def browser(chromium: str) -> Iterator[Any]:
 
 
 def _bench(base_url: str, done: threading.Event) -> None:
-    from poise.bench.config import BenchConfig
+    from poise.bench.bench_config import BenchConfig
     from poise.bench.runner import run_matrix
 
     cfg = BenchConfig(base_url=base_url + "/v1", concurrency=(4,), long_ratio=(0.0,),

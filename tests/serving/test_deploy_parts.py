@@ -12,7 +12,7 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from poise.deploy import asgi_bridge
-from poise.deploy.metrics import exposition
+from poise.deploy.merged_metrics import exposition
 from poise.router import ReplicaState, Router, RouterConfig, RouteRequest
 
 

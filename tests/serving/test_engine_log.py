@@ -13,6 +13,7 @@ import pytest
 from poise.config import EngineConfig
 from poise.engine.core import EngineCore
 from poise.serving.server import build_state
+from poise.serving.settings import ServerSettings
 from poise.text import eos_token_ids
 from tests.serving.conftest import InProcessServer
 from tests.serving.test_observability import SlowExecutor
@@ -33,8 +34,10 @@ def test_a_busy_engine_logs_throughput_queue_kv_cache_hits_and_budget(
                                    max_num_batched_tokens=256)  # fmt: skip
     core = EngineCore(cfg, SlowExecutor(vocab, 16, 0.01), num_kv_blocks=256, max_model_len=1024,
                       vocab_size=vocab, eos_token_ids=eos_token_ids(smol_tokenizer))  # fmt: skip
-    state = build_state(core, smol_tokenizer, model_name="fake", vocab_size=vocab,
-                        log_interval_s=0.05)  # fmt: skip
+    settings = ServerSettings(log_interval_s=0.05)
+    state = build_state(
+        core, smol_tokenizer, model_name="fake", vocab_size=vocab, settings=settings
+    )
     body = {"model": "fake", "prompt": list(range(400, 464)), "max_tokens": 30}
     with InProcessServer(state) as server:
         for _ in range(2):  # the second one hits the first one's cached blocks

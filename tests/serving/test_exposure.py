@@ -33,7 +33,8 @@ def _state(tokenizer: Any) -> Any:
     core = EngineCore(EngineConfig.from_kwargs(block_size=16), FakeExecutor(vocab, 16),
                       num_kv_blocks=128, max_model_len=512, vocab_size=vocab,
                       eos_token_ids=eos_token_ids(tokenizer))  # fmt: skip
-    return build_state(core, tokenizer, model_name="fake", vocab_size=vocab, log_requests=True)
+    settings = ServerSettings(enable_log_requests=True)
+    return build_state(core, tokenizer, model_name="fake", vocab_size=vocab, settings=settings)
 
 
 def _get(app: Any, path: str, client: str, headers: dict[str, str] | None = None) -> httpx.Response:

@@ -10,8 +10,18 @@ from pathlib import Path
 import pytest
 
 from poise.bench.server_info import from_poise
-from poise.cli.flags import GROUP_TITLES, refused_with_replicas, server_args, settings_kwargs
-from poise.cli.serve_flags import add_serve_flags, flags_page, serve_flags
+from poise.cli import flags as flags_module
+from poise.cli.flags import (
+    GROUP_TITLES,
+    Flag,
+    add_flags,
+    markdown_table,
+    refused_with_replicas,
+    server_args,
+    settings_kwargs,
+)
+from poise.cli.serve_flags import ADDING_A_FLAG, add_serve_flags, flags_page, serve_flags
+from poise.config import EngineConfig
 from poise.serving.info import describe
 from poise.serving.settings import ServerSettings
 
@@ -28,6 +38,21 @@ def test_docs_page_is_generated_from_the_registry() -> None:
     assert DOCS.read_text() == flags_page(), (
         "docs/flags.md is stale: python -m poise.cli.serve_flags > docs/flags.md"
     )
+
+
+def test_the_docs_example_flag_is_one_working_declaration() -> None:
+    # The "Adding a flag" note's code, evaluated: argparse, the settings keyword, server_args
+    # and the docs row all come from that one record.
+    start = ADDING_A_FLAG.index("```python") + 1
+    code = "\n".join(ADDING_A_FLAG[start : ADDING_A_FLAG.index("```", start)])
+    flag = eval(code.rstrip().rstrip(","), vars(flags_module))  # our own docs text
+    assert isinstance(flag, Flag) and flag.dest == "max_log_len"
+    parser = argparse.ArgumentParser()
+    add_flags(parser, [*serve_flags(), flag])
+    args = parser.parse_args(["--max-log-len", "40"])
+    assert settings_kwargs([flag], args) == {"max_log_len": 40}
+    assert server_args([*serve_flags(), flag], args)["max_log_len"] == 40
+    assert "`--max-log-len`" in markdown_table([flag]) and "`--max-log-len`" not in flags_page()
 
 
 def test_every_option_is_a_registry_record_in_its_group_order() -> None:
@@ -65,9 +90,10 @@ def test_server_info_reports_every_option_and_hides_the_key() -> None:
     reported = server_args(serve_flags(), args)
     assert reported["api_key"] == "set" and reported["port"] == 8000
     assert set(reported) == {f.dest for f in serve_flags()}
-    info = describe(None, model="m", version="v", max_model_len=64, server_args=reported)
+    config = EngineConfig.from_kwargs(max_num_seqs=8)
+    info = describe(config, model="m", version="v", max_model_len=64, server_args=reported)
     assert "sekret" not in str(info)
-    record = from_poise({**info, "engine_config": {"max_num_seqs": 8}})
+    record = from_poise(info)
     assert record is not None
     assert record.server_args["port"] == 8000 and record.server_args["max_num_seqs"] == 8
 

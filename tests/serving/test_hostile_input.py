@@ -36,9 +36,9 @@ def _server(tokenizer: Any, **limits: Any) -> InProcessServer:
     cfg = EngineConfig.from_kwargs(block_size=16)
     core = EngineCore(cfg, FakeExecutor(vocab, 16), num_kv_blocks=256, max_model_len=MAX_MODEL_LEN,
                       vocab_size=vocab, eos_token_ids=eos_token_ids(tokenizer))  # fmt: skip
-    state = build_state(core, tokenizer, model_name="fake", vocab_size=vocab,
-                        limits=RequestLimitsConfig(**limits))  # fmt: skip
-    return InProcessServer(state, ServerSettings(enable_api_docs=True))
+    settings = ServerSettings(enable_api_docs=True, limits=RequestLimitsConfig(**limits))
+    state = build_state(core, tokenizer, model_name="fake", vocab_size=vocab, settings=settings)
+    return InProcessServer(state, settings)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from poise.core.timing import derive
 from poise.engine.clock import VirtualClock
 from poise.engine.core import EngineCore
 from poise.serving.server import build_state
+from poise.serving.settings import ServerSettings
 from poise.text import eos_token_ids
 from tests.serving.conftest import InProcessServer, metric_value
 from tests.unit.fake_executor import FakeExecutor
@@ -58,8 +59,8 @@ def slow_server(
     core = EngineCore(cfg, SlowExecutor(vocab, 16, delay_s), num_kv_blocks=256,
                       max_model_len=1024, vocab_size=vocab,
                       eos_token_ids=eos_token_ids(tokenizer))  # fmt: skip
-    state = build_state(core, tokenizer, model_name="fake", vocab_size=vocab,
-                        log_requests=log_requests)  # fmt: skip
+    settings = ServerSettings(enable_log_requests=log_requests)
+    state = build_state(core, tokenizer, model_name="fake", vocab_size=vocab, settings=settings)
     return InProcessServer(state)
 
 

@@ -26,6 +26,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2  # noqa: E402
 from poise.config import EngineConfig  # noqa: E402
 from poise.engine.core import EngineCore  # noqa: E402
 from poise.serving.server import build_state  # noqa: E402
+from poise.serving.settings import ServerSettings  # noqa: E402
 from poise.serving.tracing import traces_url  # noqa: E402
 from poise.text import eos_token_ids  # noqa: E402
 from tests.serving.conftest import InProcessServer  # noqa: E402
@@ -92,8 +93,10 @@ def server(smol_tokenizer: Any, receiver: Receiver) -> Iterator[InProcessServer]
     cfg = EngineConfig.from_kwargs(block_size=16, scheduling_policy="priority")
     core = EngineCore(cfg, SlowExecutor(vocab, 16, 0.01), num_kv_blocks=256, max_model_len=1024,
                       vocab_size=vocab, eos_token_ids=eos_token_ids(smol_tokenizer))  # fmt: skip
-    state = build_state(core, smol_tokenizer, model_name="fake", vocab_size=vocab,
-                        enable_per_request_metrics=True, otlp_traces_endpoint=receiver.url)  # fmt: skip
+    settings = ServerSettings(enable_per_request_metrics=True, otlp_traces_endpoint=receiver.url)
+    state = build_state(
+        core, smol_tokenizer, model_name="fake", vocab_size=vocab, settings=settings
+    )
     with InProcessServer(state) as s:
         s.state = state  # type: ignore[attr-defined]
         yield s

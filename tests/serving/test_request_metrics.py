@@ -12,6 +12,7 @@ import pytest
 from poise.config import EngineConfig
 from poise.engine.core import EngineCore
 from poise.serving.server import build_state
+from poise.serving.settings import ServerSettings
 from poise.text import eos_token_ids
 from tests.serving.conftest import InProcessServer
 from tests.serving.test_observability import SlowExecutor
@@ -27,8 +28,8 @@ def _server(tokenizer: Any, enabled: bool) -> InProcessServer:
     core = EngineCore(cfg, SlowExecutor(vocab, 16, 0.01), num_kv_blocks=256,
                       max_model_len=1024, vocab_size=vocab,
                       eos_token_ids=eos_token_ids(tokenizer))  # fmt: skip
-    state = build_state(core, tokenizer, model_name="fake", vocab_size=vocab,
-                        enable_per_request_metrics=enabled)  # fmt: skip
+    settings = ServerSettings(enable_per_request_metrics=enabled)
+    state = build_state(core, tokenizer, model_name="fake", vocab_size=vocab, settings=settings)
     return InProcessServer(state)
 
 

@@ -21,6 +21,89 @@ using bf16 = uint16_t;
 
 inline float to_float(float x) { return x; }
 
+// A decode call's arguments (poise_paged_attention, poise_paged_attention_int8): KV is the
+// cache's element type as the kernel reads it.
+template <typename KV>
+struct DecodeProblem {
+  const void* q;
+  int64_t q_token_stride;
+  const KV* kv_cache;
+  const int64_t* tables;
+  int64_t table_stride;
+  const int64_t* row_table;
+  const int64_t* row_token;
+  const int64_t* context_len;
+  int num_rows, num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+  void* out;
+  int64_t out_token_stride;
+  int partition_size;
+};
+
+// Query-key products (keys x heads x head dims) from which a decode call is split over the
+// threads. Below it the call is ~50 us or less and a worker woken for it (OMP_WAIT_POLICY=
+// PASSIVE) starts late enough to lose the gain: SmolLM2-1.7B at batch 1, context 64, spent
+// 7.0 ms of a step in attention over 2 threads, 3.6 ms on one.
+constexpr int64_t kParallelWork = int64_t(1) << 19;
+
+// Threads for a decode call over rows of these context lengths: one for short work (a few rows
+// of short contexts: tens of microseconds), where waking a sleeping worker costs more than it
+// saves.
+inline int decode_threads(const int64_t* context_len, int num_rows, int64_t head_values,
+                          int num_threads) {
+  int64_t keys = 0;
+  for (int r = 0; r < num_rows; ++r) keys += context_len[r];
+  return keys * head_values >= kParallelWork ? num_threads : 1;
+}
+
+// Up to 4 query heads of one kv head at a time (the fixed-count kernels keep their scores and
+// accumulators in registers): for heads [first, first + count) of kv head g, in order,
+// f(first, std::integral_constant<int, count>{}) fills scores[count * n...] with the heads'
+// (max, sum) pairs (softmax_rows), copied here to m_out / l_out.
+template <typename F>
+void for_head_groups(int g, int G, int n, const float* scores, float* m_out, float* l_out, F&& f) {
+  constexpr int kMaxHeads = 4;
+  for (int i = 0; i < G; i += kMaxHeads) {
+    const int h = g * G + i;
+    const int count = std::min(kMaxHeads, G - i);
+    switch (count) {
+      case 1: f(h, std::integral_constant<int, 1>{}); break;
+      case 2: f(h, std::integral_constant<int, 2>{}); break;
+      case 3: f(h, std::integral_constant<int, 3>{}); break;
+      default: f(h, std::integral_constant<int, 4>{});
+    }
+    const float* stats = scores + count * n;
+    for (int c = 0; c < count; ++c) {
+      m_out[h + c] = stats[2 * c];
+      l_out[h + c] = stats[2 * c + 1];
+    }
+  }
+}
+
+// Arguments every kernel entry point refuses (-1): heads not a multiple of the kv heads, or a
+// non-positive kv head count, head size or block size.
+inline bool bad_shape(int num_heads, int num_kv_heads, int head_dim, int block_size) {
+  return num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0;
+}
+
+// f(T{}, std::integral_constant<int, HD>{}) with T the element type of dtype 0 (float) or 1
+// (bf16) and HD 64 or 128 where head_dim is one of them (the unrolled paths), else 0 (any):
+// returns -2 for another dtype, 0 after f.
+template <typename F>
+int dispatch_dtype_head_dim(int dtype, int head_dim, F&& f) {
+  auto with_head_dim = [&](auto t) {
+    switch (head_dim) {
+      case 64: f(t, std::integral_constant<int, 64>{}); break;
+      case 128: f(t, std::integral_constant<int, 128>{}); break;
+      default: f(t, std::integral_constant<int, 0>{});
+    }
+  };
+  if (dtype == 0) with_head_dim(float{});
+  else if (dtype == 1) with_head_dim(bf16{});
+  else return -2;
+  return 0;
+}
+
 inline float to_float(bf16 x) {
   uint32_t bits = static_cast<uint32_t>(x) << 16;
   float f;
@@ -90,6 +173,34 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) {
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// 16 int8 values widened to float (exact).
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// acc[i] (NQ query heads x NV * 16 values) = sum over keys j of weights[i * weights_stride + j]
+// * v_scale(j) * the value row at slots[j] + v_offset, widened to float (v_scale: 1 for float
+// and bf16 caches, the key's scale for int8 ones). Unnormalised: the partition merge divides.
+template <typename T, int NV, int NQ, typename VScale>
+void pv_avx512(const float* weights, int weights_stride, const T* const* slots, int n,
+               int64_t v_offset, VScale v_scale, float* acc) {
+  __m512 a[NQ][NV];
+  for (int i = 0; i < NQ; ++i)
+    for (int v = 0; v < NV; ++v) a[i][v] = _mm512_setzero_ps();
+  for (int j = 0; j < n; ++j) {
+    const T* vrow = slots[j] + v_offset;
+    __m512 vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = load16(vrow + v * 16);
+    for (int i = 0; i < NQ; ++i) {
+      const __m512 w = _mm512_set1_ps(weights[i * weights_stride + j] * v_scale(j));
+      for (int v = 0; v < NV; ++v) a[i][v] = _mm512_fmadd_ps(w, vv[v], a[i][v]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + (i * NV + v) * 16, a[i][v]);
 }
 
 // [sum(a0), sum(a1), sum(a2), sum(a3)]: four horizontal sums for the price of about one and

@@ -43,25 +43,7 @@ namespace {
 
 using namespace poise_attention;
 
-struct Problem {
-  const void* q;
-  int64_t q_token_stride;
-  const void* kv_cache;
-  const int64_t* tables;
-  int64_t table_stride;
-  const int64_t* row_table;
-  const int64_t* row_token;
-  const int64_t* context_len;
-  int num_rows;
-  int num_heads;
-  int num_kv_heads;
-  int head_dim;
-  int block_size;
-  float scale;
-  void* out;
-  int64_t out_token_stride;
-  int partition_size;
-};
+using Problem = DecodeProblem<void>;
 
 // Scores and weighted values of NQ query heads that share one kv head, over n key slots.
 // Generic version: plain loops the compiler vectorises over the head dimension.
@@ -174,24 +156,6 @@ void qk_avx512(const float* q_f, const T* q_raw, float scale, const T* const* sl
   }
 }
 
-template <typename T, int NV, int NQ>
-void pv_avx512(const float* weights, int weights_stride, const T* const* slots, int n,
-               int64_t v_offset, float* acc) {
-  __m512 a[NQ][NV];
-  for (int i = 0; i < NQ; ++i)
-    for (int v = 0; v < NV; ++v) a[i][v] = _mm512_setzero_ps();
-  for (int j = 0; j < n; ++j) {
-    const T* vrow = slots[j] + v_offset;
-    __m512 vv[NV];
-    for (int v = 0; v < NV; ++v) vv[v] = load16(vrow + v * 16);
-    for (int i = 0; i < NQ; ++i) {
-      const __m512 w = _mm512_set1_ps(weights[i * weights_stride + j]);
-      for (int v = 0; v < NV; ++v) a[i][v] = _mm512_fmadd_ps(w, vv[v], a[i][v]);
-    }
-  }
-  for (int i = 0; i < NQ; ++i)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + (i * NV + v) * 16, a[i][v]);
-}
 #endif
 
 // Query heads [first, first + count) of one kv head, count <= 4: the fixed-count kernels.
@@ -204,7 +168,8 @@ void attend_heads_fixed(const float* q_f, const T* q_raw, float scale, int hd,
   if constexpr (HD_FIXED > 0 && HD_FIXED % 16 == 0 && (HD_FIXED / 16) * (NQ + 1) + NQ <= 30) {
     qk_avx512<T, HD_FIXED / 16, NQ>(q_f, q_raw, scale, slots, n, k_offset, scores, n);
     softmax_rows(scores, NQ, n);
-    pv_avx512<T, HD_FIXED / 16, NQ>(scores, n, slots, n, v_offset, acc);
+    pv_avx512<T, HD_FIXED / 16, NQ>(scores, n, slots, n, v_offset, [](int) { return 1.0f; },
+                                     acc);
     return;
   }
 #endif
@@ -225,35 +190,11 @@ void attend_kv_head(const Problem& p, int g, const T* q, const float* q_f, const
   const int Hkv = p.num_kv_heads, G = p.num_heads / Hkv;
   const int64_t k_offset = static_cast<int64_t>(g) * hd;
   const int64_t v_offset = static_cast<int64_t>(Hkv + g) * hd;
-  constexpr int kMaxHeads = 4;
-  for (int i = 0; i < G; i += kMaxHeads) {
-    const int h = g * G + i;
-    const int count = std::min(kMaxHeads, G - i);
-    const float* qh = q_f + h * hd;
-    float* a = acc + h * hd;
-    switch (count) {
-      case 1:
-        attend_heads_fixed<T, HD_FIXED, 1>(qh, q + h * hd, p.scale, hd, slots, n, k_offset,
-                                           v_offset, scores, a);
-        break;
-      case 2:
-        attend_heads_fixed<T, HD_FIXED, 2>(qh, q + h * hd, p.scale, hd, slots, n, k_offset,
-                                           v_offset, scores, a);
-        break;
-      case 3:
-        attend_heads_fixed<T, HD_FIXED, 3>(qh, q + h * hd, p.scale, hd, slots, n, k_offset,
-                                           v_offset, scores, a);
-        break;
-      default:
-        attend_heads_fixed<T, HD_FIXED, 4>(qh, q + h * hd, p.scale, hd, slots, n, k_offset,
-                                           v_offset, scores, a);
-    }
-    const float* stats = scores + count * n;
-    for (int c = 0; c < count; ++c) {
-      m_out[h + c] = stats[2 * c];
-      l_out[h + c] = stats[2 * c + 1];
-    }
-  }
+  for_head_groups(g, G, n, scores, m_out, l_out, [&](int h, auto nq) {
+    attend_heads_fixed<T, HD_FIXED, decltype(nq)::value>(q_f + h * hd, q + h * hd, p.scale, hd,
+                                                         slots, n, k_offset, v_offset, scores,
+                                                         acc + h * hd);
+  });
 }
 
 // One unit of the plan (cpu_decode_cascade.h): keys [begin, end) for each of its rows, which
@@ -291,12 +232,6 @@ void attend_unit(const Problem& p, const DecodePlan& plan, const DecodeUnit& uni
 // Whether rows that share prefix blocks attend to them together (poise_decode_use_cascade).
 std::atomic<bool> use_cascade{true};
 
-// Query-key products (keys x heads x head dims) from which a decode call is split over the
-// threads. Below it the call is ~50 us or less and a worker woken for it (OMP_WAIT_POLICY=
-// PASSIVE) starts late enough to lose the gain: SmolLM2-1.7B at batch 1, context 64, spent
-// 7.0 ms of a step in attention over 2 threads, 3.6 ms on one.
-constexpr int64_t kParallelWork = int64_t(1) << 19;
-
 template <typename T, int HD_FIXED>
 void run(const Problem& p, int num_threads) {
   const int H = p.num_heads;
@@ -310,11 +245,7 @@ void run(const Problem& p, int num_threads) {
   // Per item and head: acc [hd], m, l.
   std::vector<float> acc(static_cast<size_t>(plan.num_items) * H * hd);
   std::vector<float> stats(static_cast<size_t>(plan.num_items) * H * 2);
-  // One thread for short work (a few rows of short contexts: tens of microseconds), where
-  // waking a sleeping worker costs more than it saves (see kParallelWork).
-  int64_t keys = 0;
-  for (int r = 0; r < p.num_rows; ++r) keys += p.context_len[r];
-  const int threads = keys * H * hd >= kParallelWork ? num_threads : 1;
+  const int threads = decode_threads(p.context_len, p.num_rows, H * hd, num_threads);
 
 #pragma omp parallel num_threads(threads)
   {
@@ -335,20 +266,6 @@ void run(const Problem& p, int num_threads) {
   }
 }
 
-template <typename T>
-void dispatch_head_dim(const Problem& p, int num_threads) {
-  switch (p.head_dim) {
-    case 64:
-      run<T, 64>(p, num_threads);
-      break;
-    case 128:
-      run<T, 128>(p, num_threads);
-      break;
-    default:
-      run<T, 0>(p, num_threads);
-  }
-}
-
 }  // namespace
 
 extern "C" {
@@ -361,20 +278,14 @@ int poise_paged_attention(int dtype, const void* q, int64_t q_token_stride, cons
                           float scale, void* out, int64_t out_token_stride, int partition_size,
                           int num_threads) {
   if (num_rows <= 0) return 0;
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0)
-    return -1;
+  if (bad_shape(num_heads, num_kv_heads, head_dim, block_size)) return -1;
   const Problem p{q, q_token_stride, kv_cache, tables, table_stride, row_table, row_token,
                   context_len, num_rows, num_heads, num_kv_heads, head_dim, block_size, scale,
                   out, out_token_stride, partition_size};
   const int threads = std::max(num_threads, 1);
-  if (dtype == 0) {
-    dispatch_head_dim<float>(p, threads);
-  } else if (dtype == 1) {
-    dispatch_head_dim<bf16>(p, threads);
-  } else {
-    return -2;
-  }
-  return 0;
+  return dispatch_dtype_head_dim(dtype, head_dim, [&](auto t, auto hd) {
+    run<decltype(t), decltype(hd)::value>(p, threads);
+  });
 }
 
 // Shared-prefix groups on (1) or off (0, every row alone: the comparison and the fallback);

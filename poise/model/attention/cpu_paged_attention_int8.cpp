@@ -23,21 +23,7 @@ namespace {
 
 using namespace poise_attention;
 
-struct Problem {
-  const void* q;
-  int64_t q_token_stride;
-  const int8_t* kv_cache;
-  const int64_t* tables;
-  int64_t table_stride;
-  const int64_t* row_table;
-  const int64_t* row_token;
-  const int64_t* context_len;
-  int num_rows, num_heads, num_kv_heads, head_dim, block_size;
-  float scale;
-  void* out;
-  int64_t out_token_stride;
-  int partition_size;
-};
+using Problem = DecodeProblem<int8_t>;  // rows of head_dim int8 values + a bf16 scale
 
 // Per kv head and key of one partition: the key's and the value's scale.
 struct Scales {
@@ -108,24 +94,6 @@ void qk_avx512(const float* q_f, const int8_t* const* slots, int n, int64_t k_of
   }
 }
 
-template <int NV, int NQ>
-void pv_avx512(const float* weights, const int8_t* const* slots, int n, int64_t v_offset,
-               Scales sc, float* acc) {
-  __m512 a[NQ][NV];
-  for (int i = 0; i < NQ; ++i)
-    for (int v = 0; v < NV; ++v) a[i][v] = _mm512_setzero_ps();
-  for (int j = 0; j < n; ++j) {
-    const int8_t* vrow = slots[j] + v_offset;
-    __m512 vv[NV];
-    for (int v = 0; v < NV; ++v) vv[v] = load16_i8(vrow + v * 16);
-    for (int i = 0; i < NQ; ++i) {
-      const __m512 w = _mm512_set1_ps(weights[i * n + j] * sc.v[j]);
-      for (int v = 0; v < NV; ++v) a[i][v] = _mm512_fmadd_ps(w, vv[v], a[i][v]);
-    }
-  }
-  for (int i = 0; i < NQ; ++i)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + (i * NV + v) * 16, a[i][v]);
-}
 #endif
 
 template <int HD_FIXED, int NQ>
@@ -135,7 +103,8 @@ void attend_heads(const float* q_f, int hd, const int8_t* const* slots, int n, i
   if constexpr (HD_FIXED > 0 && HD_FIXED % 16 == 0 && (HD_FIXED / 16) * (NQ + 1) + NQ <= 30) {
     qk_avx512<HD_FIXED / 16, NQ>(q_f, slots, n, k_offset, sc, scores);
     softmax_rows(scores, NQ, n);
-    pv_avx512<HD_FIXED / 16, NQ>(scores, slots, n, v_offset, sc, acc);
+    pv_avx512<int8_t, HD_FIXED / 16, NQ>(scores, n, slots, n, v_offset,
+                                          [&](int j) { return sc.v[j]; }, acc);
     return;
   }
 #endif
@@ -167,7 +136,6 @@ void attend_partition(const Problem& p, int row, int begin, int end, float* scor
   for (int h = 0; h < H; ++h)
     for (int d = 0; d < hd; ++d) q_f[h * hd + d] = to_float(q[h * hd + d]) * p.scale;
 
-  constexpr int kMaxHeads = 4;
   for (int g = 0; g < Hkv; ++g) {
     const int64_t k_offset = g * row_bytes, v_offset = (Hkv + g) * row_bytes;
     for (int j = 0; j < n; ++j) {
@@ -175,30 +143,10 @@ void attend_partition(const Problem& p, int row, int begin, int end, float* scor
       vs[j] = row_scale(slots[j] + v_offset, hd);
     }
     const Scales sc{ks, vs};
-    for (int i = 0; i < G; i += kMaxHeads) {
-      const int h = g * G + i;
-      const int count = std::min(kMaxHeads, G - i);
-      const float* qh = q_f + h * hd;
-      float* a = acc + h * hd;
-      switch (count) {
-        case 1:
-          attend_heads<HD_FIXED, 1>(qh, hd, slots, n, k_offset, v_offset, sc, scores, a);
-          break;
-        case 2:
-          attend_heads<HD_FIXED, 2>(qh, hd, slots, n, k_offset, v_offset, sc, scores, a);
-          break;
-        case 3:
-          attend_heads<HD_FIXED, 3>(qh, hd, slots, n, k_offset, v_offset, sc, scores, a);
-          break;
-        default:
-          attend_heads<HD_FIXED, 4>(qh, hd, slots, n, k_offset, v_offset, sc, scores, a);
-      }
-      const float* stats = scores + count * n;
-      for (int c = 0; c < count; ++c) {
-        m_out[h + c] = stats[2 * c];
-        l_out[h + c] = stats[2 * c + 1];
-      }
-    }
+    for_head_groups(g, G, n, scores, m_out, l_out, [&](int h, auto nq) {
+      attend_heads<HD_FIXED, decltype(nq)::value>(q_f + h * hd, hd, slots, n, k_offset, v_offset,
+                                                  sc, scores, acc + h * hd);
+    });
   }
 }
 
@@ -228,7 +176,9 @@ void run(const Problem& p, int num_threads) {
   std::vector<float> acc(static_cast<size_t>(num_items) * H * hd);
   std::vector<float> stats(static_cast<size_t>(num_items) * H * 2);
 
-#pragma omp parallel num_threads(num_threads)
+  const int threads = decode_threads(p.context_len, p.num_rows, H * hd, num_threads);
+
+#pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores(4 * static_cast<size_t>(part) + 8), q_f(static_cast<size_t>(H) * hd);
     std::vector<float> ks(part), vs(part);
@@ -251,20 +201,6 @@ void run(const Problem& p, int num_threads) {
   }
 }
 
-template <typename T>
-void dispatch_head_dim(const Problem& p, int num_threads) {
-  switch (p.head_dim) {
-    case 64:
-      run<T, 64>(p, num_threads);
-      break;
-    case 128:
-      run<T, 128>(p, num_threads);
-      break;
-    default:
-      run<T, 0>(p, num_threads);
-  }
-}
-
 }  // namespace
 
 extern "C" {
@@ -279,20 +215,14 @@ int poise_paged_attention_int8(int dtype, const void* q, int64_t q_token_stride,
                                void* out, int64_t out_token_stride, int partition_size,
                                int num_threads) {
   if (num_rows <= 0) return 0;
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0)
-    return -1;
+  if (bad_shape(num_heads, num_kv_heads, head_dim, block_size)) return -1;
   const Problem p{q, q_token_stride, static_cast<const int8_t*>(kv_cache), tables, table_stride,
                   row_table, row_token, context_len, num_rows, num_heads, num_kv_heads,
                   head_dim, block_size, scale, out, out_token_stride, partition_size};
   const int threads = std::max(num_threads, 1);
-  if (dtype == 0) {
-    dispatch_head_dim<float>(p, threads);
-  } else if (dtype == 1) {
-    dispatch_head_dim<bf16>(p, threads);
-  } else {
-    return -2;
-  }
-  return 0;
+  return dispatch_dtype_head_dim(dtype, head_dim, [&](auto t, auto hd) {
+    run<decltype(t), decltype(hd)::value>(p, threads);
+  });
 }
 
 }  // extern "C"

@@ -302,8 +302,7 @@ int paged_prefill(int dtype, int kv_int8, const void* q, int64_t q_token_stride,
                   int head_dim, int block_size, float scale, void* out, int64_t out_token_stride,
                   int num_threads) {
   if (num_chunks <= 0) return 0;
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0)
-    return -1;
+  if (bad_shape(num_heads, num_kv_heads, head_dim, block_size)) return -1;
   const Chunks p{q,          kv_cache,  q_token_stride, tables,     table_stride, query_start,
                  query_len,  start_position, num_chunks, num_heads,  num_kv_heads, head_dim,
                  block_size, scale,     out,            out_token_stride};

@@ -130,8 +130,9 @@ class FlexAttentionBackend:
         device = meta.slot_mapping.device
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         q_block = q_block_size(device)
-        tables = build_tables(meta, num_blocks, kv_block, self.sliding_window, not capturing,
-                              q_block)  # fmt: skip
+        tables = build_tables(
+            meta, num_blocks, kv_block, self.sliding_window, not capturing, q_block
+        )
         mask_mod = _mask_mod(tables, bs, self.sliding_window)
         block_mask = BlockMask.from_kv_blocks(
             tables.kv_num_blocks,

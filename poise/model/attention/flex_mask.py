@@ -75,8 +75,9 @@ class FlexTables:
     kv_indices: torch.Tensor
 
 
-def _fill_rows(meta: AttentionMetadata, tables: torch.Tensor, q_row: torch.Tensor,
-               q_pos: torch.Tensor) -> None:  # fmt: skip
+def _fill_rows(
+    meta: AttentionMetadata, tables: torch.Tensor, q_row: torch.Tensor, q_pos: torch.Tensor
+) -> None:
     """Each request row's used blocks (the rest stay -1) and each query's row and position.
 
     The decode part is tensor work only (no host read), so a decode-only step's tables can be
@@ -105,9 +106,13 @@ def _table_width(meta: AttentionMetadata) -> int:
 
 
 def build_tables(
-    meta: AttentionMetadata, num_blocks: int, kv_block: int, window: int | None,
-    check: bool = True, q_block: int = Q_BLOCK,
-) -> FlexTables:  # fmt: skip
+    meta: AttentionMetadata,
+    num_blocks: int,
+    kv_block: int,
+    window: int | None,
+    check: bool = True,
+    q_block: int = Q_BLOCK,
+) -> FlexTables:
     """The step's tables for a cache of ``num_blocks`` blocks (see the module docstring).
 
     No host read and no data-dependent shape (scatters go to a sink index past the end,

@@ -23,8 +23,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from poise.bench.metrics import RequestRecord
 from poise.bench.record import ExperimentRecord, build_cell
+from poise.bench.stats import RequestRecord
 from poise.lab.calibration import link_step_trace
 from poise.sim.calibrate import decode_shape
 from poise.sim.trace import StepTraceWriter

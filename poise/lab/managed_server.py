@@ -29,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from poise.bench.config import api_root, server_root
+from poise.bench.bench_config import api_root, server_root
 from poise.lab.commands import fill_template, poise_serve_argv
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from poise import workload as wl
-from poise.bench.metrics import SLO
 
 # The flag-value parsers and URL helpers, re-exported: they live in bench/parsing.py.
 from poise.bench.parsing import api_root as api_root
@@ -28,6 +27,7 @@ from poise.bench.parsing import class_priorities as class_priorities
 from poise.bench.parsing import float_list as float_list
 from poise.bench.parsing import int_list as int_list
 from poise.bench.parsing import server_root as server_root
+from poise.bench.stats import SLO
 
 DEFAULT_CONCURRENCY = 8  # closed-loop streams when --concurrency is not given
 SALT_SCOPES = ("run", "cell", "request")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from poise.router.state import Decision, ReplicaState, RouteRequest
+from poise.router.account import Decision, ReplicaState, RouteRequest
 from poise.sched.predictor import Backlog, forecast
 
 
