@@ -3,7 +3,7 @@ group's cells (off, ngram adaptive, ngram fixed k=4; one cell per concurrency)."
 
 from __future__ import annotations
 
-from poise.lab.metrics import fmt_ms
+from poise.lab.cell_metrics import fmt_ms
 from poise.lab.seven_answers import Section, _missing, _tps
 from poise.lab.seven_data import Cell, LabData, percentile
 

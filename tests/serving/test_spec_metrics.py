@@ -7,7 +7,7 @@ from poise.bench.prom import ADAPTERS, map_scrape, summarize_window
 from poise.config import EngineConfig
 from poise.core import SamplingParams
 from poise.engine import EngineCore, VirtualClock
-from poise.serving.live import LiveFeed
+from poise.serving.live_page import LiveFeed
 from poise.serving.metrics import ServingMetrics
 from tests.serving.conftest import metric_value
 from tests.unit.fake_executor import FakeExecutor
