@@ -2,7 +2,8 @@
 summaries over a measurement window.
 
 Adapters map each engine's series to: ``kv_usage`` (fraction 0..1), ``running``, ``waiting``,
-``preemptions`` (a counter), ``ttft`` (a histogram, seconds). Engines: poise (``poise:``, the
+``preemptions`` (a counter), ``ttft`` (a histogram, seconds), ``spec`` (speculative decoding's
+counters: drafts, draft tokens, accepted tokens). Engines: poise (``poise:``, the
 vLLM names), vLLM, SGLang, TGI, llama.cpp. A series an engine does not expose stays absent
 and its summary is None: we never invent zeros (TGI and llama.cpp have no preemption counter).
 Samples are summed over label sets (vLLM labels by model and engine index).
@@ -33,6 +34,8 @@ class Adapter:
     # Prompt tokens served from the prefix cache / looked up in it (counters; vLLM's meaning).
     prefix_hits: tuple[str, ...] = ()
     prefix_queries: tuple[str, ...] = ()
+    # Speculative decoding's counters (vLLM's): drafts, draft tokens, accepted tokens.
+    spec: tuple[str, str, str] | None = None
 
 
 def _vllm_like(prefix: str, engine: str) -> Adapter:
@@ -47,6 +50,11 @@ def _vllm_like(prefix: str, engine: str) -> Adapter:
         prefill_time=(f"{prefix}request_prefill_time_seconds",),
         prefix_hits=(f"{prefix}prefix_cache_hits_total", f"{prefix}prefix_cache_hits"),
         prefix_queries=(f"{prefix}prefix_cache_queries_total", f"{prefix}prefix_cache_queries"),
+        spec=(
+            f"{prefix}spec_decode_num_drafts_total",
+            f"{prefix}spec_decode_num_draft_tokens_total",
+            f"{prefix}spec_decode_num_accepted_tokens_total",
+        ),
     )
 
 
@@ -124,6 +132,8 @@ class Scrape:
     replicas: float | None = None
     prefix_hits: float | None = None
     prefix_queries: float | None = None
+    # (drafts, draft tokens, accepted tokens) totals; None: the server does not speculate.
+    spec: tuple[float, float, float] | None = None
 
 
 def _first(values: dict[str, float], names: Sequence[str]) -> float | None:
@@ -166,7 +176,16 @@ def map_scrape(t: float, text: str, adapter: Adapter) -> Scrape:
         replicas,
         _first(values, adapter.prefix_hits),
         _first(values, adapter.prefix_queries),
+        _spec_totals(values, adapter.spec),
     )
+
+
+def _spec_totals(
+    values: dict[str, float], names: tuple[str, str, str] | None
+) -> tuple[float, float, float] | None:
+    if names is None or any(n not in values for n in names):
+        return None
+    return values[names[0]], values[names[1]], values[names[2]]
 
 
 def histogram_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float | None:
@@ -238,6 +257,7 @@ def summarize_window(scrapes: Sequence[Scrape], w0: float, w1: float) -> dict[st
         out["preemptions"] = None
     out["server_ttft_ms"] = _hist_summary(first.ttft_buckets, last.ttft_buckets)
     out["prefix_cache_hit_rate"] = _hit_rate(first, last)
+    out["spec_decode"] = _spec_summary(first, last)
     for name in ("queue_time", "prefill_time"):
         out[f"server_{name}_ms"] = _hist_summary(
             first.hists.get(name, []), last.hists.get(name, [])
@@ -252,6 +272,23 @@ def _hit_rate(first: Scrape, last: Scrape) -> float | None:
     queries = last.prefix_queries - first.prefix_queries  # type: ignore[operator]
     hits = last.prefix_hits - first.prefix_hits  # type: ignore[operator]
     return hits / queries if queries > 0 else None
+
+
+def _spec_summary(first: Scrape, last: Scrape) -> dict[str, Any] | None:
+    """Speculative decoding over the window: the counters' deltas, the acceptance rate
+    (accepted / draft tokens) and the mean accepted length (1 + accepted / drafts, vLLM's)."""
+    if first.spec is None or last.spec is None:
+        return None
+    drafts, drafted, accepted = (
+        int(round(b - a)) for a, b in zip(first.spec, last.spec, strict=True)
+    )
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": drafted,
+        "num_accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+    }
 
 
 def timeseries(scrapes: Sequence[Scrape], t0: float) -> dict[str, list[Any]]:

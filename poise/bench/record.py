@@ -46,6 +46,8 @@ DEFINITIONS = {
     "sched_lag": "request sent - intended send time (slot free / scheduled arrival)",
     "kv_cache_usage": "server gauge, fraction 0..1, scrapes inside the window",
     "preemption_count": "server preemption counter delta across the window",
+    "spec_decode": "server spec_decode_* counter deltas across the window; acceptance_rate = "
+    "accepted / draft tokens, mean_accepted_length = 1 + accepted / drafts (None: no speculation)",
 }
 
 

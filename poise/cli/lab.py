@@ -10,7 +10,7 @@ from typing import Any
 
 from poise.cli import lab_options
 
-GROUPS = ("batching", "batching-open", "mix", "waiting", "prefix", "tune")
+GROUPS = ("batching", "batching-open", "mix", "waiting", "prefix", "speculation", "tune")
 
 
 HELP = "Answer the seed lab's seven questions with this engine's own measurements."

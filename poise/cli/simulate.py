@@ -36,6 +36,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "SmolLM2-135M-Instruct), a config.json, a model dir or a .gguf (default: --model's, "
         "else SmolLM2).",
     )
+    g.add_argument(
+        "--spec-acceptance-rate",
+        type=float,
+        default=None,
+        metavar="A",
+        help="With --speculative-config: the chance each draft token is kept once those "
+        "before it were (0..1; a measured run's from its spec_decode counters, "
+        "docs/speculation.md).",
+    )
+    g.add_argument(
+        "--spec-draft-rate",
+        type=float,
+        default=None,
+        metavar="R",
+        help="With --speculative-config: the share of decode steps the proposer has a draft "
+        "for (0..1, default 1; prompt lookup finds none where the text is new).",
+    )
     g.add_argument("--compute-efficiency", type=float, default=None, help="Roofline MFU (0.5).")
     g.add_argument("--bandwidth-efficiency", type=float, default=None, help="Roofline (0.8).")
     g.add_argument(
@@ -124,6 +141,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---- cost model -----------------------------------------------------------------------------
 def cost_model_from_args(args: argparse.Namespace, config: Any) -> Any:
+    model = _step_cost_model(args, config)
+    rate = getattr(args, "spec_acceptance_rate", None)
+    if rate is not None:
+        model = dataclasses.replace(model, spec_acceptance_rate=rate)
+    drafts = getattr(args, "spec_draft_rate", None)
+    return model if drafts is None else dataclasses.replace(model, spec_draft_rate=drafts)
+
+
+def _step_cost_model(args: argparse.Namespace, config: Any) -> Any:
     from poise.sim.fit import load_profile
     from poise.sim.roofline import RooflineCostModel
 

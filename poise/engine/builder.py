@@ -33,6 +33,12 @@ def build_engine(
     from poise.text.grammar import LLGuidanceCompiler
 
     runner, info = create_model_runner(config)
+    spec = config.scheduler.speculative_config
+    proposer = None
+    if spec is not None and spec.method == "draft_model":
+        from poise.engine.draft import build_draft_proposer
+
+        proposer = build_draft_proposer(config, info)
     engine = EngineCore.for_model(
         config,
         runner,
@@ -45,6 +51,7 @@ def build_engine(
             info.eos_token_ids,
             allow_additional_properties=config.model.allow_additional_properties,
         ),
+        proposer=proposer,
     )
     freeze_startup_heap()
     return engine, info

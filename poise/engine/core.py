@@ -35,6 +35,7 @@ from poise.errors import InvalidRequestError, OverloadedError, StepFailedError
 from poise.kv.manager import KVCacheManager
 from poise.sched.classes import ClassSet, load_classes
 from poise.sched.scheduler import Scheduler
+from poise.spec.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,10 @@ class EngineCore:
         clock: Clock | None = None,
         observers: Sequence[EngineObserver] = (),
         grammars: GrammarCompiler | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
+        """``proposer``: speculative decoding's, where it is not the config's ngram (the
+        draft model's, the simulator's)."""
         self.config = config
         # Compiles structured-output requests (text/grammar.py); None: they are refused.
         self.grammars = grammars
@@ -77,7 +81,7 @@ class EngineCore:
         self.kv = KVCacheManager(
             num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len, proposer=proposer)
         self.max_model_len = self.scheduler.max_len
         # Each request's traffic class is resolved once, on arrival, and travels on it.
         self.classes: ClassSet = load_classes(config.scheduler.traffic_classes)
@@ -92,6 +96,7 @@ class EngineCore:
         clock: Clock | None = None,
         observers: Sequence[EngineObserver] = (),
         grammars: GrammarCompiler | None = None,
+        proposer: Proposer | None = None,
     ) -> EngineCore:
         """The engine around an executor whose model load found ``limits`` (its KV blocks,
         context length, vocabulary and EOS ids)."""
@@ -105,6 +110,7 @@ class EngineCore:
             clock=clock,
             observers=observers,
             grammars=grammars,
+            proposer=proposer,
         )
 
     # -- admission ----------------------------------------------------------------------------
@@ -330,4 +336,5 @@ class EngineCore:
             prefix_cache_inflight_hits=prefix.inflight_hits,
             prefix_cache_inflight_hit_tokens=prefix.inflight_hit_tokens,
             prefix_cache_evictions=self.kv.pool.num_evictions,
+            spec_decode=sched.spec.stats.copy() if sched.spec is not None else None,
         )

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from poise.sched.speculation import SpecDecodeStats
+
 
 @dataclass(frozen=True)
 class EngineState:
@@ -37,5 +39,7 @@ class EngineState:
     prefix_cache_inflight_hits: int = 0
     prefix_cache_inflight_hit_tokens: int = 0
     prefix_cache_evictions: int = 0
+    # Speculative decoding's counters since start (vLLM's spec_decode_*); None when it is off.
+    spec_decode: SpecDecodeStats | None = None
     # Whether the waiting queue is at max_num_queued_requests (new requests get 429).
     queue_full: bool = False

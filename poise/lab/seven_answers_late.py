@@ -16,6 +16,7 @@ from poise.lab.seven_answers import (
     q4_long_prompts,
 )
 from poise.lab.seven_data import Cell, LabData
+from poise.lab.seven_speculation import q8_speculation
 
 
 def q5_waiting(d: LabData) -> Section:
@@ -226,4 +227,13 @@ def _args(a: dict[str, object]) -> str:
     return "`" + " ".join(f"--{k.replace('_', '-')} {a[k]}" for k in keys if k in a) + "`"
 
 
-ANSWERS = (q1_batching, q2_averages, q3_policies, q4_long_prompts, q5_waiting, q6_prefix, q7_tune)
+ANSWERS = (
+    q1_batching,
+    q2_averages,
+    q3_policies,
+    q4_long_prompts,
+    q5_waiting,
+    q6_prefix,
+    q7_tune,
+    q8_speculation,
+)

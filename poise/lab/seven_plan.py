@@ -1,6 +1,6 @@
 """`poise lab`: which cells answer each of the seed lab's seven questions (doc 004).
 
-Five groups of configs x cells, each one workload held fixed while one knob moves:
+Six groups of configs x cells, each one workload held fixed while one knob moves:
 
 - ``batching`` (Q1): continuous (fifo) vs ``static`` vs ``dynamic`` batching, closed loop,
   the seed's SHORT prompt with output lengths spread over 10 %..100 % of max_tokens (with equal
@@ -20,6 +20,9 @@ Five groups of configs x cells, each one workload held fixed while one knob move
   arrival), prefix cache off and on: with in-flight sharing the burst costs about one
   prefill (the followers wait for the first one's blocks instead of computing them).
 - ``tune`` (Q7): ``poise tune``'s procedure for a chat SLO, both answers.
+- ``speculation`` (Q8, issue 34): speculation off, ngram adaptive and ngram with a fixed k=4
+  on the seed mix at concurrency 1, 32 and 64 (scaled): where drafts pay and where adaptive
+  stops them costing throughput.
 
 Sizes: the seed's on a GPU and in the simulator; on CPU every size / ``scale`` (8), as
 ``presets`` scales the lab's configs, so the whole CPU run takes minutes.
@@ -45,7 +48,13 @@ QUESTIONS: dict[int, str] = {
     5: "When `waiting` stays high, which parameters come first?",
     6: "Why does a prefix cache (RadixAttention) change scheduling, not just caching?",
     7: "Throughput-first and latency-first configs for a chat SLO?",
+    8: "When does speculative decoding pay, and when does it cost throughput?",
 }
+# Q8's configs (``--speculative-config``), and the acceptance rate the simulator assumes when
+# its cost model has none: about what prompt lookup keeps on text copied from the prompt.
+SPEC_ADAPTIVE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}'
+SPEC_FIXED = '{"method": "ngram", "num_speculative_tokens": 4, "adaptive": false}'
+SIM_ACCEPTANCE_RATE = 0.7
 # Tokens per repeat of the seed's long log line (3363 tokens for 220 repeats with SmolLM2's
 # template): sizes the KV pools below.
 _TOKENS_PER_LONG_REPEAT = 15.3
@@ -60,6 +69,8 @@ class Group:
     workload: WorkloadSpec
     configs: dict[str, dict[str, Any]]  # config name -> engine args (poise serve's names)
     note: str = ""
+    # Simulated: the drafts' acceptance rate where the cost model has none (Q8).
+    sim_acceptance_rate: float | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +162,20 @@ def plan(
         _waiting_group(base, seed_mix, hi_conc, repeat, max_tokens, s),
         _prefix_group(base, conc, max_tokens, s, gpu_sizes, Path(out_dir)),
         _burst_group(base, max_tokens, repeat),
+        Group(
+            "speculation",
+            (8,),
+            replace(seed_mix, concurrency=(1, conc, hi_conc), long_ratio=(0.25,)),
+            {
+                "off": dict(base),
+                "ngram-adaptive": {**base, "speculative_config": SPEC_ADAPTIVE},
+                "ngram-fixed": {**base, "speculative_config": SPEC_FIXED},
+            },
+            note=f"simulated drafts kept at {SIM_ACCEPTANCE_RATE} each unless the cost model "
+            "says otherwise (`poise simulate --spec-acceptance-rate`); live: prompt lookup on "
+            "the seed's prompts",
+            sim_acceptance_rate=SIM_ACCEPTANCE_RATE,
+        ),
     ]
     tune_wl = replace(seed_mix, long_ratio=(0.25,))
     tune = TunePlan(

@@ -89,8 +89,11 @@ def _run_group_sim(group: Group, out: Path, sim: SimTarget) -> None:
     cfg = BenchConfig.for_workload(
         group.workload, base_url="simulated://", model=sim.cost_model.name, scrape=False
     )
+    cost = sim.cost_model
+    if group.sim_acceptance_rate is not None and cost.spec_acceptance_rate is None:
+        cost = replace(cost, spec_acceptance_rate=group.sim_acceptance_rate)
     for name, args in group.configs.items():
-        record = simulate_matrix(cfg, EngineConfig.from_kwargs(**args), sim.cost_model, sim.lengths)
+        record = simulate_matrix(cfg, EngineConfig.from_kwargs(**args), cost, sim.lengths)
         record.provenance["label"] = name
         record.save(record_path(out, group.name, name))
 

@@ -43,6 +43,9 @@ class GridPoint:
     # The chunk ends its prompt, so it samples (a prefix-cache hit's remainder); a chunk at 0
     # is a whole prompt and always samples, a later chunk of a long prompt does not.
     last_chunk: bool = False
+    # Each decode request verifies this many draft tokens (speculative decoding): 1 + drafts
+    # query rows over its context, sampled at each (runner/verify.py).
+    drafts: int = 0
 
 
 GRIDS: dict[str, dict[str, tuple[int, ...]]] = {
@@ -106,6 +109,13 @@ def build_grid(
     # cost more per token than big ones, which a grid of whole prompts and bursts misses.
     raw.append(GridPoint(48, 16, 0, 0, last_chunk=True))
     raw.append(GridPoint(32, 32, g["batch"][1], ctx_mid, chunks=2, last_chunk=True))
+    # Verify rows (speculative decoding): k + 1 queries and k + 1 sampled positions per request
+    # cost more than a decode by more than their tokens (the per-position sampling path); a
+    # grid of one sample per request could not tell the fit what a sampled position costs.
+    for b in (g["batch"][0], g["batch"][1]):
+        for k in (2, 4):
+            raw.append(GridPoint(0, 0, b, ctx_mid, drafts=k))
+    raw.append(GridPoint(0, 0, g["batch"][-1], g["context"][0], drafts=2))
     out: list[GridPoint] = []
     for p in raw:
         q = _shrink(p, max_tokens, max_seqs, capacity_tokens, max_len)
@@ -119,13 +129,16 @@ def _shrink(
 ) -> GridPoint | None:
     chunks = min(p.chunks, max_seqs, max(1, max_tokens // max(1, p.prefill))) if p.prefill else 1
     n_prefill_seqs = chunks if p.prefill else 0
-    batch = min(p.batch, max_seqs - n_prefill_seqs, max(0, max_tokens - p.prefill * n_prefill_seqs))
+    rows = 1 + p.drafts  # tokens per decode request
+    batch = min(
+        p.batch, max_seqs - n_prefill_seqs, max(0, max_tokens - p.prefill * n_prefill_seqs) // rows
+    )
     prefill = min(p.prefill, (max_tokens - batch) // max(1, n_prefill_seqs), max_len - 1)
     if batch <= 0 and prefill <= 0:
         return None
     # Context of each decode and the chunks' start: within max_len and a fair share of the pool.
     share = capacity // max(1, batch + n_prefill_seqs)
-    context = min(p.context, max_len - 1, share) if batch else 0
+    context = min(p.context, max_len - 1 - p.drafts, share - p.drafts) if batch else 0
     start = min(p.prefill_start, max_len - 1 - prefill, max(0, share - prefill)) if prefill else 0
     if batch and context < 1:
         return None
@@ -139,6 +152,7 @@ def _shrink(
         p.shared,
         chunks,
         p.last_chunk,
+        p.drafts,
     )
 
 
@@ -164,7 +178,14 @@ def make_output(
             blocks = shared_prefix[: pos // block_size] + table(block_size)
         else:
             blocks = table(pos + 1)
-        scheduled.append(ScheduledRequest(f"d{i}", [7], pos, blocks, True, params, 1, pos))
+        k = p.drafts
+        if k:  # its own blocks for the drafts' positions too
+            blocks = blocks + table(pos + 1 + k - len(blocks) * block_size)
+        scheduled.append(
+            ScheduledRequest(
+                f"d{i}", [7] * (1 + k), pos, blocks, True, params, 1, pos, num_draft_tokens=k
+            )
+        )
     if p.prefill:
         end = p.prefill_start + p.prefill
         sample = p.prefill_start == 0 or p.last_chunk

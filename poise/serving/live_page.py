@@ -3,7 +3,7 @@
 Fed on the engine thread through ``ServingMetrics`` (``add_step`` with each StepStats,
 ``add_first_token`` with each request's TTFT parts) into running sums under a short lock: a
 few additions per step, nothing per token. ``tick`` closes the sums into a point with the
-latest EngineState (queue, running, KV, preemptions, prefix cache) and appends it; the feed
+latest EngineState (queue, running, KV, preemptions, prefix cache, speculation) and appends it; the feed
 handler calls it at most once a second, so no background task runs when nobody watches.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,8 @@ class LiveFeed:
         self._sums = _Sums()
         self._last_tick: float | None = None
         self._last_preemptions = 0
+        # Speculative decoding's (draft tokens, accepted tokens) totals at the last point.
+        self._last_spec = (0, 0)
         # Per class: TTFT targets met / missed since start (classes with a target only).
         self._slo: dict[str, list[int]] = {}
 
@@ -111,10 +114,26 @@ class LiveFeed:
             "ttft_max": s.ttft_max,
             "ttft_parts_mean": {k: v / firsts for k, v in s.parts.items()},
             "slo_ttft_attainment": slo,
+            **self._spec_point(state, rate),
         }
         with self._lock:
             self.points.append(point)
             self.seq += 1
+
+    def _spec_point(self, state: EngineState, rate: Callable[[int], float]) -> dict[str, Any]:
+        """Speculative decoding over the last second: draft and accepted tokens per second and
+        the acceptance rate (None without drafts); nothing when speculation is off."""
+        st = state.spec_decode
+        if st is None:
+            return {}
+        drafted = st.num_draft_tokens - self._last_spec[0]
+        accepted = st.num_accepted_tokens - self._last_spec[1]
+        self._last_spec = (st.num_draft_tokens, st.num_accepted_tokens)
+        return {
+            "spec_draft_tokens_per_s": rate(drafted),
+            "spec_accepted_tokens_per_s": rate(accepted),
+            "spec_acceptance_rate": accepted / drafted if drafted else None,
+        }
 
     def since(self, cursor: int) -> tuple[list[dict[str, Any]], int]:
         """Points appended after ``cursor`` (a previous ``seq``), and the new cursor."""

@@ -19,7 +19,8 @@ Invariants:
   (``slo_ttft_total`` / ``slo_tpot_total`` with ``result`` met or missed, for requests whose
   class or request names a target), goodput tokens (output tokens of served requests that met
   every target they had) and preemptions.
-- Engine state (running, waiting, KV usage, token budget, preemptions) is read at scrape time
+- Engine state (running, waiting, KV usage, token budget, preemptions, speculative decoding's
+  ``spec_decode_*`` counters, ``spec_metrics.py``) is read at scrape time
   from the latest ``EngineState`` snapshot the engine published: gauges are its values and the
   preemption counters its own totals, never re-derived here.
 - Methods are called from the engine thread (steps, deltas) and the event loop (rejections);
@@ -57,6 +58,7 @@ from poise.serving.metric_buckets import UTILISATION_BUCKETS as UTILISATION_BUCK
 from poise.serving.metric_buckets import P as P
 from poise.serving.request_log import log_request
 from poise.serving.sample_groups import GroupEnd, SampleGroups
+from poise.serving.spec_metrics import spec_decode_families
 
 
 class ServingMetrics:
@@ -372,3 +374,4 @@ class _EngineStateCollector(Collector):
         lookups.add_metric([m, "hit"], s.prefix_cache_hits)
         lookups.add_metric([m, "miss"], s.prefix_cache_queries - s.prefix_cache_hits)
         yield lookups
+        yield from spec_decode_families(m, s)

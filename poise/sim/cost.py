@@ -95,8 +95,8 @@ class StepShape:
             tokens += n
             seqs += 1
             kv += start + n
-            if sr.sample:
-                sampled += 1
+            if sr.sample:  # a verify row samples at its token and each draft
+                sampled += 1 + sr.num_draft_tokens
             chunk_pairs = n * start + n * (n + 1) // 2
             if sr.is_decode:
                 dec_seqs += 1
@@ -171,6 +171,12 @@ class CostModel:
     step_overhead_s: float = 0.0
     time_scale: float = 1.0
     step_jitter_cv: float = 0.0
+    # Speculative decoding: the chance each draft token is kept once those before it were
+    # (sim/speculation.py). What a verify step yields, so it travels with what it costs;
+    # None: an engine with --speculative-config cannot be simulated.
+    spec_acceptance_rate: float | None = None
+    # The share of a decoding request's steps its proposer has a draft for (sim/speculation.py).
+    spec_draft_rate: float = 1.0
     provenance: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -181,6 +187,13 @@ class CostModel:
                 raise ValueError(f"cost model: {name} must be >= 0, got {getattr(self, name)}")
         if self.time_scale <= 0:
             raise ValueError(f"cost model: time_scale must be > 0, got {self.time_scale}")
+        a = self.spec_acceptance_rate
+        if a is not None and not 0.0 <= a <= 1.0:
+            raise ValueError(f"cost model: spec_acceptance_rate must be in [0, 1], got {a}")
+        if not 0.0 <= self.spec_draft_rate <= 1.0:
+            raise ValueError(
+                f"cost model: spec_draft_rate must be in [0, 1], got {self.spec_draft_rate}"
+            )
 
     def step_time(self, shape: StepShape) -> float:
         raise NotImplementedError
@@ -225,6 +238,8 @@ class CostModel:
             "step_overhead_s": self.step_overhead_s,
             "time_scale": self.time_scale,
             "step_jitter_cv": self.step_jitter_cv,
+            "spec_acceptance_rate": self.spec_acceptance_rate,
+            "spec_draft_rate": self.spec_draft_rate,
             "provenance": self.provenance,
         }
 

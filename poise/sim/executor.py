@@ -18,6 +18,9 @@ simulator keeps every wave of requests in lockstep, so its TTFT p95 collapses on
 ``slowdown`` (1 by default) divides the engine's share of a core into the step: the cluster
 simulator sets it before each step when replicas share a host's cores (``sim/cpu_share.py``).
 
+A row verifying drafts keeps a prefix of them drawn at ``cost_model.spec_acceptance_rate``
+(``sim/speculation.py``), from its own seeded stream.
+
 Invariants: the clock only moves forward, by exactly ``cost_model.time_for(output)`` per step
 (times the jitter factor when jitter is on; the same factors for the same seed), times ``slowdown``; the token
 returned is never an EOS id, so EOS never ends a simulated request.
@@ -33,6 +36,7 @@ from poise.core.outputs import ModelRunnerOutput, SchedulerOutput
 from poise.engine.clock import VirtualClock
 from poise.engine.observer import EngineObserver
 from poise.sim.cost import CostModel
+from poise.sim.speculation import accepted_drafts
 
 
 def pick_token_id(eos_token_ids: tuple[int, ...] | frozenset[int], vocab_size: int) -> int:
@@ -65,6 +69,8 @@ class SimExecutor:
         self.num_steps = 0
         self.busy_s = 0.0
         self.slowdown = 1.0
+        # Speculative decoding: how many drafts each verify keeps (sim/speculation.py).
+        self._spec_rng = random.Random(f"spec-accept|{seed}")
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         dt = self.cost_model.time_for(scheduler_output)
@@ -75,8 +81,20 @@ class SimExecutor:
         self.num_steps += 1
         self.busy_s += dt
         tid = self.token_id
+        accepted: dict[str, list[int]] = {}
+        for sr in scheduler_output.scheduled:
+            if sr.sample and sr.num_draft_tokens:
+                a = self.cost_model.spec_acceptance_rate
+                assert a is not None, "sim_engine refuses speculation without an acceptance rate"
+                kept = accepted_drafts(self._spec_rng, a, sr.num_draft_tokens)
+                accepted[sr.request_id] = sr.token_ids[len(sr.token_ids) - sr.num_draft_tokens :][
+                    :kept
+                ]
         return ModelRunnerOutput(
-            sampled_token_ids={sr.request_id: tid for sr in scheduler_output.scheduled if sr.sample}
+            sampled_token_ids={
+                sr.request_id: tid for sr in scheduler_output.scheduled if sr.sample
+            },
+            accepted_draft_ids=accepted,
         )
 
 

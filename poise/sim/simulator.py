@@ -28,7 +28,8 @@ from poise.sim.arrival import ArrivalModel
 from poise.sim.cell import SimCell, SimRequest, SimRequestResult, SimResult, SimStep
 from poise.sim.cost import CostModel
 from poise.sim.driver import drive
-from poise.sim.executor import DecisionRecorder, SimExecutor
+from poise.sim.executor import DecisionRecorder, SimExecutor, pick_token_id
+from poise.sim.speculation import SimProposer
 
 __all__ = [
     "SimCell",
@@ -48,7 +49,18 @@ def sim_engine(
     clock: VirtualClock,
     observers: Sequence[EngineObserver] = (),
 ) -> EngineCore:
-    """A real ``EngineCore`` sized by the cost model (KV blocks, model length, vocabulary)."""
+    """A real ``EngineCore`` sized by the cost model (KV blocks, model length, vocabulary);
+    with speculation, its proposer is ``SimProposer`` (a draft always) and the cost model's
+    acceptance rate says how many drafts each verify keeps."""
+    proposer = None
+    if engine_config.scheduler.speculative_config is not None:
+        if cost_model.spec_acceptance_rate is None:
+            raise ValueError(
+                "speculative_config: the simulator needs the drafts' acceptance rate "
+                "(--spec-acceptance-rate, docs/speculation.md)"
+            )
+        token = pick_token_id(cost_model.eos_token_ids, cost_model.vocab_size)
+        proposer = SimProposer(token, cost_model.spec_draft_rate)
     return EngineCore(
         engine_config,
         executor,
@@ -58,6 +70,7 @@ def sim_engine(
         eos_token_ids=frozenset(cost_model.eos_token_ids),
         clock=clock,
         observers=observers,
+        proposer=proposer,
     )
 
 

@@ -39,7 +39,7 @@ def test_every_question_has_a_section_answer_and_plot(lab_run: Path) -> None:
     for k, q in QUESTIONS.items():
         assert f"## Q{k}. {q}" in text
     sections = text.split("\n## Q")[1:]
-    assert len(sections) == 7
+    assert len(sections) == len(QUESTIONS) == 8
     for s in sections:
         assert "Not answered" not in s, s
         assert any(ch.isdigit() for ch in s.split("\n", 1)[1])  # numbers from the run
@@ -51,6 +51,8 @@ def test_every_question_has_a_section_answer_and_plot(lab_run: Path) -> None:
     manifest = yaml.safe_load((lab_run / "lab.yaml").read_text(encoding="utf-8"))
     assert manifest["answers"] == {f"Q{k}": {"answered": True} for k in QUESTIONS}
     assert manifest["simulated"] and manifest["groups"]["prefix"]["records"]
+    q8 = text.split("## Q8.")[1]
+    assert q8.count("| ngram-fixed |") == 3  # one row per concurrency and config
     for key in ("batching", "averages", "policies", "long_prompts", "waiting", "prefix", "tune"):
         assert (lab_run / "plots" / f"{key}.png").stat().st_size > 1000
         assert f"plots/{key}.png" in text
@@ -101,13 +103,15 @@ def test_plan_sizes_and_documents() -> None:
         plan("cpu", out_dir="/tmp/unused-lab-plan"),
         plan("cuda", out_dir="/tmp/unused-lab-plan"),
     )
-    assert [g.name for g in cpu.groups] == [
+    names = [g.name for g in cpu.groups]
+    assert names == [
         "batching",
         "batching-open",
         "mix",
         "waiting",
         "prefix",
         "prefix-burst",
+        "speculation",
     ]
     assert cpu.scale == 8 and gpu.scale == 1
     mix = {g.name: g for g in gpu.groups}["mix"]

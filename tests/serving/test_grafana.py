@@ -33,7 +33,9 @@ def test_every_panel_query_names_an_exported_metric(smol_tokenizer: Any) -> None
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     used = {m for e in exprs for m in re.findall(r"poise:[A-Za-z0-9_:]+", e)}
     assert len(used) >= 20
-    with slow_server(smol_tokenizer, delay_s=0.0) as server:
+    # With speculation on, so its spec_decode_* series (exported only then) are there too.
+    spec = '{"num_speculative_tokens": 2}'
+    with slow_server(smol_tokenizer, delay_s=0.0, speculative_config=spec) as server:
         body = {"model": "fake", "prompt": [5, 6, 7], "max_tokens": 3}
         assert httpx.post(server.base_url + "/v1/completions", json=body).status_code == 200
         exported = exported_names(httpx.get(server.base_url + "/metrics").text)

@@ -33,7 +33,8 @@ ALLOWED: dict[str, set[str]] = {
     "kv": {"core", "config", "errors"},
     "sched": {"kv", "core", "config", "errors", "spec"},
     "spec": {"core", "config"},  # proposers (speculative decoding), torch-free
-    "engine": {"sched", "kv", "core", "config", "errors", "text", "runner"},
+    # spec: the proposer a speculating engine hands its scheduler (the draft model's, engine/)
+    "engine": {"sched", "kv", "core", "config", "errors", "text", "runner", "spec"},
     "checkpoint": {"errors"},
     "text": {"checkpoint", "core", "config", "errors"},
     "model": {"checkpoint", "config", "errors"},
