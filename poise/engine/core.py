@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Protocol
 
@@ -329,12 +330,7 @@ class EngineCore:
             num_preemptions=sched.num_preemptions_total,
             preemptions_by_class=MappingProxyType(dict(sched.preemptions_by_class)),
             queue_full=self.queue_is_full(),
-            prefix_cache_queries=prefix.queries,
-            prefix_cache_hits=prefix.hits,
-            prefix_cache_query_tokens=prefix.query_tokens,
-            prefix_cache_hit_tokens=prefix.hit_tokens,
-            prefix_cache_inflight_hits=prefix.inflight_hits,
-            prefix_cache_inflight_hit_tokens=prefix.inflight_hit_tokens,
+            prefix_cache=replace(prefix),  # a copy: the manager's counts go on
             prefix_cache_evictions=self.kv.pool.num_evictions,
             spec_decode=sched.spec.stats.copy() if sched.spec is not None else None,
         )

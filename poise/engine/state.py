@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from poise.kv.manager import PrefixCacheStats
 from poise.sched.speculation import SpecDecodeStats
 
 
@@ -28,16 +29,10 @@ class EngineState:
     # Totals since start: preemptions (recompute), and the same per traffic class.
     num_preemptions: int = 0
     preemptions_by_class: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    # Prefix cache totals (``PrefixCacheStats``: admissions that looked up / hit, their tokens)
-    # and cached blocks evicted (handed out for something else).
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    prefix_cache_query_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-    # Of the hits: admissions that waited for another request's running prefill (in-flight
-    # sharing, sched/inflight.py), and the tokens it computed for them meanwhile.
-    prefix_cache_inflight_hits: int = 0
-    prefix_cache_inflight_hit_tokens: int = 0
+    # Prefix cache totals since start (admissions that looked up / hit, their tokens; of the
+    # hits, those that waited for another request's running prefill: in-flight sharing) and
+    # cached blocks evicted (handed out for something else).
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     prefix_cache_evictions: int = 0
     # Speculative decoding's counters since start (vLLM's spec_decode_*); None when it is off.
     spec_decode: SpecDecodeStats | None = None

@@ -213,6 +213,14 @@ def _waiting_group(
     )
 
 
+def _cache_off_on(args: dict[str, Any], prefix: str = "") -> dict[str, dict[str, Any]]:
+    """Q6's two configs: the same engine with the prefix cache off and on."""
+    return {
+        f"{prefix}cache-off": {**args, "enable_prefix_caching": False},
+        f"{prefix}cache-on": {**args, "enable_prefix_caching": True},
+    }
+
+
 def _burst_group(base: dict[str, Any], max_tokens: int, repeat: int) -> Group:
     """Q6's simultaneous-arrival cell: ``BURST`` copies of one cold long prompt at once."""
     workload = WorkloadSpec(
@@ -228,10 +236,7 @@ def _burst_group(base: dict[str, Any], max_tokens: int, repeat: int) -> Group:
         "prefix-burst",
         (6,),
         workload,
-        {
-            "burst-cache-off": {**base, "enable_prefix_caching": False},
-            "burst-cache-on": {**base, "enable_prefix_caching": True},
-        },
+        _cache_off_on(base, "burst-"),
         note=f"{BURST} identical cold long prompts sent at once",
     )
 
@@ -279,8 +284,7 @@ def _prefix_group(
         (6,),
         workload,
         {
-            "cache-off": {**args, "enable_prefix_caching": False},
-            "cache-on": {**args, "enable_prefix_caching": True},
+            **_cache_off_on(args),
             "cache-on-lpm": {**args, "enable_prefix_caching": True, "scheduling_policy": "lpm"},
         },
         note=note,

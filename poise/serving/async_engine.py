@@ -368,7 +368,7 @@ class _ThroughputLog:
         elapsed = now - self.last
         if self.interval_s <= 0 or elapsed < self.interval_s:
             return
-        queried = state.prefix_cache_query_tokens  # since start, as the Prometheus counters
+        queried = state.prefix_cache.query_tokens  # since start, as the Prometheus counters
         logger.info(
             "prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV %.1f%%, "
             "prefix cache hits %.1f%%, token budget %d, preemptions %d",
@@ -377,7 +377,7 @@ class _ThroughputLog:
             state.num_running,
             state.num_waiting,
             100.0 * state.kv_cache_usage,
-            100.0 * state.prefix_cache_hit_tokens / queried if queried else 0.0,
+            100.0 * state.prefix_cache.hit_tokens / queried if queried else 0.0,
             state.token_budget,
             state.num_preemptions,
         )

@@ -99,8 +99,8 @@ class LiveFeed:
             "token_budget": state.token_budget,
             "preemptions": preempted,
             "prefix_cache_hit_rate": (
-                state.prefix_cache_hit_tokens / state.prefix_cache_query_tokens
-                if state.prefix_cache_query_tokens
+                state.prefix_cache.hit_tokens / state.prefix_cache.query_tokens
+                if state.prefix_cache.query_tokens
                 else None
             ),
             "steps_per_s": rate(s.steps),

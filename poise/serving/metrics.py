@@ -349,13 +349,13 @@ class _EngineStateCollector(Collector):
                 "prefix_cache_queries",
                 "Prompt tokens of admitted requests looked up in the "
                 "prefix cache (vLLM's meaning; hits: prefix_cache_hits).",
-                s.prefix_cache_query_tokens,
+                s.prefix_cache.query_tokens,
             ),
             (
                 "prefix_cache_inflight_hits",
                 "Prompt tokens served from blocks another request's running prefill computed "
                 "while this one waited for them (in-flight sharing; part of prefix_cache_hits).",
-                s.prefix_cache_inflight_hit_tokens,
+                s.prefix_cache.inflight_hit_tokens,
             ),
             (
                 "prefix_cache_evictions",
@@ -371,7 +371,7 @@ class _EngineStateCollector(Collector):
             "Admitted requests that looked their prefix up, by result (hit: >= 1 cached block).",
             labels=["model_name", "result"],
         )
-        lookups.add_metric([m, "hit"], s.prefix_cache_hits)
-        lookups.add_metric([m, "miss"], s.prefix_cache_queries - s.prefix_cache_hits)
+        lookups.add_metric([m, "hit"], s.prefix_cache.hits)
+        lookups.add_metric([m, "miss"], s.prefix_cache.queries - s.prefix_cache.hits)
         yield lookups
         yield from spec_decode_families(m, s)

@@ -104,6 +104,8 @@ int dispatch_dtype_head_dim(int dtype, int head_dim, F&& f) {
   return 0;
 }
 
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
 inline float to_float(bf16 x) {
   uint32_t bits = static_cast<uint32_t>(x) << 16;
   float f;
@@ -219,6 +221,40 @@ inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 }
 
 #endif
+
+// (After every to_float: the calls below are looked up where the templates are defined.)
+// Scores and weighted values of NQ query heads that share one kv head, over n key slots:
+// plain loops the compiler vectorises over the head dimension (any head_dim). k_scale(j) /
+// v_scale(j): the key's int8 scales, 1 for float and bf16 caches (exact).
+template <typename T, int NQ, typename KScale>
+void qk_generic(const float* q_f, int hd, const T* const* slots, int n, int64_t k_offset,
+                KScale k_scale, float* scores, int scores_stride) {
+  for (int j = 0; j < n; ++j) {
+    const T* k = slots[j] + k_offset;
+    for (int i = 0; i < NQ; ++i) {
+      const float* qh = q_f + i * hd;
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int d = 0; d < hd; ++d) s += qh[d] * to_float(k[d]);
+      scores[i * scores_stride + j] = s * k_scale(j);
+    }
+  }
+}
+
+template <typename T, int NQ, typename VScale>
+void pv_generic(const float* weights, int weights_stride, int hd, const T* const* slots, int n,
+                int64_t v_offset, VScale v_scale, float* acc) {
+  std::fill(acc, acc + NQ * hd, 0.0f);
+  for (int j = 0; j < n; ++j) {
+    const T* v = slots[j] + v_offset;
+    for (int i = 0; i < NQ; ++i) {
+      const float w = weights[i * weights_stride + j] * v_scale(j);
+      float* a = acc + i * hd;
+#pragma omp simd
+      for (int d = 0; d < hd; ++d) a[d] += w * to_float(v[d]);
+    }
+  }
+}
 
 // In place: each of `rows` rows of n scores -> exp(s - max); the row max and the sum of the
 // exps are appended after the rows (at scores[rows * n + 2 * r] and [... + 1]).

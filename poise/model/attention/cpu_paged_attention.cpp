@@ -45,38 +45,6 @@ using namespace poise_attention;
 
 using Problem = DecodeProblem<void>;
 
-// Scores and weighted values of NQ query heads that share one kv head, over n key slots.
-// Generic version: plain loops the compiler vectorises over the head dimension.
-template <typename T, int NQ>
-void qk_generic(const float* q_f, int hd, const T* const* slots, int n, int64_t k_offset,
-                float* scores, int scores_stride) {
-  for (int j = 0; j < n; ++j) {
-    const T* k = slots[j] + k_offset;
-    for (int i = 0; i < NQ; ++i) {
-      const float* qh = q_f + i * hd;
-      float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-      for (int d = 0; d < hd; ++d) s += qh[d] * to_float(k[d]);
-      scores[i * scores_stride + j] = s;
-    }
-  }
-}
-
-template <typename T, int NQ>
-void pv_generic(const float* weights, int weights_stride, int hd, const T* const* slots, int n,
-                int64_t v_offset, float* acc) {
-  std::fill(acc, acc + NQ * hd, 0.0f);
-  for (int j = 0; j < n; ++j) {
-    const T* v = slots[j] + v_offset;
-    for (int i = 0; i < NQ; ++i) {
-      const float w = weights[i * weights_stride + j];
-      float* a = acc + i * hd;
-#pragma omp simd
-      for (int d = 0; d < hd; ++d) a[d] += w * to_float(v[d]);
-    }
-  }
-}
-
 #if defined(__AVX512F__)
 // AVX-512 version for head_dim = 16 * NV: the NQ query rows and the accumulators stay in
 // registers for the whole loop over keys (NQ * NV + NV + NQ <= 32 zmm registers).
@@ -175,9 +143,9 @@ void attend_heads_fixed(const float* q_f, const T* q_raw, float scale, int hd,
 #endif
   (void)q_raw;
   (void)scale;
-  qk_generic<T, NQ>(q_f, hd, slots, n, k_offset, scores, n);
+  qk_generic<T, NQ>(q_f, hd, slots, n, k_offset, [](int) { return 1.0f; }, scores, n);
   softmax_rows(scores, NQ, n);
-  pv_generic<T, NQ>(scores, n, hd, slots, n, v_offset, acc);
+  pv_generic<T, NQ>(scores, n, hd, slots, n, v_offset, [](int) { return 1.0f; }, acc);
 }
 
 // One row's query heads of kv head g over n keys. q: the row's query as stored, q_f: the same

@@ -31,36 +31,6 @@ struct Scales {
   const float* v;
 };
 
-template <int NQ>
-void qk_generic(const float* q_f, int hd, const int8_t* const* slots, int n, int64_t k_offset,
-                Scales sc, float* scores) {
-  for (int j = 0; j < n; ++j) {
-    const int8_t* k = slots[j] + k_offset;
-    for (int i = 0; i < NQ; ++i) {
-      const float* qh = q_f + i * hd;
-      float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-      for (int d = 0; d < hd; ++d) s += qh[d] * static_cast<float>(k[d]);
-      scores[i * n + j] = s * sc.k[j];
-    }
-  }
-}
-
-template <int NQ>
-void pv_generic(const float* weights, int hd, const int8_t* const* slots, int n,
-                int64_t v_offset, Scales sc, float* acc) {
-  std::fill(acc, acc + NQ * hd, 0.0f);
-  for (int j = 0; j < n; ++j) {
-    const int8_t* v = slots[j] + v_offset;
-    for (int i = 0; i < NQ; ++i) {
-      const float w = weights[i * n + j] * sc.v[j];
-      float* a = acc + i * hd;
-#pragma omp simd
-      for (int d = 0; d < hd; ++d) a[d] += w * static_cast<float>(v[d]);
-    }
-  }
-}
-
 #if defined(__AVX512F__)
 // head_dim = 16 * NV: the NQ query rows stay in registers; each key's int8 row is widened
 // once (16 values per vpmovsxbd + vcvtdq2ps) for all NQ rows.
@@ -108,9 +78,11 @@ void attend_heads(const float* q_f, int hd, const int8_t* const* slots, int n, i
     return;
   }
 #endif
-  qk_generic<NQ>(q_f, hd, slots, n, k_offset, sc, scores);
+  qk_generic<int8_t, NQ>(q_f, hd, slots, n, k_offset, [&](int j) { return sc.k[j]; }, scores,
+                         n);
   softmax_rows(scores, NQ, n);
-  pv_generic<NQ>(scores, hd, slots, n, v_offset, sc, acc);
+  pv_generic<int8_t, NQ>(scores, n, hd, slots, n, v_offset, [&](int j) { return sc.v[j]; },
+                         acc);
 }
 
 // One (row, partition): keys [begin, end). Writes per head h the running max m_out[h], the
