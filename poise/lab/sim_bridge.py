@@ -57,10 +57,10 @@ def _scrapes(result: Any, interval: float) -> list[Any]:
 
     out, preempted, i, t = [], 0.0, 0, 0.0
     steps = result.timeline
-    end = steps[-1].end if steps else 0.0
+    end = steps[-1].end_time if steps else 0.0
     last = None
     while t <= end + interval:
-        while i < len(steps) and steps[i].end <= t:
+        while i < len(steps) and steps[i].end_time <= t:
             last = steps[i]
             preempted += last.num_preemptions
             i += 1
@@ -77,10 +77,10 @@ def _scrapes(result: Any, interval: float) -> list[Any]:
 def _sim_summary(result: Any) -> dict[str, Any]:
     """Exact step-weighted server numbers (the scrapes above only sample them)."""
     steps = result.timeline
-    busy = sum(s.end - s.start for s in steps) or 1.0
+    busy = sum(s.end_time - s.start_time for s in steps) or 1.0
 
     def wmean(key: str) -> float:
-        return sum(getattr(s, key) * (s.end - s.start) for s in steps) / busy
+        return sum(getattr(s, key) * (s.end_time - s.start_time) for s in steps) / busy
 
     return {
         "steps": result.num_steps,

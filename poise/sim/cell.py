@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from poise.core.outputs import StepStats
+
 
 @dataclass(frozen=True)
 class SimRequest:
@@ -80,19 +82,10 @@ class SimRequestResult:
         return self.token_times[0] - self.sent if self.token_times else None
 
 
-@dataclass(frozen=True)
-class SimStep:
-    """The server's view after one engine step (what Prometheus would show)."""
-
-    start: float
-    end: float
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    num_finished: int
+# The server's view after one engine step (what Prometheus would show): the engine's own
+# StepStats, as the simulated engine returned it (start_time, end_time, prefill / decode
+# tokens, running, waiting, KV usage, preemptions, finished).
+SimStep = StepStats
 
 
 @dataclass

@@ -222,7 +222,7 @@ def simulate_cluster(
     counts = {n: sum(1 for v in driver.replica_of.values() if v == n) for n in driver.names}
     return ClusterResult(
         requests=results,
-        timeline=sorted(driver.timeline, key=lambda s: s.start),
+        timeline=sorted(driver.timeline, key=lambda s: s.start_time),
         duration_s=last - first,
         wall_s=wall,
         num_steps=sum(s.num_steps for s in sims),

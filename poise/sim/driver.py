@@ -162,19 +162,7 @@ class _Driver:
             self.complete(res)
 
     def record(self, stats: StepStats) -> None:
-        self.timeline.append(
-            SimStep(
-                stats.start_time,
-                stats.end_time,
-                stats.num_prefill_tokens,
-                stats.num_decode_tokens,
-                stats.num_running,
-                stats.num_waiting,
-                stats.kv_cache_usage,
-                stats.num_preemptions,
-                stats.num_finished,
-            )
-        )
+        self.timeline.append(stats)
 
     def run(self) -> None:
         idle = 0
