@@ -33,13 +33,19 @@ def step_times(runner: ModelRunner, batch: int, steps: int, warm: int) -> float:
     sp = SamplingParams(temperature=0.0, max_tokens=steps + warm + 2)
     per = -(-(16 + steps + warm + 3) // BLOCK)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
-    reqs = [ScheduledRequest(f"r{i}", [(5 * i + j) % 400 + 3 for j in range(16)], 0, tables[i],
-                             True, sp, 0, 16) for i in range(batch)]  # fmt: skip
+    reqs = [
+        ScheduledRequest(
+            f"r{i}", [(5 * i + j) % 400 + 3 for j in range(16)], 0, tables[i], True, sp, 0, 16
+        )
+        for i in range(batch)
+    ]
     last = runner.execute(SchedulerOutput(step_id=0, scheduled=reqs)).sampled_token_ids
     best = float("inf")
     for s in range(steps + warm):
-        reqs = [ScheduledRequest(f"r{i}", [last[f"r{i}"]], 16 + s, tables[i], True, sp, s + 1,
-                                 16) for i in range(batch)]  # fmt: skip
+        reqs = [
+            ScheduledRequest(f"r{i}", [last[f"r{i}"]], 16 + s, tables[i], True, sp, s + 1, 16)
+            for i in range(batch)
+        ]
         start = time.perf_counter()
         last = runner.execute(SchedulerOutput(step_id=s + 1, scheduled=reqs)).sampled_token_ids
         if s >= warm:
@@ -53,19 +59,24 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
-    config = EngineConfig.from_kwargs(model=args.model, dtype=args.dtype, num_kv_blocks=256,
-                                      block_size=BLOCK)  # fmt: skip
+    config = EngineConfig.from_kwargs(
+        model=args.model, dtype=args.dtype, num_kv_blocks=256, block_size=BLOCK
+    )
     runner, info = create_model_runner(config)
-    print(f"{info.model_name} {info.dtype} attention={info.attention_backend} "
-          f"threads={torch.get_num_threads()}")  # fmt: skip
+    print(
+        f"{info.model_name} {info.dtype} attention={info.attention_backend} "
+        f"threads={torch.get_num_threads()}"
+    )
     eager = {b: step_times(runner, b, args.steps, 2) for b in (1, 8, 32)}
     for layer in runner.model.model.layers:
         layer.forward = torch.compile(layer.forward, dynamic=False)  # type: ignore[method-assign]
     compiled = {b: step_times(runner, b, args.steps, 3) for b in (1, 8, 32)}
     print("batch | eager ms | compiled ms | compiled / eager")
     for b in eager:
-        print(f"{b:5d} | {eager[b] * 1e3:8.2f} | {compiled[b] * 1e3:11.2f} | "
-              f"{compiled[b] / eager[b]:.2f}")  # fmt: skip
+        print(
+            f"{b:5d} | {eager[b] * 1e3:8.2f} | {compiled[b] * 1e3:11.2f} | "
+            f"{compiled[b] / eager[b]:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -167,8 +167,10 @@ def compare_fusion(name: str, runner: ModelRunner, repeats: int, steps: int) -> 
                     timers.append(t)
                 cpu[label].append(best_pair(timers[2:])[1])
     f, s = (statistics.median(cpu[k]) for k in ("fused", "split"))
-    print(f"{name}: q/k/v + gate/up projections at batch {BATCH}, CPU ms (median of {repeats}): "
-          f"fused {f * 1e3:.2f}, split {s * 1e3:.2f}, split / fused {s / f:.2f}")  # fmt: skip
+    print(
+        f"{name}: q/k/v + gate/up projections at batch {BATCH}, CPU ms (median of {repeats}): "
+        f"fused {f * 1e3:.2f}, split {s * 1e3:.2f}, split / fused {s / f:.2f}"
+    )
 
 
 def compare_floors(runners: dict[str, ModelRunner], repeats: int, steps: int) -> None:

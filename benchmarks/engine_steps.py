@@ -118,7 +118,7 @@ class DecodeBatch:
         reqs = [
             ScheduledRequest(
                 f"r{i}", self.prompts[i], 0, self.tables[i], True, self.params, 0, self.prompt_len
-            )  # fmt: skip
+            )
             for i in range(self.batch)
         ]
         out = self.runner.execute(SchedulerOutput(step_id=0, scheduled=reqs))
@@ -145,7 +145,7 @@ class DecodeBatch:
                 self.params,
                 s + 1,
                 self.prompt_len,
-            )  # fmt: skip
+            )
             for i in range(self.batch)
         ]
         out = self.runner.execute(SchedulerOutput(step_id=s + 1, scheduled=reqs))

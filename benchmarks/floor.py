@@ -64,15 +64,28 @@ SHAPES_DIR = Path(__file__).resolve().parent / "shapes"
 SHAPES = ("smollm2-1.7b", "llama-3.2-1b", "qwen2.5-1.5b")
 FORMATS: dict[str, str | None] = {"bf16": None, "none": None, "int8": "int8", "int4": "int4"}
 BLOCK = 16
-TINY = dict(bandwidth_gib=1 / 64, gemm_size=128, hw_repeats=2, repeats=2, prefill_rows=32,
-            prefill_repeats=1, steps=2, prompt_len=16, prefill_layers=0)  # fmt: skip
+TINY = dict(
+    bandwidth_gib=1 / 64,
+    gemm_size=128,
+    hw_repeats=2,
+    repeats=2,
+    prefill_rows=32,
+    prefill_repeats=1,
+    steps=2,
+    prompt_len=16,
+    prefill_layers=0,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help="names under benchmarks/shapes/")
-    p.add_argument("--model", action="append", default=None,
-                   help="a model instead of the shapes (repeatable), e.g. dummy:DIR")  # fmt: skip
+    p.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="a model instead of the shapes (repeatable), e.g. dummy:DIR",
+    )
     p.add_argument(
         "--quantization", default="bf16,int8,int4", help="comma list: bf16 (none), int8, int4"
     )
@@ -81,8 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="decode passes over the linears (best)")
     p.add_argument("--prefill-layers", type=int, default=4, help="layers timed at prefill (0: all)")
     p.add_argument("--prefill-repeats", type=int, default=2)
-    p.add_argument("--prefill-budget", type=float, default=3.0,
-                   help="seconds after which no further prefill pass runs")  # fmt: skip
+    p.add_argument(
+        "--prefill-budget",
+        type=float,
+        default=3.0,
+        help="seconds after which no further prefill pass runs",
+    )
     p.add_argument("--steps", type=int, default=5, help="decode steps per breakdown (median)")
     p.add_argument("--prompt-len", type=int, default=64, help="context of the decode steps")
     p.add_argument("--bandwidth-gib", type=float, default=2.0, help="read buffer (>> L3)")
@@ -123,12 +140,17 @@ def run_format(spec: str, fmt: str, args: argparse.Namespace) -> dict[str, Any]:
     """Every measurement of one model in one format, in seconds, bytes and FLOPs (ratios to
     the floors come at the end: report.py); the model is freed on return."""
     steps_run = steps_needed(args.steps)
-    per_batch = [DecodeBatch.blocks_needed(b, args.prompt_len, steps_run, BLOCK)
-                 for b in args.batch_list]  # fmt: skip
+    per_batch = [
+        DecodeBatch.blocks_needed(b, args.prompt_len, steps_run, BLOCK) for b in args.batch_list
+    ]
     config = EngineConfig.from_kwargs(
-        model=spec, dtype="bfloat16", quantization=FORMATS[fmt], num_kv_blocks=sum(per_batch),
-        block_size=BLOCK, max_model_len=args.prompt_len + steps_run + BLOCK,
-    )  # fmt: skip
+        model=spec,
+        dtype="bfloat16",
+        quantization=FORMATS[fmt],
+        num_kv_blocks=sum(per_batch),
+        block_size=BLOCK,
+        max_model_len=args.prompt_len + steps_run + BLOCK,
+    )
     start = time.perf_counter()
     runner, _ = create_model_runner(config)
     model = runner.model
@@ -202,8 +224,10 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "load_average_start": os.getloadavg()[0],
     }
-    print(f"{run['cpu']}, {run['threads']} threads, torch {run['torch']}, commit {run['commit']},"
-          f" load average {run['load_average_start']:.1f}")  # fmt: skip
+    print(
+        f"{run['cpu']}, {run['threads']} threads, torch {run['torch']}, commit {run['commit']},"
+        f" load average {run['load_average_start']:.1f}"
+    )
     floors = measure_floors(int(args.bandwidth_gib * GIB), args.gemm_size, args.hw_repeats)
     print(floors.describe(), flush=True)
     run["models"] = {}
@@ -214,9 +238,11 @@ def main(argv: list[str] | None = None) -> None:
         for fmt in args.formats:
             t = time.perf_counter()
             formats[fmt] = run_format(spec, fmt, args)
-            print(f"  {name} {fmt}: measured in {time.perf_counter() - t:.0f} s (load "
-                  f"{formats[fmt]['load_s']:.0f} s), load average {os.getloadavg()[0]:.1f}",
-                  flush=True)  # fmt: skip
+            print(
+                f"  {name} {fmt}: measured in {time.perf_counter() - t:.0f} s (load "
+                f"{formats[fmt]['load_s']:.0f} s), load average {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
         run["models"][name] = {"spec": spec, "formats": formats}
     floors.remeasure(args.hw_repeats)
     run["hardware"] = floors.as_dict()
@@ -226,8 +252,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{floors.describe()}")
     for name, model in run["models"].items():
         print_model(name, model, floors, args)
-    print(f"\nload average {run['load_average_start']:.1f} at the start, "
-          f"{run['load_average_end']:.1f} at the end; {run['seconds']:.0f} s in all")  # fmt: skip
+    print(
+        f"\nload average {run['load_average_start']:.1f} at the start, "
+        f"{run['load_average_end']:.1f} at the end; {run['seconds']:.0f} s in all"
+    )
     if args.json is not None:
         args.json.write_text(json.dumps(run, indent=1))
 

@@ -54,18 +54,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check_lab  # noqa: E402
 
 RECORD_FIELDS = (
-    "dry_run", "device", "device_name", "torch", "equality", "copy_gb_per_s", "decode_model",
-    "decode_dtype", "attention_backend", "decode", "lab_model", "lab", "calibration", "wall_s",
-)  # fmt: skip
+    "dry_run",
+    "device",
+    "device_name",
+    "torch",
+    "equality",
+    "copy_gb_per_s",
+    "decode_model",
+    "decode_dtype",
+    "attention_backend",
+    "decode",
+    "lab_model",
+    "lab",
+    "calibration",
+    "wall_s",
+)
 BATCHES = (1, 8, 32)
 SHAPES = Path(__file__).resolve().parents[1] / "poise" / "sim" / "model_shapes"
 BLOCK = 16
 MAX_NEW = 8
 
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048,
-             tie_word_embeddings=False)  # fmt: skip
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
 
 
 def accelerator_for(device_name: str) -> str:
@@ -102,12 +121,23 @@ def equality(model_dir: Path, device: str, backend: str) -> dict[str, Any]:
     for p in prompts:
         ids = torch.tensor([p])
         with torch.no_grad():
-            out = ref_model.generate(ids, attention_mask=torch.ones_like(ids),
-                                     max_new_tokens=MAX_NEW, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)  # fmt: skip
+            out = ref_model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         want.append(out[0, len(p) :].tolist())
-    llm = LLM(model=str(model_dir), device=device, dtype="float32", num_kv_blocks=64,
-              attention_backend=backend, max_num_batched_tokens=32)  # fmt: skip
+    llm = LLM(
+        model=str(model_dir),
+        device=device,
+        dtype="float32",
+        num_kv_blocks=64,
+        attention_backend=backend,
+        max_num_batched_tokens=32,
+    )
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     return {"prompts": len(prompts), "max_new_tokens": MAX_NEW, "match": got == want}
@@ -138,13 +168,28 @@ def decode_step_s(runner: ModelRunner, batch: int, steps: int, device: str) -> f
     sp = SamplingParams(temperature=0.0, max_tokens=steps + 2)
     per = -(-(prompt_len + steps + 3) // BLOCK)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
-    reqs = [ScheduledRequest(f"r{i}", [(5 * i + j) % 400 + 3 for j in range(prompt_len)], 0,
-                             tables[i], True, sp, 0, prompt_len) for i in range(batch)]  # fmt: skip
+    reqs = [
+        ScheduledRequest(
+            f"r{i}",
+            [(5 * i + j) % 400 + 3 for j in range(prompt_len)],
+            0,
+            tables[i],
+            True,
+            sp,
+            0,
+            prompt_len,
+        )
+        for i in range(batch)
+    ]
     last = runner.execute(SchedulerOutput(step_id=0, scheduled=reqs)).sampled_token_ids
     best = float("inf")
     for s in range(steps + 1):  # the first decode step (a first-seen shape) is not counted
-        reqs = [ScheduledRequest(f"r{i}", [last[f"r{i}"]], prompt_len + s, tables[i], True, sp,
-                                 s + 1, prompt_len) for i in range(batch)]  # fmt: skip
+        reqs = [
+            ScheduledRequest(
+                f"r{i}", [last[f"r{i}"]], prompt_len + s, tables[i], True, sp, s + 1, prompt_len
+            )
+            for i in range(batch)
+        ]
         _sync(device)
         start = time.perf_counter()
         last = runner.execute(SchedulerOutput(step_id=s + 1, scheduled=reqs)).sampled_token_ids
@@ -154,21 +199,33 @@ def decode_step_s(runner: ModelRunner, batch: int, steps: int, device: str) -> f
     return best
 
 
-def decode(model: str, device: str, dtype: str, backend: str, gb_per_s: float,
-           steps: int) -> tuple[str, list[dict[str, Any]]]:  # fmt: skip
+def decode(
+    model: str, device: str, dtype: str, backend: str, gb_per_s: float, steps: int
+) -> tuple[str, list[dict[str, Any]]]:
     blocks = max(BATCHES) * -(-(16 + steps + 3) // BLOCK) + 1
-    config = EngineConfig.from_kwargs(model=model, device=device, dtype=dtype,
-                                      attention_backend=backend, num_kv_blocks=blocks,
-                                      block_size=BLOCK, max_num_seqs=max(BATCHES))  # fmt: skip
+    config = EngineConfig.from_kwargs(
+        model=model,
+        device=device,
+        dtype=dtype,
+        attention_backend=backend,
+        num_kv_blocks=blocks,
+        block_size=BLOCK,
+        max_num_seqs=max(BATCHES),
+    )
     runner, info = create_model_runner(config)
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     floor_s = weight_bytes / (gb_per_s * 1e9)
     rows = []
     for batch in BATCHES:
         step = decode_step_s(runner, batch, steps, device)
-        rows.append({"batch": batch, "step_ms": round(step * 1e3, 3),
-                     "weight_read_floor_ms": round(floor_s * 1e3, 3),
-                     "ratio_to_floor": round(step / floor_s, 2)})  # fmt: skip
+        rows.append(
+            {
+                "batch": batch,
+                "step_ms": round(step * 1e3, 3),
+                "weight_read_floor_ms": round(floor_s * 1e3, 3),
+                "ratio_to_floor": round(step / floor_s, 2),
+            }
+        )
     return info.attention_backend, rows
 
 
@@ -186,8 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     started = time.perf_counter()
     if not args.dry_run and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device (use --dry-run to run the check on the CPU)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "gpu_check: no CUDA device (use --dry-run to run the check on the CPU)", file=sys.stderr
+        )
         return 2
     device = "cpu" if args.dry_run else "cuda"
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -205,13 +263,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model, dtype = f"dummy:{SHAPES / 'Qwen2.5-7B-Instruct.json'}", "bfloat16"
         used, rows = decode(model, device, dtype, backend, gb_per_s, args.steps)
-        shape_file = SMALL if args.dry_run else json.loads(
-            (SHAPES / "Qwen2.5-7B-Instruct.json").read_text())  # fmt: skip
+        shape_file = (
+            SMALL if args.dry_run else json.loads((SHAPES / "Qwen2.5-7B-Instruct.json").read_text())
+        )
         lab_model = gpu_check_lab.dummy_config(shape_file, out.parent / "gpu_check_lab_model.json")
         lab, calibration = None, None
         if not args.skip_lab:
-            lab, c1 = gpu_check_lab.run_lab(lab_model, device, out.parent, args.dry_run,
-                                            device_name)  # fmt: skip
+            lab, c1 = gpu_check_lab.run_lab(
+                lab_model, device, out.parent, args.dry_run, device_name
+            )
             accelerator = args.accelerator or accelerator_for(device_name)
             calibration = gpu_check_lab.calibrate(c1, lab_model, accelerator)
     record = {

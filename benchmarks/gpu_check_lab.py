@@ -50,20 +50,28 @@ def workload(dry_run: bool, calibration: bool = False) -> WorkloadSpec:
     )
 
 
-def _measure(server: ManagedServer, wl: WorkloadSpec, device_name: str,
-             server_args: dict[str, Any]) -> Any:  # fmt: skip
+def _measure(
+    server: ManagedServer, wl: WorkloadSpec, device_name: str, server_args: dict[str, Any]
+) -> Any:
     from poise.bench.runner import run_matrix
 
-    cfg = BenchConfig.for_workload(wl, base_url=server.base_url, scrape=False, gpu=device_name,
-                                   engine="poise", server_args=server_args)  # fmt: skip
+    cfg = BenchConfig.for_workload(
+        wl,
+        base_url=server.base_url,
+        scrape=False,
+        gpu=device_name,
+        engine="poise",
+        server_args=server_args,
+    )
     record = asyncio.run(run_matrix(cfg))
     if not record.capabilities.get("ok"):
         raise RuntimeError(f"{server.spec.name}: probe failed: {record.capabilities['error']}")
     return record
 
 
-def run_lab(model: str, device: str, out_dir: Path, dry_run: bool,
-            device_name: str) -> tuple[list[dict[str, Any]], Path]:  # fmt: skip
+def run_lab(
+    model: str, device: str, out_dir: Path, dry_run: bool, device_name: str
+) -> tuple[list[dict[str, Any]], Path]:
     """Every config's cells: one row per (config, concurrency), each config's record saved
     as ``<out_dir>/lab-<config>.yaml``; and the path of the calibration record."""
     preset = plan("lab", device=device, model=model)
@@ -83,17 +91,19 @@ def run_lab(model: str, device: str, out_dir: Path, dry_run: bool,
         path = record.save(out_dir / f"lab-{spec.name}.yaml")
         for cell in record.cells:
             overall = cell_metrics(cell.records)["overall"]
-            rows.append({
-                "config": spec.name,
-                "record": path.name,
-                "concurrency": cell.load["concurrency"],
-                "long_ratio": LONG_RATIO,
-                "requests_ok": overall["num_ok"],
-                "output_tokens_per_s": _round(overall["output_tokens_per_s"]),
-                "p50_ttft_ms": _round(overall["ttft_ms"]["p50"]),
-                "p95_ttft_ms": _round(overall["ttft_ms"]["p95"]),
-                "p50_tpot_ms": _round(overall["tpot_ms"]["p50"]),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "config": spec.name,
+                    "record": path.name,
+                    "concurrency": cell.load["concurrency"],
+                    "long_ratio": LONG_RATIO,
+                    "requests_ok": overall["num_ok"],
+                    "output_tokens_per_s": _round(overall["output_tokens_per_s"]),
+                    "p50_ttft_ms": _round(overall["ttft_ms"]["p50"]),
+                    "p95_ttft_ms": _round(overall["ttft_ms"]["p95"]),
+                    "p50_tpot_ms": _round(overall["tpot_ms"]["p50"]),
+                }
+            )
     assert calibration is not None
     return rows, calibration
 
@@ -110,5 +120,9 @@ def calibrate(record: Path, shape: str, accelerator: str) -> dict[str, Any]:
 
     model = RooflineCostModel.build(shape, accelerator, dtype="bfloat16")
     calibration = calibrate_from_records([record], model)
-    return {"record": record.name, "accelerator": accelerator, "cost_model": model.name,
-            **calibration.to_dict()}  # fmt: skip
+    return {
+        "record": record.name,
+        "accelerator": accelerator,
+        "cost_model": model.name,
+        **calibration.to_dict(),
+    }

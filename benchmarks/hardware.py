@@ -108,9 +108,20 @@ def int8_peaks(size: int = 4096, repeats: int = 5) -> dict[str, float]:
 
             def qlinear() -> torch.Tensor:
                 return onednn.qlinear_pointwise(  # type: ignore[no-any-return]
-                    x, 0.01, 0, packed, scales, zeros, None, 1.0, 0, torch.bfloat16,
-                    "none", [], "",
-                )  # fmt: skip
+                    x,
+                    0.01,
+                    0,
+                    packed,
+                    scales,
+                    zeros,
+                    None,
+                    1.0,
+                    0,
+                    torch.bfloat16,
+                    "none",
+                    [],
+                    "",
+                )
 
             out["onednn qlinear u8s8"] = ops / _best_seconds(qlinear, repeats)
     return out
@@ -151,8 +162,11 @@ class Floors:
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out.update(read_bytes_per_s=self.read_bytes_per_s, bf16_flops=self.bf16_flops,
-                   int8_ops=self.int8_ops)  # fmt: skip
+        out.update(
+            read_bytes_per_s=self.read_bytes_per_s,
+            bf16_flops=self.bf16_flops,
+            int8_ops=self.int8_ops,
+        )
         return out
 
     def describe(self) -> str:

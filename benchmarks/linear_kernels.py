@@ -64,8 +64,13 @@ def build(layers: int, formats: set[str]) -> list[dict[str, object]]:
     return out
 
 
-def time_pass(layers: list[dict[str, object]], run: Callable[[dict[str, object], torch.Tensor],
-              object], rows: int, repeats: int, cpu: bool) -> float:  # fmt: skip
+def time_pass(
+    layers: list[dict[str, object]],
+    run: Callable[[dict[str, object], torch.Tensor], object],
+    rows: int,
+    repeats: int,
+    cpu: bool,
+) -> float:
     xs = {int(layer["k"]): torch.randn(rows, int(layer["k"])).bfloat16() for layer in layers}
     clock = time.process_time if cpu else time.perf_counter
     best = float("inf")
@@ -129,9 +134,11 @@ def main() -> None:
     layers = build(args.layers, formats)
     params = sum(k * n for k, n in SHAPES) * args.layers
     clock = "CPU" if args.cpu_time else "wall"
-    print(f"{args.layers} layers x {len(SHAPES)} projections, {params / 1e6:.0f} M weights, "
-          f"threads {torch.get_num_threads()}, AMX {lk.amx_available()}, {clock} ms "
-          f"(weight GB/s), load {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(
+        f"{args.layers} layers x {len(SHAPES)} projections, {params / 1e6:.0f} M weights, "
+        f"threads {torch.get_num_threads()}, AMX {lk.amx_available()}, {clock} ms "
+        f"(weight GB/s), load {os.getloadavg()[0]:.1f}"
+    )
     table = {name: path for name, path in paths().items() if path[0] in formats}
     print(f"{'rows':>5} " + " ".join(f"{name:>18}" for name in table))
     saved = dict(lk.TILED_FROM_ROWS), lk.BF16_ROWS, lk.BF16_ROWS_NO_AMX

@@ -24,21 +24,38 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2000)
     args = p.parse_args()
     metrics = ServingMetrics("m")
-    times = [RequestTimes(arrival=0.0, enqueued=0.01, first_scheduled=0.02, first_token=0.1,
-                          token_times=[0.1]) for _ in range(args.batch)]  # fmt: skip
+    times = [
+        RequestTimes(
+            arrival=0.0, enqueued=0.01, first_scheduled=0.02, first_token=0.1, token_times=[0.1]
+        )
+        for _ in range(args.batch)
+    ]
     now = 0.1
     start = time.perf_counter()
     for step in range(args.steps):
         now += 0.05
-        stats = StepStats(step, now - 0.05, now, 0, args.batch, args.batch, 0, 0.3, 0,
-                          num_decode_requests=args.batch, token_budget=2048)  # fmt: skip
+        stats = StepStats(
+            step,
+            now - 0.05,
+            now,
+            0,
+            args.batch,
+            args.batch,
+            0,
+            0.3,
+            0,
+            num_decode_requests=args.batch,
+            token_budget=2048,
+        )
         metrics.observe_step(stats)
         for i, t in enumerate(times):
             t.token_times.append(now)
             metrics.observe_delta(RequestDelta(f"r{i}", [1], times=t), None)
     per_step = (time.perf_counter() - start) / args.steps
-    print(f"batch {args.batch}: {per_step * 1e6:.0f} us of metrics per decode step "
-          f"({per_step * 1e6 / args.batch:.1f} us per token)")  # fmt: skip
+    print(
+        f"batch {args.batch}: {per_step * 1e6:.0f} us of metrics per decode step "
+        f"({per_step * 1e6 / args.batch:.1f} us per token)"
+    )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,18 @@ def dummy_dir(config_path: Path) -> Path:
 
 
 def serve(model: Path, quantization: str, args: argparse.Namespace) -> subprocess.Popen[bytes]:
-    cmd = [str(BIN / "poise"), "serve", "--model", f"dummy:{model}", "--dtype", args.dtype,
-           "--host", "127.0.0.1", "--port", str(args.port)]  # fmt: skip
+    cmd = [
+        str(BIN / "poise"),
+        "serve",
+        "--model",
+        f"dummy:{model}",
+        "--dtype",
+        args.dtype,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port),
+    ]
     if quantization != "none":
         cmd += ["--quantization", quantization]
     log = open(args.server_log, "ab")  # noqa: SIM115  (the server's, closed with it)
@@ -80,9 +90,21 @@ def serve(model: Path, quantization: str, args: argparse.Namespace) -> subproces
 
 
 def bench(args: argparse.Namespace, record: Path) -> list[dict[str, Any]]:
-    cmd = [str(BIN / "poise"), "bench", "--base-url", f"http://127.0.0.1:{args.port}",
-           "--concurrency", args.concurrency, "--max-tokens", str(args.max_tokens),
-           "--ignore-eos", "--no-progress", "--no-plots", "-o", str(record)]  # fmt: skip
+    cmd = [
+        str(BIN / "poise"),
+        "bench",
+        "--base-url",
+        f"http://127.0.0.1:{args.port}",
+        "--concurrency",
+        args.concurrency,
+        "--max-tokens",
+        str(args.max_tokens),
+        "--ignore-eos",
+        "--no-progress",
+        "--no-plots",
+        "-o",
+        str(record),
+    ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     data = yaml.safe_load(record.read_text())
     return list(data["experiment"]["metrics"])
@@ -119,10 +141,17 @@ def main() -> None:
             gb = weight_bytes(config, quantization) / 1e9
             for cell in cells:
                 tpot = cell["p50_tpot_ms"] / 1e3
-                rows.append({"quantization": quantization, "concurrency": cell["concurrency"],
-                             "tpot_p50_ms": tpot * 1e3, "output_tok_s": cell["output_tokens_per_s"],
-                             "weights_gb": gb, "read_floor_ms": gb / floor * 1e3,
-                             "tpot_over_floor": tpot / (gb / floor)})  # fmt: skip
+                rows.append(
+                    {
+                        "quantization": quantization,
+                        "concurrency": cell["concurrency"],
+                        "tpot_p50_ms": tpot * 1e3,
+                        "output_tok_s": cell["output_tokens_per_s"],
+                        "weights_gb": gb,
+                        "read_floor_ms": gb / floor * 1e3,
+                        "tpot_over_floor": tpot / (gb / floor),
+                    }
+                )
     finally:
         shutil.rmtree(model, ignore_errors=True)
     print(f"{args.config}: DRAM read {floor:.1f} GB/s, load {os.getloadavg()[0]:.1f}")
@@ -130,9 +159,11 @@ def main() -> None:
         f"{'format':>7} {'c':>3} {'TPOT p50':>9} {'tok/s':>7} {'weights':>8} {'floor':>7} {'x floor':>8}"
     )
     for r in rows:
-        print(f"{r['quantization']:>7} {r['concurrency']:>3} {r['tpot_p50_ms']:8.1f}m "
-              f"{r['output_tok_s']:7.1f} {r['weights_gb']:7.2f}G {r['read_floor_ms']:6.1f}m "
-              f"{r['tpot_over_floor']:8.2f}")  # fmt: skip
+        print(
+            f"{r['quantization']:>7} {r['concurrency']:>3} {r['tpot_p50_ms']:8.1f}m "
+            f"{r['output_tok_s']:7.1f} {r['weights_gb']:7.2f}G {r['read_floor_ms']:6.1f}m "
+            f"{r['tpot_over_floor']:8.2f}"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

@@ -206,8 +206,13 @@ def run_transformers_static_generate(
 
 # ``--penalties``: what every request asks in the sampling-cost run (issue 13: penalties + top-p
 # on every request, compared with plain greedy in the same run). Seeded so runs repeat.
-PENALTIES = {"temperature": 0.8, "top_p": 0.95, "repetition_penalty": 1.1,
-             "frequency_penalty": 0.2, "presence_penalty": 0.2}  # fmt: skip
+PENALTIES = {
+    "temperature": 0.8,
+    "top_p": 0.95,
+    "repetition_penalty": 1.1,
+    "frequency_penalty": 0.2,
+    "presence_penalty": 0.2,
+}
 
 
 @contextlib.contextmanager
@@ -251,8 +256,10 @@ def run_poise(
     engine_kwargs = {"block_size": 16, "num_kv_blocks": blocks} | engine_kwargs
     llm = LLM(model=None, dtype=dtype, max_num_seqs=max_num_seqs, **engine_kwargs)
     kw: dict[str, Any] = {"temperature": 0.0} if sampling is None else sampling
-    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i, **kw)
-              for i in range(len(prompts))]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i, **kw)
+        for i in range(len(prompts))
+    ]
     batch: list[str | list[int]] = list(prompts)
     warmup: list[str | list[int]] = [prompts[0][:8]]
     llm.generate(warmup, SamplingParams(max_tokens=2, **kw), use_tqdm=False)
@@ -262,8 +269,11 @@ def run_poise(
     seconds = time.perf_counter() - start
     name = "poise" if sampling is None else "poise+penalties"
     steps = len(sampler_s)
-    print(f"{name}: sampler {sum(sampler_s):.2f} s of {seconds:.1f} s over {steps} sampling "
-          f"steps ({1000 * sum(sampler_s) / max(1, steps):.1f} ms per step)", flush=True)  # fmt: skip
+    print(
+        f"{name}: sampler {sum(sampler_s):.2f} s of {seconds:.1f} s over {steps} sampling "
+        f"steps ({1000 * sum(sampler_s) / max(1, steps):.1f} ms per step)",
+        flush=True,
+    )
     return RunResult(name, dtype, len(prompts), sum(map(len, outputs)), seconds, outputs)
 
 
@@ -366,9 +376,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=32, help="poise and generate_batch cap")
     p.add_argument("--static-batch-size", type=int, default=8)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    p.add_argument("--penalties", action="store_true",
-                   help="also run poise with top-p and the three penalties on every request "
-                   f"({PENALTIES}) and print greedy / that")  # fmt: skip
+    p.add_argument(
+        "--penalties",
+        action="store_true",
+        help="also run poise with top-p and the three penalties on every request "
+        f"({PENALTIES}) and print greedy / that",
+    )
     p.add_argument("--json", default=None, help="write results here")
     return p.parse_args(argv)
 

@@ -49,8 +49,7 @@ from poise.lab.managed_server import ManagedServer, ServerSpec
 # ---- the client process ------------------------------------------------------------------
 
 
-async def _one(session: aiohttp.ClientSession, url: str, i: int, max_tokens: int
-               ) -> dict[str, Any]:  # fmt: skip
+async def _one(session: aiohttp.ClientSession, url: str, i: int, max_tokens: int) -> dict[str, Any]:
     body = {
         "prompt": f"Request {i}: count from one to ten.",
         "max_tokens": max_tokens,
@@ -93,8 +92,7 @@ async def _open(session: aiohttp.ClientSession, root: str, n: int) -> None:
     await asyncio.gather(*(ping() for _ in range(n)))
 
 
-async def _closed(root: str, concurrency: int, seconds: float, max_tokens: int
-                  ) -> dict[str, Any]:  # fmt: skip
+async def _closed(root: str, concurrency: int, seconds: float, max_tokens: int) -> dict[str, Any]:
     conn = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(300)) as s:
         await _open(s, root, concurrency)
@@ -115,8 +113,9 @@ async def _closed(root: str, concurrency: int, seconds: float, max_tokens: int
         return {"start": start, "end": time.monotonic(), "records": records}
 
 
-async def _open_loop(root: str, rate: float, seconds: float, max_tokens: int, connections: int,
-                     seed: int) -> dict[str, Any]:  # fmt: skip
+async def _open_loop(
+    root: str, rate: float, seconds: float, max_tokens: int, connections: int, seed: int
+) -> dict[str, Any]:
     rng = random.Random(seed)
     times, t = [], 0.0
     while True:
@@ -144,8 +143,11 @@ def client_main(args: argparse.Namespace) -> None:
     if args.client == "closed":
         out = asyncio.run(_closed(args.root, args.concurrency, args.seconds, args.max_tokens))
     else:
-        out = asyncio.run(_open_loop(args.root, args.rate, args.seconds, args.max_tokens,
-                                     args.connections, args.seed))  # fmt: skip
+        out = asyncio.run(
+            _open_loop(
+                args.root, args.rate, args.seconds, args.max_tokens, args.connections, args.seed
+            )
+        )
     json.dump(out, sys.stdout)
 
 
@@ -257,9 +259,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the summary here")
     p.add_argument("--port", type=int, default=None, help="the server's port (default: a free one)")
-    p.add_argument("--server-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra poise serve argument (engine or server), e.g. "
-                        "scheduling_policy=slo")  # fmt: skip
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra poise serve argument (engine or server), e.g. scheduling_policy=slo",
+    )
     # The client process's own arguments.
     p.add_argument("--client", choices=["closed", "open"], help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
@@ -274,12 +280,15 @@ def main() -> None:
 
     bound_s = args.ttft_target_ms / 1000 * (1 + args.admission_margin)
     server_args: dict[str, Any] = {
-        "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+        "dtype": args.dtype,
+        "max_num_seqs": args.max_num_seqs,
         "traffic_classes": f"chat:ttft_p95_ms={args.ttft_target_ms:g}",
-        "admission_control": "predictive", "admission_margin": args.admission_margin,
-        "enable_per_request_metrics": True, "max_connections": 10_000,
+        "admission_control": "predictive",
+        "admission_margin": args.admission_margin,
+        "enable_per_request_metrics": True,
+        "max_connections": 10_000,
         "timeout_keep_alive": 120,
-    }  # fmt: skip
+    }
     for kv in args.server_arg:
         key, _, value = kv.partition("=")
         server_args[key] = value
@@ -295,8 +304,9 @@ def main() -> None:
         _client(root, "closed", "--concurrency", "2", "--seconds", "3", *common)  # warm-up
         # One stream per sequence slot: each slot busy, nothing queued for admission to refuse.
         conc = args.max_num_seqs
-        cap_phase = _client(root, "closed", "--concurrency", str(conc), "--seconds",
-                            str(args.capacity_s), *common)  # fmt: skip
+        cap_phase = _client(
+            root, "closed", "--concurrency", str(conc), "--seconds", str(args.capacity_s), *common
+        )
         cap = _summary(cap_phase)
         capacity = cap["accepted"] / cap["seconds"]
         if capacity <= 0:
@@ -309,27 +319,52 @@ def main() -> None:
         # Enough connections for every request in flight: the accepted ones for about the
         # bound plus their decode, the refused ones for a moment.
         connections = min(4000, max(64, int(rate * (bound_s + 2.0))))
-        over_phase = _client(root, "open", "--rate", f"{rate:.3f}", "--seconds",
-                             str(args.overload_s), "--connections", str(connections),
-                             "--seed", str(args.seed), *common)  # fmt: skip
+        over_phase = _client(
+            root,
+            "open",
+            "--rate",
+            f"{rate:.3f}",
+            "--seconds",
+            str(args.overload_s),
+            "--connections",
+            str(connections),
+            "--seed",
+            str(args.seed),
+            *common,
+        )
         rss = sampler.stop()
         rss_end, rss_peak = _rss_mib(pid)
         rejected = {k: v - rejected_before.get(k, 0.0) for k, v in _rejections(root).items()}
     over = _summary(over_phase)
     load_after = os.getloadavg()
     result = {
-        "started": started, "model": args.model or "embedded SmolLM2-135M", "dtype": args.dtype,
-        "max_num_seqs": args.max_num_seqs, "max_tokens": args.max_tokens,
-        "ttft_target_ms": args.ttft_target_ms, "admission_margin": args.admission_margin,
-        "bound_s": bound_s, "capacity_rps": capacity, "capacity_phase": cap,
-        "offered_rps": rate, "overload": over, "server_rejections": rejected,
-        "rss_mib": {"before": rss_before, "end": rss_end, "max_sampled": max(rss),
-                    "hwm_process": rss_peak},
-        "loadavg_before": load_before, "loadavg_after": load_after,
-    }  # fmt: skip
-    print(f"{started}, load {load_before[0]:.1f} -> {load_after[0]:.1f}; "
-          f"{result['model']} {args.dtype}, max_num_seqs {args.max_num_seqs}, "
-          f"max_tokens {args.max_tokens}")  # fmt: skip
+        "started": started,
+        "model": args.model or "embedded SmolLM2-135M",
+        "dtype": args.dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "max_tokens": args.max_tokens,
+        "ttft_target_ms": args.ttft_target_ms,
+        "admission_margin": args.admission_margin,
+        "bound_s": bound_s,
+        "capacity_rps": capacity,
+        "capacity_phase": cap,
+        "offered_rps": rate,
+        "overload": over,
+        "server_rejections": rejected,
+        "rss_mib": {
+            "before": rss_before,
+            "end": rss_end,
+            "max_sampled": max(rss),
+            "hwm_process": rss_peak,
+        },
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
+    }
+    print(
+        f"{started}, load {load_before[0]:.1f} -> {load_after[0]:.1f}; "
+        f"{result['model']} {args.dtype}, max_num_seqs {args.max_num_seqs}, "
+        f"max_tokens {args.max_tokens}"
+    )
     print(
         f"capacity (closed loop, c={conc}, {cap['seconds']:.1f} s): {capacity:.2f} req/s, "
         f"TTFT p95 {_ms(cap['client_ttft_s'].get(95))} ms client, statuses {cap['statuses']}"

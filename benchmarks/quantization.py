@@ -53,9 +53,13 @@ def worker(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     quantization = None if args.worker == "none" else args.worker
     config = EngineConfig.from_kwargs(
-        model=args.model, dtype=args.dtype, quantization=quantization, num_kv_blocks=512,
-        block_size=block, enable_prefix_caching=False,
-    )  # fmt: skip
+        model=args.model,
+        dtype=args.dtype,
+        quantization=quantization,
+        num_kv_blocks=512,
+        block_size=block,
+        enable_prefix_caching=False,
+    )
     runner, info = create_model_runner(config)
     load_s = time.perf_counter() - start
     # What stays resident: hand the load's freed temporaries (float32 tensors, unpacked int4
@@ -125,8 +129,18 @@ def main() -> None:
         runs = [("none", "float32")] + [(q, args.dtype) for q in args.quantizations.split(",")]
         for q, dtype in runs:
             out = os.path.join(tmp, f"{q}-{dtype}.json")
-            cmd = [sys.executable, __file__, "--worker", q, "--dtype", dtype, "--out", out,
-                   "--max-tokens", str(args.max_tokens)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                q,
+                "--dtype",
+                dtype,
+                "--out",
+                out,
+                "--max-tokens",
+                str(args.max_tokens),
+            ]
             if args.model:
                 cmd += ["--model", args.model]
             if args.threads:
@@ -138,17 +152,21 @@ def main() -> None:
     ref = results[("none", "float32")]
     same_dtype = results.get(("none", args.dtype))
     print(f"dtype {args.dtype}, {args.max_tokens} greedy tokens per prompt (SHORT / LONG)")
-    print(f"{'setting':>16} {'load s':>7} {'RSS MB':>7} {'model MB':>9} "
-          f"{'max|dlogit| vs fp32':>20} {'argmax=fp32':>11} {'greedy vs ' + args.dtype:>28} "
-          f"{'greedy vs float32':>28}")  # fmt: skip
+    print(
+        f"{'setting':>16} {'load s':>7} {'RSS MB':>7} {'model MB':>9} "
+        f"{'max|dlogit| vs fp32':>20} {'argmax=fp32':>11} {'greedy vs ' + args.dtype:>28} "
+        f"{'greedy vs float32':>28}"
+    )
     for (q, dtype), r in results.items():
         diff = (r["logits"] - ref["logits"]).abs().amax(dim=1).tolist()
         argmax = (r["logits"].argmax(1) == ref["logits"].argmax(1)).tolist()
         vs_dtype = agreement(r, same_dtype) if (q, dtype) != ("none", "float32") else ""
-        print(f"{q + ' ' + dtype:>16} {r['load_s']:7.1f} {r['rss_after_load_mb']:7.0f} "
-              f"{r['model_bytes_mb']:9.1f} {' / '.join(f'{d:.2f}' for d in diff):>20} "
-              f"{' / '.join('y' if a else 'n' for a in argmax):>11} {vs_dtype:>28} "
-              f"{agreement(r, ref):>28}")  # fmt: skip
+        print(
+            f"{q + ' ' + dtype:>16} {r['load_s']:7.1f} {r['rss_after_load_mb']:7.0f} "
+            f"{r['model_bytes_mb']:9.1f} {' / '.join(f'{d:.2f}' for d in diff):>20} "
+            f"{' / '.join('y' if a else 'n' for a in argmax):>11} {vs_dtype:>28} "
+            f"{agreement(r, ref):>28}"
+        )
 
 
 def agreement(got: dict[str, Any], want: dict[str, Any] | None) -> str:

@@ -102,8 +102,24 @@ IDLE_S = 3.0  # the idle window: the server's background CPU
 RELAY_STREAMS, RELAY_TOKENS = 3, 96  # the relay window: streams per replica, tokens each
 WARM_TOKENS = 8
 WARM_LEAD_S = 10.0  # simulated: the warm-up burst, then the cell this much later
-_WORDS = ("token", "budget", "decode", "prefill", "queue", "batch", "cache", "block", "step",
-          "stream", "latency", "throughput", "request", "schedule", "memory", "chunk")  # fmt: skip
+_WORDS = (
+    "token",
+    "budget",
+    "decode",
+    "prefill",
+    "queue",
+    "batch",
+    "cache",
+    "block",
+    "step",
+    "stream",
+    "latency",
+    "throughput",
+    "request",
+    "schedule",
+    "memory",
+    "chunk",
+)
 
 
 # ---- the simulated H100 fleet --------------------------------------------------------------
@@ -114,17 +130,39 @@ def workload(n: int, rate: float, long_docs: int, systems: int, seed: int) -> li
         t += rng.expovariate(rate)
         long = rng.random() < 0.25
         key = f"doc{rng.randrange(long_docs)}" if long else f"sys{rng.randrange(systems)}"
-        out.append(SimRequest(i, LONG if long else SHORT, 160, arrival=t, prompt_key=key,
-                              class_name="long" if long else "short"))  # fmt: skip
+        out.append(
+            SimRequest(
+                i,
+                LONG if long else SHORT,
+                160,
+                arrival=t,
+                prompt_key=key,
+                class_name="long" if long else "short",
+            )
+        )
     return out
 
 
-def run(replicas: int, policy: str, reqs: list[SimRequest], config: EngineConfig, cost: Any,
-        seed: int = 0, arrival: ArrivalModel = ArrivalModel(),
-        shared_cpu: SharedCpu | None = None) -> dict[str, Any]:  # fmt: skip
-    res = simulate_cluster(config, cost, SimCell(reqs, open_loop=True), replicas=replicas,
-                           router_config=RouterConfig(policy=policy), seed=seed,
-                           arrival=arrival, shared_cpu=shared_cpu)  # fmt: skip
+def run(
+    replicas: int,
+    policy: str,
+    reqs: list[SimRequest],
+    config: EngineConfig,
+    cost: Any,
+    seed: int = 0,
+    arrival: ArrivalModel = ArrivalModel(),
+    shared_cpu: SharedCpu | None = None,
+) -> dict[str, Any]:
+    res = simulate_cluster(
+        config,
+        cost,
+        SimCell(reqs, open_loop=True),
+        replicas=replicas,
+        router_config=RouterConfig(policy=policy),
+        seed=seed,
+        arrival=arrival,
+        shared_cpu=shared_cpu,
+    )
     measured = [r for r in res.requests if not r.warmup]
     ok = [r for r in measured if r.ok]
     ttft = sorted(r.ttft or 0.0 for r in ok)
@@ -132,37 +170,51 @@ def run(replicas: int, policy: str, reqs: list[SimRequest], config: EngineConfig
     span = max(r.token_times[-1] for r in ok) - min(r.sent for r in measured)
     prompt = sum(r.num_prompt_tokens for r in ok)
     return {
-        "replicas": replicas, "policy": policy, "ok": len(ok), "n": len(measured),
+        "replicas": replicas,
+        "policy": policy,
+        "ok": len(ok),
+        "n": len(measured),
         "hit": sum(r.num_cached_tokens for r in ok) / prompt if prompt else 0.0,
         "ttft_p50_ms": 1000 * (percentile(ttft, 50) or 0.0),
         "ttft_p95_ms": 1000 * (percentile(ttft, 95) or 0.0),
-        "tok_s": tokens / span if span > 0 else 0.0, "wall_s": res.wall_s,
+        "tok_s": tokens / span if span > 0 else 0.0,
+        "wall_s": res.wall_s,
         "engine_share": res.mean_engine_share,
-    }  # fmt: skip
+    }
 
 
 def sim_part(args: argparse.Namespace) -> None:
     cost = RooflineCostModel.build(args.model_shape, args.accelerator, dtype="bfloat16")
-    config = EngineConfig.from_kwargs(max_num_seqs=64, max_num_batched_tokens=4096,
-                                      max_model_len=8192, gpu_memory_utilization=0.9)  # fmt: skip
+    config = EngineConfig.from_kwargs(
+        max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=8192, gpu_memory_utilization=0.9
+    )
     print(
         f"## simulated: {args.model_shape} on {args.accelerator} (roofline), "
         f"{args.rate_per_replica} req/s and {args.requests_per_replica} requests per replica\n"
     )
-    print("| replicas | router | ok | prefix-cache hit | TTFT p50 ms | TTFT p95 ms | output tok/s "
-          "| TTFT p95 / round_robin | tok/s / round_robin |")  # fmt: skip
+    print(
+        "| replicas | router | ok | prefix-cache hit | TTFT p50 ms | TTFT p95 ms | output tok/s "
+        "| TTFT p95 / round_robin | tok/s / round_robin |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for n in (int(x) for x in args.replicas.split(",")):
-        reqs = workload(n * args.requests_per_replica, n * args.rate_per_replica,
-                        args.long_docs, args.system_prompts, args.seed)  # fmt: skip
+        reqs = workload(
+            n * args.requests_per_replica,
+            n * args.rate_per_replica,
+            args.long_docs,
+            args.system_prompts,
+            args.seed,
+        )
         base: dict[str, Any] | None = None
         for policy in args.policies.split(","):
             r = run(n, policy, reqs, config, cost)
             base = base or r
-            print(f"| {n} | {policy} | {r['ok']}/{r['n']} | {r['hit']:.3f} | {r['ttft_p50_ms']:.0f} "
-                  f"| {r['ttft_p95_ms']:.0f} | {r['tok_s']:.0f} "
-                  f"| {r['ttft_p95_ms'] / base['ttft_p95_ms']:.2f} | {r['tok_s'] / base['tok_s']:.2f} |",
-                  flush=True)  # fmt: skip
+            print(
+                f"| {n} | {policy} | {r['ok']}/{r['n']} | {r['hit']:.3f} | {r['ttft_p50_ms']:.0f} "
+                f"| {r['ttft_p95_ms']:.0f} | {r['tok_s']:.0f} "
+                f"| {r['ttft_p95_ms'] / base['ttft_p95_ms']:.2f} | {r['tok_s'] / base['tok_s']:.2f} |",
+                flush=True,
+            )
 
 
 # ---- the measured CPU cells ----------------------------------------------------------------
@@ -179,11 +231,14 @@ def cpu_workload(args: argparse.Namespace, replicas: int) -> list[LiveRequest]:
     """Shared system prompts and documents, each request with its own question; 25 % LONG,
     exactly spread (as the seed lab's mixes); Poisson arrivals."""
     rng = random.Random(args.seed)
-    systems = [f"You are assistant {k} of the scheduling team. "
-               + " ".join(rng.choice(_WORDS) for _ in range(args.cpu_system_words))
-               for k in range(args.cpu_system_prompts)]  # fmt: skip
-    docs = [f"[log {k}]" + wl.SEED_LONG_LINE * args.cpu_long_repeat
-            for k in range(args.cpu_long_docs)]  # fmt: skip
+    systems = [
+        f"You are assistant {k} of the scheduling team. "
+        + " ".join(rng.choice(_WORDS) for _ in range(args.cpu_system_words))
+        for k in range(args.cpu_system_prompts)
+    ]
+    docs = [
+        f"[log {k}]" + wl.SEED_LONG_LINE * args.cpu_long_repeat for k in range(args.cpu_long_docs)
+    ]
     n = replicas * args.cpu_requests_per_replica
     times = wl.arrival_times(n, replicas * args.cpu_rate_per_replica, 1.0, args.seed)
     out = []
@@ -205,8 +260,13 @@ def server_spec(replicas: int, policy: str) -> ServerSpec:
     engine = {"dtype": "bfloat16", "num_threads": 1, "log_interval": 0}
     if replicas > 1:
         engine |= {"replicas": replicas, "router": policy}
-    return ServerSpec(name=f"poise-{replicas}x-{policy}", args=engine, env=threads_env(1),
-                      startup_timeout_s=300.0, grace_s=90.0)  # fmt: skip
+    return ServerSpec(
+        name=f"poise-{replicas}x-{policy}",
+        args=engine,
+        env=threads_env(1),
+        startup_timeout_s=300.0,
+        grace_s=90.0,
+    )
 
 
 def warmup_prompts(replicas: int) -> list[str]:
@@ -269,8 +329,9 @@ def is_engine(server_pid: int) -> Callable[[int, str], bool]:
     return lambda pid, cmd: pid == server_pid or acc.ray_engine_replica(pid, cmd)
 
 
-async def _cell(base_url: str, replicas: int, reqs: list[LiveRequest], timeout_s: float,
-                server_pid: int) -> dict[str, Any]:  # fmt: skip
+async def _cell(
+    base_url: str, replicas: int, reqs: list[LiveRequest], timeout_s: float, server_pid: int
+) -> dict[str, Any]:
     """Warm every replica, the idle and concurrency-1 calibration windows, then the open-loop
     cell; the server's CPU time (engines / the rest and the client) over each."""
     root = base_url.removesuffix("/v1")
@@ -300,11 +361,17 @@ async def _cell(base_url: str, replicas: int, reqs: list[LiveRequest], timeout_s
         per_request, per_token_c1 = fit_relay(relay)
         # The relay per token with several streams per replica (its cost per token falls as
         # streams share the relay's wake-ups): RELAY_STREAMS at once per replica.
-        busy = [RequestRecord(100 + j, "short", now(), max_tokens=RELAY_TOKENS)
-                for j in range(RELAY_STREAMS * replicas)]  # fmt: skip
+        busy = [
+            RequestRecord(100 + j, "short", now(), max_tokens=RELAY_TOKENS)
+            for j in range(RELAY_STREAMS * replicas)
+        ]
         a = acc.read(server_pid, engines)
-        await asyncio.gather(*(send_one(session, ep, f"relay {r.index}: {wl.SHORT_PROMPT}", r,
-                                        timeout_s) for r in busy))  # fmt: skip
+        await asyncio.gather(
+            *(
+                send_one(session, ep, f"relay {r.index}: {wl.SHORT_PROMPT}", r, timeout_s)
+                for r in busy
+            )
+        )
         used = acc.split(a, acc.read(server_pid, engines))
         tokens = sum(derive(r).n_out for r in busy)
         rest = used.other_s - background * used.wall_s - per_request * len(busy)
@@ -319,8 +386,9 @@ async def _cell(base_url: str, replicas: int, reqs: list[LiveRequest], timeout_s
             delay = t0 + r.arrival - now()
             if delay > 0:
                 await asyncio.sleep(delay)
-            rec = RequestRecord(r.index, r.class_name, now(), intended=t0 + r.arrival,
-                                max_tokens=r.max_tokens)  # fmt: skip
+            rec = RequestRecord(
+                r.index, r.class_name, now(), intended=t0 + r.arrival, max_tokens=r.max_tokens
+            )
             recs.append(rec)
             tasks.append(asyncio.create_task(send_one(session, ep, r.prompt, rec, timeout_s)))
         await asyncio.gather(*tasks)
@@ -330,15 +398,24 @@ async def _cell(base_url: str, replicas: int, reqs: list[LiveRequest], timeout_s
     if bad:
         raise RuntimeError(f"{len(bad)} requests failed, e.g. {bad[0].error}")
     queries = after["queries"] - before["queries"]
-    return {"records": recs, "calibration": cal_recs, "warm_replicas": warm,
-            "hit": (after["hits"] - before["hits"]) / queries if queries else 0.0,
-            "loadavg": [load0, os.getloadavg()[0]], "nice": nice,
-            "threads_reniced": reniced,
-            "shared_cpu": SharedCpu(cores=len(os.sched_getaffinity(0)),
-                                    background_cores=background,
-                                    relay_s_per_request=per_request, relay_s_per_token=per_token),
-            "relay_samples": relay, "relay_s_per_token_c1": per_token_c1,
-            "cell_cpu": dataclasses.asdict(used)}  # fmt: skip
+    return {
+        "records": recs,
+        "calibration": cal_recs,
+        "warm_replicas": warm,
+        "hit": (after["hits"] - before["hits"]) / queries if queries else 0.0,
+        "loadavg": [load0, os.getloadavg()[0]],
+        "nice": nice,
+        "threads_reniced": reniced,
+        "shared_cpu": SharedCpu(
+            cores=len(os.sched_getaffinity(0)),
+            background_cores=background,
+            relay_s_per_request=per_request,
+            relay_s_per_token=per_token,
+        ),
+        "relay_samples": relay,
+        "relay_s_per_token_c1": per_token_c1,
+        "cell_cpu": dataclasses.asdict(used),
+    }
 
 
 def summarize(recs: list[RequestRecord]) -> dict[str, float]:
@@ -346,13 +423,17 @@ def summarize(recs: list[RequestRecord]) -> dict[str, float]:
     ttft = [s.ttft for s in stats if s.ttft is not None]
     tokens = sum(s.n_out for s in stats)
     span = max(r.events[-1] for r in recs if r.events) - min(r.start for r in recs)
-    return {"ttft_p50_ms": 1000 * (percentile(ttft, 50) or 0.0),
-            "ttft_p95_ms": 1000 * (percentile(ttft, 95) or 0.0), "tok_s": tokens / span,
-            "span_s": span}  # fmt: skip
+    return {
+        "ttft_p50_ms": 1000 * (percentile(ttft, 50) or 0.0),
+        "ttft_p95_ms": 1000 * (percentile(ttft, 95) or 0.0),
+        "tok_s": tokens / span,
+        "span_s": span,
+    }
 
 
-def measure_cell(replicas: int, policy: str, reqs: list[LiveRequest], out: Path,
-                 timeout_s: float) -> dict[str, Any]:  # fmt: skip
+def measure_cell(
+    replicas: int, policy: str, reqs: list[LiveRequest], out: Path, timeout_s: float
+) -> dict[str, Any]:
     spec = server_spec(replicas, policy)
     server = ManagedServer(spec, out / f"serve-{replicas}x-{policy}.log")
     t0 = time.monotonic()
@@ -363,19 +444,39 @@ def measure_cell(replicas: int, policy: str, reqs: list[LiveRequest], out: Path,
         res = asyncio.run(_cell(server.base_url, replicas, reqs, timeout_s, server.pid))
     finally:
         server.stop()  # SIGTERM to its process group; poise serve --replicas stops Serve and Ray
-    res |= summarize(res["records"]) | {"startup_s": started, "replicas": replicas,
-                                         "policy": policy}  # fmt: skip
+    res |= summarize(res["records"]) | {
+        "startup_s": started,
+        "replicas": replicas,
+        "policy": policy,
+    }
     return res
 
 
 def profile(out: Path, repeats: int) -> Path:
     path = out / "profile.json"
-    argv = [sys.executable, "-m", "poise", "profile", "--grid", "quick", "--repeats", str(repeats),
-            "--threads", "1", "--clock", "cpu", "--dtype", "bfloat16", "-o", str(path)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "poise",
+        "profile",
+        "--grid",
+        "quick",
+        "--repeats",
+        str(repeats),
+        "--threads",
+        "1",
+        "--clock",
+        "cpu",
+        "--dtype",
+        "bfloat16",
+        "-o",
+        str(path),
+    ]
     print("$", " ".join(argv[1:]), flush=True)
     with open(out / "profile.log", "w") as log:
-        subprocess.run(argv, cwd=REPO, env={**os.environ, **threads_env(1)}, check=True,
-                       stdout=log, stderr=log)  # fmt: skip
+        subprocess.run(
+            argv, cwd=REPO, env={**os.environ, **threads_env(1)}, check=True, stdout=log, stderr=log
+        )
     return path
 
 
@@ -389,12 +490,31 @@ def sim_requests(reqs: list[LiveRequest], replicas: int) -> list[SimRequest]:
     def ids(prompt: str) -> tuple[int, ...]:
         return tuple(apply_chat_template(tok, [{"role": "user", "content": prompt}]))
 
-    warm = [SimRequest(len(reqs) + j, len(w), WARM_TOKENS, arrival=0.0, class_name="warmup",
-                       prompt_key=f"warm{j}", warmup=True, token_ids=w)
-            for j, w in enumerate(map(ids, warmup_prompts(replicas)))]  # fmt: skip
-    cell = [SimRequest(r.index, len(w), r.max_tokens, arrival=WARM_LEAD_S + r.arrival,
-                       class_name=r.class_name, prompt_key=str(r.index), token_ids=w)
-            for r, w in zip(reqs, map(ids, (r.prompt for r in reqs)), strict=True)]  # fmt: skip
+    warm = [
+        SimRequest(
+            len(reqs) + j,
+            len(w),
+            WARM_TOKENS,
+            arrival=0.0,
+            class_name="warmup",
+            prompt_key=f"warm{j}",
+            warmup=True,
+            token_ids=w,
+        )
+        for j, w in enumerate(map(ids, warmup_prompts(replicas)))
+    ]
+    cell = [
+        SimRequest(
+            r.index,
+            len(w),
+            r.max_tokens,
+            arrival=WARM_LEAD_S + r.arrival,
+            class_name=r.class_name,
+            prompt_key=str(r.index),
+            token_ids=w,
+        )
+        for r, w in zip(reqs, map(ids, (r.prompt for r in reqs)), strict=True)
+    ]
     return warm + cell
 
 
@@ -403,13 +523,21 @@ def way_in_s_per_token(reqs: list[LiveRequest]) -> float:
     from poise.text.tokenizer import apply_chat_template, load_tokenizer
 
     tok = load_tokenizer(None)
-    jobs = [lambda p=r.prompt: len(apply_chat_template(tok, [{"role": "user", "content": p}]))
-            for r in reqs[:8]]  # fmt: skip
+    jobs = [
+        lambda p=r.prompt: len(apply_chat_template(tok, [{"role": "user", "content": p}]))
+        for r in reqs[:8]
+    ]
     return cal.time_per_token(jobs, repeats=5)
 
 
-def predict(cell: dict[str, Any], reqs: list[SimRequest], model: CostModel, way_in: float,
-            seeds: int, shared: bool = True) -> dict[str, Any]:  # fmt: skip
+def predict(
+    cell: dict[str, Any],
+    reqs: list[SimRequest],
+    model: CostModel,
+    way_in: float,
+    seeds: int,
+    shared: bool = True,
+) -> dict[str, Any]:
     """The simulator's prediction of a measured cell, calibrated from its idle and c=1 windows:
     with ``shared``, the replicas share this machine's cores with the relay (the server's
     threads outside the engines and the client, as measured there); without, each replica has
@@ -419,8 +547,19 @@ def predict(cell: dict[str, Any], reqs: list[SimRequest], model: CostModel, way_
     cost, arrival = c.apply(model, ArrivalModel(way_in_workers=1, way_in_s_per_token=way_in))
     config = EngineConfig.from_kwargs(dtype="bfloat16", num_threads=1)
     cpu = cell["shared_cpu"] if shared else None
-    runs = [run(cell["replicas"], cell["policy"], reqs, config, cost, seed=s, arrival=arrival,
-                shared_cpu=cpu) for s in range(seeds)]  # fmt: skip
+    runs = [
+        run(
+            cell["replicas"],
+            cell["policy"],
+            reqs,
+            config,
+            cost,
+            seed=s,
+            arrival=arrival,
+            shared_cpu=cpu,
+        )
+        for s in range(seeds)
+    ]
     med = {
         m: statistics.median(r[m] for r in runs)
         for m in ("hit", "ttft_p50_ms", "ttft_p95_ms", "tok_s", "engine_share")
@@ -448,10 +587,13 @@ def measured_part(args: argparse.Namespace) -> bool | None:
         reqs = cpu_workload(args, n)
         print(f"cell: {n} replica(s), {policy}, {len(reqs)} requests", flush=True)
         cell = measure_cell(n, policy, reqs, out, args.timeout)
-        print(f"  measured: hit {cell['hit']:.3f}, TTFT p95 {cell['ttft_p95_ms']:.0f} ms, "
-              f"{cell['tok_s']:.1f} tok/s (startup {cell['startup_s']:.0f} s, load "
-              f"{cell['loadavg'][0]:.1f}-{cell['loadavg'][1]:.1f}, nice {cell['nice']} on "
-              f"{cell['threads_reniced']} threads)", flush=True)  # fmt: skip
+        print(
+            f"  measured: hit {cell['hit']:.3f}, TTFT p95 {cell['ttft_p95_ms']:.0f} ms, "
+            f"{cell['tok_s']:.1f} tok/s (startup {cell['startup_s']:.0f} s, load "
+            f"{cell['loadavg'][0]:.1f}-{cell['loadavg'][1]:.1f}, nice {cell['nice']} on "
+            f"{cell['threads_reniced']} threads)",
+            flush=True,
+        )
         cell["reqs"] = reqs
         cells.append(cell)
     way_in = way_in_s_per_token(cells[-1]["reqs"])
@@ -491,13 +633,17 @@ def report(cells: list[dict[str, Any]], out: Path, tolerance: float, profile_pat
             f"| {k['time_scale']:.2f}, {1000 * k['request_overhead_s']:.0f} "
             f"| {c['loadavg'][0]:.1f}-{c['loadavg'][1]:.1f} |"
         )
-    lines += ["", "The relay (measured before each cell: idle window, c=1 cell) and, as a check of "
-              "its model, the relay CPU measured over the cell against the model at the cell's "
-              "measured request and token rates:", "",
-              "| replicas | router | background cores | relay ms / request "
-              "| relay ms / token (c=1) | relay ms / token (used) "
-              "| cell: relay cores measured / modelled | cell: engine CPU s |",
-              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "The relay (measured before each cell: idle window, c=1 cell) and, as a check of "
+        "its model, the relay CPU measured over the cell against the model at the cell's "
+        "measured request and token rates:",
+        "",
+        "| replicas | router | background cores | relay ms / request "
+        "| relay ms / token (c=1) | relay ms / token (used) "
+        "| cell: relay cores measured / modelled | cell: engine CPU s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for c in cells:
         cpu, used = c["shared_cpu"], c["cell_cpu"]
         span = summarize(c["records"])["span_s"]
@@ -511,22 +657,35 @@ def report(cells: list[dict[str, Any]], out: Path, tolerance: float, profile_pat
         )
     rr = next((c for c in cells if c["replicas"] == 2 and c["policy"] == "round_robin"), None)
     if rr is not None:
-        lines += ["", "| 2 replicas, router | hit | TTFT p95 / round_robin | tok/s / round_robin |",
-                  "|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            "| 2 replicas, router | hit | TTFT p95 / round_robin | tok/s / round_robin |",
+            "|---|---|---|---|",
+        ]
         for c in (c for c in cells if c["replicas"] == 2):
-            lines.append(f"| {c['policy']} | {c['hit']:.3f} | "
-                         f"{c['ttft_p95_ms'] / rr['ttft_p95_ms']:.2f} | "
-                         f"{c['tok_s'] / rr['tok_s']:.2f} |")  # fmt: skip
-    lines += ["", f"2-replica cells within ±{tolerance:.0%} (TTFT p95 and tok/s): "
-              f"**{'PASS' if ok else 'FAIL'}**"]  # fmt: skip
+            lines.append(
+                f"| {c['policy']} | {c['hit']:.3f} | "
+                f"{c['ttft_p95_ms'] / rr['ttft_p95_ms']:.2f} | "
+                f"{c['tok_s'] / rr['tok_s']:.2f} |"
+            )
+    lines += [
+        "",
+        f"2-replica cells within ±{tolerance:.0%} (TTFT p95 and tok/s): "
+        f"**{'PASS' if ok else 'FAIL'}**",
+    ]
     md = "\n".join(lines)
     print(md, flush=True)
     (out / "report.md").write_text(md + "\n")
-    dump = [{k: v for k, v in c.items() if k not in ("records", "calibration", "reqs")}
-            | {"shared_cpu": c["shared_cpu"].describe(),
-               "records": [r.to_dict() for r in c["records"]],
-               "calibration": [r.to_dict() for r in c["calibration"]],
-               "workload": [dataclasses.asdict(r) for r in c["reqs"]]} for c in cells]  # fmt: skip
+    dump = [
+        {k: v for k, v in c.items() if k not in ("records", "calibration", "reqs")}
+        | {
+            "shared_cpu": c["shared_cpu"].describe(),
+            "records": [r.to_dict() for r in c["records"]],
+            "calibration": [r.to_dict() for r in c["calibration"]],
+            "workload": [dataclasses.asdict(r) for r in c["reqs"]],
+        }
+        for c in cells
+    ]
     (out / "cells.json").write_text(json.dumps(dump, indent=1, default=str))
     return ok
 
@@ -568,15 +727,21 @@ def main() -> int:
     # SIGTERM (a timeout, the lock's owner) ends the run through the finally blocks that stop
     # the servers, Ray included, rather than leaving them behind.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')}, load average "
-          f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)  # fmt: skip
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')}, load average "
+        f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        flush=True,
+    )
     ok: bool | None = None
     if args.part in ("all", "sim"):
         sim_part(args)
     if args.part in ("all", "measured"):
         ok = measured_part(args)
-    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')}, load average "
-          f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)  # fmt: skip
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')}, load average "
+        f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        flush=True,
+    )
     return 0 if ok in (None, True) else 1
 
 

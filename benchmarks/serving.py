@@ -120,11 +120,18 @@ def run_offline(llm: Any, reqs: list[tuple[str, str]], c: int, max_tokens: int) 
 # ---- HTTP ---------------------------------------------------------------------------------
 
 
-async def _one(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int,
-               model: str) -> tuple[float | None, int]:  # fmt: skip
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+async def _one(
+    session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, model: str
+) -> tuple[float | None, int]:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     sent = time.perf_counter()
     first: float | None = None
     tokens = 0
@@ -142,8 +149,9 @@ async def _one(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens
     return first, tokens
 
 
-async def run_http(base: str, model: str, reqs: list[tuple[str, str]], c: int,
-                   max_tokens: int) -> Cell:  # fmt: skip
+async def run_http(
+    base: str, model: str, reqs: list[tuple[str, str]], c: int, max_tokens: int
+) -> Cell:
     url = base + "/v1/chat/completions"
     queue = list(enumerate(reqs))
     ttft: dict[str, list[float]] = {"short": [], "long": []}
@@ -187,10 +195,12 @@ def page_reader(base: str) -> Iterator[None]:
 
 
 def scrape(base: str) -> dict[str, float]:
-    names = {"engine_thread": "poise:engine_thread_cpu_seconds",
-             "loop_thread": "poise:event_loop_thread_cpu_seconds",
-             "process": "process_cpu_seconds_total",
-             "steps": "poise:step_duration_seconds_sum"}  # fmt: skip
+    names = {
+        "engine_thread": "poise:engine_thread_cpu_seconds",
+        "loop_thread": "poise:event_loop_thread_cpu_seconds",
+        "process": "process_cpu_seconds_total",
+        "steps": "poise:step_duration_seconds_sum",
+    }
     out = {}
     text = httpx.get(base + "/metrics", timeout=30).text
     for key, name in names.items():
@@ -203,11 +213,29 @@ def scrape(base: str) -> dict[str, float]:
 def start_server(
     args: argparse.Namespace, port: int, kv_cache_dtype: str = "auto"
 ) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "poise", "serve", *([args.model] if args.model else []),
-           "--kv-cache-dtype", kv_cache_dtype,
-           "--port", str(port), "--dtype", args.dtype, "--served-model-name", "bench",
-           "--max-num-seqs", "64", "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--log-interval", "0", "--torch-threads", str(args.torch_threads)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "poise",
+        "serve",
+        *([args.model] if args.model else []),
+        "--kv-cache-dtype",
+        kv_cache_dtype,
+        "--port",
+        str(port),
+        "--dtype",
+        args.dtype,
+        "--served-model-name",
+        "bench",
+        "--max-num-seqs",
+        "64",
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--log-interval",
+        "0",
+        "--torch-threads",
+        str(args.torch_threads),
+    ]
     log = open(args.server_log, "w")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -224,9 +252,11 @@ def start_server(
 
 
 def report(cells: list[Cell]) -> str:
-    rows = ["| conc | mode | req | out tok | s | tok/s | HTTP/offline | TTFT p50/p95 SHORT ms "
-            "| TTFT p50/p95 LONG ms | server CPU s (engine / loop / process) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        "| conc | mode | req | out tok | s | tok/s | HTTP/offline | TTFT p50/p95 SHORT ms "
+        "| TTFT p50/p95 LONG ms | server CPU s (engine / loop / process) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     offline = {c.concurrency: c for c in cells if c.mode == "offline"}
 
     def f(v: float | None) -> str:
@@ -237,8 +267,14 @@ def report(cells: list[Cell]) -> str:
         if cell.mode.startswith("http") and cell.concurrency in offline:
             ratio = f"{cell.tokens_per_s / offline[cell.concurrency].tokens_per_s:.1%}"
         cpu = cell.server_cpu
-        cpu_s = (f"{cpu.get('engine_thread', 0):.1f} / {cpu.get('loop_thread', 0):.1f} / "
-                 f"{cpu.get('process', 0):.1f}") if cpu else ""  # fmt: skip
+        cpu_s = (
+            (
+                f"{cpu.get('engine_thread', 0):.1f} / {cpu.get('loop_thread', 0):.1f} / "
+                f"{cpu.get('process', 0):.1f}"
+            )
+            if cpu
+            else ""
+        )
         rows.append(
             f"| {cell.concurrency} | {cell.mode} kv={cell.kv_cache_dtype} | {cell.num_requests} | {cell.output_tokens} "
             f"| {cell.seconds:.1f} | {cell.tokens_per_s:.1f} | {ratio} "
@@ -257,9 +293,17 @@ def run_server_cells(
     first = len(cells)
     proc = start_server(args, port, kv)
     try:
-        llm = None if args.no_offline else LLM(
-            args.model, dtype=args.dtype, max_num_seqs=64,
-            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=kv)  # fmt: skip
+        llm = (
+            None
+            if args.no_offline
+            else LLM(
+                args.model,
+                dtype=args.dtype,
+                max_num_seqs=64,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                kv_cache_dtype=kv,
+            )
+        )
         warm = [("short", SHORT_PROMPT)] * 2
         if llm is not None:
             run_offline(llm, warm, 2, 8)
@@ -316,9 +360,12 @@ def main() -> int:
     p.add_argument("--server-log", default="/tmp/poise-bench-serving.log")
     p.add_argument("--http-first", action="store_true", help="Run HTTP before offline.")
     p.add_argument("--out", default=None, help="Write the cells as JSON here.")
-    p.add_argument("--dashboard", action="store_true",
-                   help="After each HTTP cell, run it four times more, alternately without and "
-                   "with a /dashboard/feed reader attached (mode http+page): the page's cost.")  # fmt: skip
+    p.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="After each HTTP cell, run it four times more, alternately without and "
+        "with a /dashboard/feed reader attached (mode http+page): the page's cost.",
+    )
     p.add_argument("--no-offline", action="store_true", help="Skip the offline engine.")
     p.add_argument(
         "--unique-long", action="store_true", help="Every LONG prompt distinct (no shared prefix)."

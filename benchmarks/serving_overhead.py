@@ -50,8 +50,14 @@ def serve_fake(port: int) -> int:
 
     tok: Any = load_tokenizer(None)
     cfg = EngineConfig.from_kwargs(max_num_seqs=128, max_num_batched_tokens=8192)
-    core = EngineCore(cfg, FreeExecutor(), num_kv_blocks=16384, max_model_len=8192,
-                      vocab_size=len(tok), eos_token_ids=eos_token_ids(tok))  # fmt: skip
+    core = EngineCore(
+        cfg,
+        FreeExecutor(),
+        num_kv_blocks=16384,
+        max_model_len=8192,
+        vocab_size=len(tok),
+        eos_token_ids=eos_token_ids(tok),
+    )
     settings = ServerSettings(port=port, log_interval_s=0)
     state = build_state(core, tok, model_name="bench", vocab_size=len(tok), settings=settings)
     return serve(state, settings)
@@ -78,8 +84,10 @@ def main() -> int:
             except httpx.HTTPError:
                 time.sleep(0.25)
         asyncio.run(run_http(base, "bench", [("short", SHORT_PROMPT)] * 4, 4, 8))
-        print("| conc | tok/s | loop CPU us/token | engine-thread CPU us/token | process CPU s "
-              "| wall s |\n|---|---|---|---|---|---|")  # fmt: skip
+        print(
+            "| conc | tok/s | loop CPU us/token | engine-thread CPU us/token | process CPU s "
+            "| wall s |\n|---|---|---|---|---|---|"
+        )
         for c in args.concurrency:
             reqs = [("short", SHORT_PROMPT)] * (args.requests or 2 * c)
             before = scrape(base)
@@ -87,9 +95,12 @@ def main() -> int:
             after = scrape(base)
             d = {k: after[k] - before.get(k, 0.0) for k in after}
             n = cell.output_tokens
-            print(f"| {c} | {cell.tokens_per_s:.0f} | {1e6 * d['loop_thread'] / n:.0f} "
-                  f"| {1e6 * d['engine_thread'] / n:.0f} | {d['process']:.1f} "
-                  f"| {cell.seconds:.1f} |", flush=True)  # fmt: skip
+            print(
+                f"| {c} | {cell.tokens_per_s:.0f} | {1e6 * d['loop_thread'] / n:.0f} "
+                f"| {1e6 * d['engine_thread'] / n:.0f} | {d['process']:.1f} "
+                f"| {cell.seconds:.1f} |",
+                flush=True,
+            )
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)

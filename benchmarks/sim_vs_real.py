@@ -124,9 +124,14 @@ def profile(args: list[str], threads: int, log: Path) -> None:
     """``poise profile ARGS`` in its own process (its own torch, pinned threads)."""
     print("$ poise profile", " ".join(args), flush=True)
     with open(log, "w") as out:
-        subprocess.run([sys.executable, "-m", "poise", "profile", *args], cwd=REPO,
-                       env={**os.environ, **threads_env(threads)}, check=True, stdout=out,
-                       stderr=out)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-m", "poise", "profile", *args],
+            cwd=REPO,
+            env={**os.environ, **threads_env(threads)},
+            check=True,
+            stdout=out,
+            stderr=out,
+        )
 
 
 def engine_config(engine: list[str]) -> EngineConfig:
@@ -142,10 +147,12 @@ def server_spec(engine: list[str], threads: int, trace: Path) -> ServerSpec:
     default = engine_config([]).to_flat_dict()
     args = {k: v for k, v in config.items() if k != "model" and v != default.get(k)}
     return ServerSpec(
-        name="poise", model=config.get("model"),
+        name="poise",
+        model=config.get("model"),
         args={**args, "log_interval": 0, "step_trace": str(trace)},
-        env=threads_env(threads), startup_timeout_s=600.0,
-    )  # fmt: skip
+        env=threads_env(threads),
+        startup_timeout_s=600.0,
+    )
 
 
 def count_steps(trace: Path) -> int:
@@ -176,8 +183,14 @@ def way_in_s_per_token(config: EngineConfig) -> float:
     return cal.time_per_token([job(c.prompt or "") for c in seed_classes()])
 
 
-def simulate(spec: WorkloadSpec, config: EngineConfig, model: CostModel, arrival: ArrivalModel,
-             out: Path, label: str) -> Path:  # fmt: skip
+def simulate(
+    spec: WorkloadSpec,
+    config: EngineConfig,
+    model: CostModel,
+    arrival: ArrivalModel,
+    out: Path,
+    label: str,
+) -> Path:
     cfg = BenchConfig.for_workload(spec, base_url="simulated://", model=model.name, scrape=False)
     record = simulate_matrix(cfg, config, model, PromptLengths(), arrival)
     record.provenance["label"] = label
@@ -197,16 +210,19 @@ def compare(
         err = rel(sim[m], real[m])
         lo = min(r[m] for r in real["rounds"])
         hi = max(r[m] for r in real["rounds"])
-        row[m] = {"real": real[m], "sim": sim[m], "rel_error": err,
-                  "real_rounds": [lo, hi]}  # fmt: skip
+        row[m] = {"real": real[m], "sim": sim[m], "rel_error": err, "real_rounds": [lo, hi]}
         ok = ok and err is not None and abs(err) <= tolerance
     return row, ok
 
 
 def table(title: str, rows: dict[int, dict[str, Any]]) -> str:
-    lines = [f"### {title}", "",
-             "| c | TTFT p50 real / sim (ms) | err | TTFT p95 real / sim (ms) | err "
-             "| out tok/s real / sim | err |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"### {title}",
+        "",
+        "| c | TTFT p50 real / sim (ms) | err | TTFT p95 real / sim (ms) | err "
+        "| out tok/s real / sim | err |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for c, row in rows.items():
         cells = [str(c)]
         for m in METRICS:
@@ -218,10 +234,13 @@ def table(title: str, rows: dict[int, dict[str, Any]]) -> str:
 
 
 def band_table(title: str, rows: dict[int, dict[str, Any]]) -> str:
-    lines = [f"### {title}", "",
-             "| c | TTFT p50 real / sim median [seed range] (ms) | err | TTFT p95 real / sim "
-             "median [range] (ms) | err | out tok/s real / sim median [range] | err |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"### {title}",
+        "",
+        "| c | TTFT p50 real / sim median [seed range] (ms) | err | TTFT p95 real / sim "
+        "median [range] (ms) | err | out tok/s real / sim median [range] | err |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for c, row in rows.items():
         cells = [str(c)]
         for m in METRICS:
@@ -236,8 +255,12 @@ def band_table(title: str, rows: dict[int, dict[str, Any]]) -> str:
 
 def spread_table(real: dict[int, dict[str, Any]]) -> str:
     """Each round's value against the pooled one: the measurement's own noise."""
-    lines = ["### the real runs, round by round (pooled value; each round's deviation)", "",
-             "| c | TTFT p50 | TTFT p95 | out tok/s |", "|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "### the real runs, round by round (pooled value; each round's deviation)",
+        "",
+        "| c | TTFT p50 | TTFT p95 | out tok/s |",
+        "|---|---|---|---|",
+    ]
     for c, r in real.items():
         cells = [str(c)]
         for m in METRICS:
@@ -271,9 +294,12 @@ def by_class(paths: list[Path]) -> dict[str, dict[str, float]]:
 
 
 def class_table(title: str, rows: dict[int, tuple[dict[str, Any], dict[str, Any]]]) -> str:
-    lines = [f"### {title}", "",
-             "| c | class | n | admission p50 real / sim (ms) | TTFT p50 real / sim (ms) |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"### {title}",
+        "",
+        "| c | class | n | admission p50 real / sim (ms) | TTFT p50 real / sim (ms) |",
+        "|---|---|---|---|---|",
+    ]
     for c, (real, sim) in rows.items():
         for cls, r in real.items():
             s = sim.get(cls, {})
@@ -289,43 +315,57 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "--profile", type=Path, default=None,
+        "--profile",
+        type=Path,
+        default=None,
         help="Existing profile (else measured now, in slices that bracket the rounds).",
-    )  # fmt: skip
+    )
     p.add_argument("--profile-grid", default="standard", choices=("quick", "standard"))
     p.add_argument("--profile-repeats", type=int, default=2, help="Repeats per profile slice.")
     p.add_argument(
-        "--profile-clock", choices=("wall", "cpu"), default="cpu",
+        "--profile-clock",
+        choices=("wall", "cpu"),
+        default="cpu",
         help="cpu (default): the runner thread's CPU time.",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--reuse", type=Path, default=None,
+        "--reuse",
+        type=Path,
+        default=None,
         help="A finished run's folder: keep its measurements, simulate again (e.g. a new profile).",
-    )  # fmt: skip
+    )
     p.add_argument("--rounds", type=int, default=3, help="Measurement rounds, pooled.")
     p.add_argument("--concurrency", default="8,16,32")
     p.add_argument("--long-ratio", type=float, default=0.25)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument(
-        "--requests-per-stream", type=int, default=2,
+        "--requests-per-stream",
+        type=int,
+        default=2,
         help="Measured requests per cell and round = this x concurrency.",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--warmup-per-stream", type=int, default=1,
+        "--warmup-per-stream",
+        type=int,
+        default=1,
         help="Warmup requests per cell and round = this x concurrency.",
-    )  # fmt: skip
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--calibrate", action="store_true", help="Calibrate overheads at concurrency 1.")
     p.add_argument("--calibration-tokens", type=int, default=32)
     p.add_argument("--tolerance", type=float, default=0.15)
     p.add_argument(
-        "--sim-seeds", type=int, default=8,
+        "--sim-seeds",
+        type=int,
+        default=8,
         help="Simulate the calibrated variants with this many seeds; compare the median.",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--timeout", type=float, default=3600.0,
+        "--timeout",
+        type=float,
+        default=3600.0,
         help="Per-request bench timeout, s (a CPU run of long prompts takes many minutes).",
-    )  # fmt: skip
+    )
     p.add_argument("--out-dir", type=Path, default=REPO / "runs" / "sim_vs_real")
     p.add_argument(
         "engine", nargs=argparse.REMAINDER, help="-- then engine flags for serve/simulate."
@@ -351,17 +391,25 @@ class Run:
         """Cell c of one round: per-stream counts x c, the seed mix at --long-ratio."""
         a = self.a
         return WorkloadSpec(
-            concurrency=(c,), long_ratio=(a.long_ratio,), max_tokens=a.max_tokens,
-            num_requests=a.requests_per_stream * c, warmup=a.warmup_per_stream * c,
-            timeout_s=a.timeout, seed=seed,
-        )  # fmt: skip
+            concurrency=(c,),
+            long_ratio=(a.long_ratio,),
+            max_tokens=a.max_tokens,
+            num_requests=a.requests_per_stream * c,
+            warmup=a.warmup_per_stream * c,
+            timeout_s=a.timeout,
+            seed=seed,
+        )
 
     def calibration(self) -> WorkloadSpec:
         """The c=1 cell: SHORT prompts only, short outputs."""
         return WorkloadSpec(
-            concurrency=(1,), long_ratio=(0.0,), max_tokens=self.a.calibration_tokens,
-            num_requests=CAL_REQUESTS, warmup=CAL_WARMUP, timeout_s=self.a.timeout,
-        )  # fmt: skip
+            concurrency=(1,),
+            long_ratio=(0.0,),
+            max_tokens=self.a.calibration_tokens,
+            num_requests=CAL_REQUESTS,
+            warmup=CAL_WARMUP,
+            timeout_s=self.a.timeout,
+        )
 
     def real(self, name: str, r: int) -> Path:
         return self.out / f"real-{name}-r{r}.yaml"
@@ -374,9 +422,23 @@ def measure(run: Run) -> tuple[dict[str, list[Span]], dict[str, list[float]], li
 
     def profile_slice(i: int) -> None:
         path = out / f"profile-slice{i}.json"
-        profile(["--grid", a.profile_grid, "--repeats", str(a.profile_repeats), "--threads",
-                 str(a.threads), "--clock", a.profile_clock, "-o", str(path), *a.engine],
-                a.threads, out / f"profile-slice{i}.log")  # fmt: skip
+        profile(
+            [
+                "--grid",
+                a.profile_grid,
+                "--repeats",
+                str(a.profile_repeats),
+                "--threads",
+                str(a.threads),
+                "--clock",
+                a.profile_clock,
+                "-o",
+                str(path),
+                *a.engine,
+            ],
+            a.threads,
+            out / f"profile-slice{i}.log",
+        )
         slices.append(path)
 
     spans: dict[str, list[Span]] = {}
@@ -449,27 +511,48 @@ def calibrated_variants(
         return dataclasses.replace(model, time_scale=scale, step_jitter_cv=cv)
 
     variants: list[tuple[str, str, Flags, int]] = [
-        (PRIMARY, "trace",
-         lambda c, r: (timed(trace_scales[r], trace_cvs[r]), queued), a.sim_seeds),
-        ("calibrated (c=1 TPOT scale, client gaps' jitter)", "tpot",
-         lambda c, r: (timed(tpot_scales[r], gap_cvs[r]), queued), a.sim_seeds),
-        ("calibrated (c=1 step-trace scale), independent way in", "random",
-         lambda c, r: (timed(trace_scales[r], trace_cvs[r]), independent), a.sim_seeds),
-        ("diagnostic: each cell's own step-trace scale", "oracle",
-         lambda c, r: (timed(speed_rounds[f"c{c}"][r], trace_cvs[r]), queued), 1),
-    ]  # fmt: skip
+        (
+            PRIMARY,
+            "trace",
+            lambda c, r: (timed(trace_scales[r], trace_cvs[r]), queued),
+            a.sim_seeds,
+        ),
+        (
+            "calibrated (c=1 TPOT scale, client gaps' jitter)",
+            "tpot",
+            lambda c, r: (timed(tpot_scales[r], gap_cvs[r]), queued),
+            a.sim_seeds,
+        ),
+        (
+            "calibrated (c=1 step-trace scale), independent way in",
+            "random",
+            lambda c, r: (timed(trace_scales[r], trace_cvs[r]), independent),
+            a.sim_seeds,
+        ),
+        (
+            "diagnostic: each cell's own step-trace scale",
+            "oracle",
+            lambda c, r: (timed(speed_rounds[f"c{c}"][r], trace_cvs[r]), queued),
+            1,
+        ),
+    ]
     facts = {
         "request_overhead_s": pooled.request_overhead_s,
-        "request_overhead_cv": pooled.request_overhead_cv, "way_in_s_per_token": way_in,
-        "trace_scale_by_round": trace_scales, "trace_step_jitter_cv_by_round": trace_cvs,
-        "tpot_scale_by_round": tpot_scales, "gap_jitter_cv_by_round": gap_cvs,
+        "request_overhead_cv": pooled.request_overhead_cv,
+        "way_in_s_per_token": way_in,
+        "trace_scale_by_round": trace_scales,
+        "trace_step_jitter_cv_by_round": trace_cvs,
+        "tpot_scale_by_round": tpot_scales,
+        "gap_jitter_cv_by_round": gap_cvs,
         "real_c1": pooled_metrics(paths),
-    }  # fmt: skip
-    print(f"calibration: request overhead {pooled.request_overhead_s * 1000:.1f} ms (CV "
-          f"{pooled.request_overhead_cv:.2f}), way in {way_in * 1e6:.2f} us/token on one thread; "
-          f"per round: step-trace scale {', '.join(f'{x:.3f}' for x in trace_scales)} (jitter CV "
-          f"{', '.join(f'{x:.3f}' for x in trace_cvs)}), TPOT scale "
-          f"{', '.join(f'{x:.3f}' for x in tpot_scales)}")  # fmt: skip
+    }
+    print(
+        f"calibration: request overhead {pooled.request_overhead_s * 1000:.1f} ms (CV "
+        f"{pooled.request_overhead_cv:.2f}), way in {way_in * 1e6:.2f} us/token on one thread; "
+        f"per round: step-trace scale {', '.join(f'{x:.3f}' for x in trace_scales)} (jitter CV "
+        f"{', '.join(f'{x:.3f}' for x in trace_cvs)}), TPOT scale "
+        f"{', '.join(f'{x:.3f}' for x in tpot_scales)}"
+    )
     return variants, facts
 
 
@@ -488,25 +571,38 @@ def main() -> int:
         shares, slices = saved["shares"], sorted(out.glob("profile-slice*.json"))
     if a.profile is None:
         a.profile = out / "profile-merged.json"
-        profile(["--merge", *map(str, slices), "-o", str(a.profile)], a.threads,
-                out / "profile-merge.log")  # fmt: skip
+        profile(
+            ["--merge", *map(str, slices), "-o", str(a.profile)],
+            a.threads,
+            out / "profile-merge.log",
+        )
     model = load_profile(a.profile)
     config = engine_config(a.engine)
     real = {c: pooled_metrics([run.real(f"c{c}", r) for r in rounds]) for c in concs}
     # Step times on the server against the profile, per cell: how fast the machine really
     # was while each load ran (a diagnostic: no prediction below uses a compared cell's steps).
     _, steps = read_trace(run.trace)
-    speed = {name: predicted_vs_measured(model, [s for x, y in sp for s in steps[x:y]]).to_dict()
-             for name, sp in spans.items()}  # fmt: skip
-    speed_rounds = {name: [predicted_vs_measured(model, steps[x:y]).ratio for x, y in sp]
-                    for name, sp in spans.items()}  # fmt: skip
+    speed = {
+        name: predicted_vs_measured(model, [s for x, y in sp for s in steps[x:y]]).to_dict()
+        for name, sp in spans.items()
+    }
+    speed_rounds = {
+        name: [predicted_vs_measured(model, steps[x:y]).ratio for x, y in sp]
+        for name, sp in spans.items()
+    }
     report: dict[str, Any] = {
-        "out_dir": str(out), "profile": str(a.profile), "profile_slices": [str(x) for x in slices],
-        "commit": os.environ.get("POISE_COMMIT") or _commit(), "rounds": a.rounds,
-        "server_cpu_share": shares, "step_time_vs_profile": speed,
-        "step_time_vs_profile_by_round": speed_rounds, "engine": a.engine, "threads": a.threads,
+        "out_dir": str(out),
+        "profile": str(a.profile),
+        "profile_slices": [str(x) for x in slices],
+        "commit": os.environ.get("POISE_COMMIT") or _commit(),
+        "rounds": a.rounds,
+        "server_cpu_share": shares,
+        "step_time_vs_profile": speed,
+        "step_time_vs_profile_by_round": speed_rounds,
+        "engine": a.engine,
+        "threads": a.threads,
         "real": real,
-    }  # fmt: skip
+    }
     # Each round is simulated as it was measured (its requests, its warm-up, a fresh closed
     # loop) with the calibration of the c=1 cells around it, and the rounds are pooled like
     # the real ones: the machine's speed moves between rounds.
@@ -519,16 +615,29 @@ def main() -> int:
 
     def simulate_cell(tag: str, name: str, c: int, models: Flags, seed: int) -> list[Path]:
         """One simulated measurement of cell c: a simulation per round, as the real rounds."""
-        return [simulate(run.load(c, seed=seed * 100 + r), config, *models(c, r),
-                         out / f"sim-{tag}-{a.profile.stem}-c{c}-r{r}-seed{seed}.yaml", name)
-                for r in rounds]  # fmt: skip
+        return [
+            simulate(
+                run.load(c, seed=seed * 100 + r),
+                config,
+                *models(c, r),
+                out / f"sim-{tag}-{a.profile.stem}-c{c}-r{r}-seed{seed}.yaml",
+                name,
+            )
+            for r in rounds
+        ]
 
-    md = [f"# sim vs real ({time.strftime('%Y-%m-%d %H:%M')}, threads {a.threads}, "
-          f"{a.rounds} rounds x {a.requests_per_stream} requests per stream, "
-          f"profile {a.profile.name})", ""]  # fmt: skip
-    md += ["### step time on the server / profile prediction, per cell (rounds; pooled wall, CPU)",
-           "", "| cell | rounds | pooled wall | pooled CPU | server CPU share |",
-           "|---|---|---|---|---|"]  # fmt: skip
+    md = [
+        f"# sim vs real ({time.strftime('%Y-%m-%d %H:%M')}, threads {a.threads}, "
+        f"{a.rounds} rounds x {a.requests_per_stream} requests per stream, "
+        f"profile {a.profile.name})",
+        "",
+    ]
+    md += [
+        "### step time on the server / profile prediction, per cell (rounds; pooled wall, CPU)",
+        "",
+        "| cell | rounds | pooled wall | pooled CPU | server CPU share |",
+        "|---|---|---|---|---|",
+    ]
     for name, d in speed.items():
         rs = ", ".join(f"{x:.3f}" for x in speed_rounds[name])
         cpu = "-" if d["cpu_ratio"] is None else f"{d['cpu_ratio']:.3f}"
@@ -537,23 +646,32 @@ def main() -> int:
     md += ["", spread_table(real), ""]
     target_ok: bool | None = None
     for name, tag, models, n_seeds in variants:
-        by_seed = {c: [simulate_cell(tag, name, c, models, seed) for seed in range(n_seeds)]
-                   for c in concs}  # fmt: skip
+        by_seed = {
+            c: [simulate_cell(tag, name, c, models, seed) for seed in range(n_seeds)] for c in concs
+        }
         section, ok = judge(name, real, by_seed, a.tolerance)
         report[name] = section
         report[name]["models_round0"] = {c: [m.describe() for m in models(c, 0)] for c in concs}
         md += section.pop("md")
         if tag == "trace":
-            classes = {c: (by_class([run.real(f"c{c}", r) for r in rounds]),
-                           by_class(by_seed[c][0])) for c in concs}  # fmt: skip
+            classes = {
+                c: (by_class([run.real(f"c{c}", r) for r in rounds]), by_class(by_seed[c][0]))
+                for c in concs
+            }
             report[name]["by_class"] = classes
             md += [class_table(f"{name}, by request class", classes), ""]
         if name == PRIMARY:
             target_ok = ok
-    report["target"] = {"variant": PRIMARY, "median_of_seeds": a.sim_seeds > 1,
-                        "within_tolerance": target_ok}  # fmt: skip
-    md.insert(2, f"**Target** ({PRIMARY}, median of {a.sim_seeds} seeds) within "
-                 f"±{a.tolerance:.0%}: **{'PASS' if target_ok else 'FAIL'}**\n")  # fmt: skip
+    report["target"] = {
+        "variant": PRIMARY,
+        "median_of_seeds": a.sim_seeds > 1,
+        "within_tolerance": target_ok,
+    }
+    md.insert(
+        2,
+        f"**Target** ({PRIMARY}, median of {a.sim_seeds} seeds) within "
+        f"±{a.tolerance:.0%}: **{'PASS' if target_ok else 'FAIL'}**\n",
+    )
     report["wall_s"] = round(time.monotonic() - t0, 1)
     (out / f"report-{a.profile.stem}.json").write_text(json.dumps(report, indent=1))
     (out / f"report-{a.profile.stem}.md").write_text("\n".join(md) + "\n")
@@ -573,10 +691,15 @@ def judge(
     for c in seeded:
         rows[c], k = compare(real[c], seeded[c][0], tolerance)
         ok = ok and k
-    speeds = [yaml.safe_load(runs[0][0].read_text())["provenance"].get(
-        "simulated_requests_per_wall_s") for runs in by_seed.values()]  # fmt: skip
-    section: dict[str, Any] = {"rows": rows, "within_tolerance": ok,
-                               "sim_requests_per_wall_s": speeds}  # fmt: skip
+    speeds = [
+        yaml.safe_load(runs[0][0].read_text())["provenance"].get("simulated_requests_per_wall_s")
+        for runs in by_seed.values()
+    ]
+    section: dict[str, Any] = {
+        "rows": rows,
+        "within_tolerance": ok,
+        "sim_requests_per_wall_s": speeds,
+    }
     md = [table(f"{name}, seed 0: {'PASS' if ok else 'FAIL'} at ±{tolerance:.0%}", rows), ""]
     n_seeds = len(next(iter(seeded.values())))
     if n_seeds > 1:
@@ -593,8 +716,14 @@ def judge(
                 row[m]["real_in_band"] = min(vals) <= real[c][m] <= max(vals)
             band_rows[c], ok = row, ok and k
         section["seeds"] = {"n": n_seeds, "rows": band_rows, "within_tolerance": ok}
-        md += [band_table(f"{name}, median over {n_seeds} simulator seeds: "
-                          f"{'PASS' if ok else 'FAIL'} at ±{tolerance:.0%}", band_rows), ""]  # fmt: skip
+        md += [
+            band_table(
+                f"{name}, median over {n_seeds} simulator seeds: "
+                f"{'PASS' if ok else 'FAIL'} at ±{tolerance:.0%}",
+                band_rows,
+            ),
+            "",
+        ]
     section["md"] = md
     return section, ok
 

@@ -95,9 +95,11 @@ class CellResult:
         def meets(d: Done) -> bool:
             ttft_t, tpot_t = targets[d.cls]
             return (
-                not d.rejected and d.ttft is not None and d.ttft <= ttft_t
+                not d.rejected
+                and d.ttft is not None
+                and d.ttft <= ttft_t
                 and (d.tpot is None or d.tpot <= tpot_t)
-            )  # fmt: skip
+            )
 
         out: dict[str, Any] = {
             "policy": self.policy,
@@ -122,10 +124,13 @@ class CellResult:
 
 def engine_kwargs(policy: str, args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = dict(
-        dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-        scheduling_policy=policy.split("+")[0], traffic_classes="none",
-    )  # fmt: skip
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_blocks=args.num_kv_blocks,
+        scheduling_policy=policy.split("+")[0],
+        traffic_classes="none",
+    )
     if policy in ("fifo+classes", "priority", "slo", "slo+controller"):
         kw["traffic_classes"] = (
             f"short:ttft_p95_ms={args.short_ttft_ms},tpot_p50_ms={args.tpot_ms},share=0.7;"
@@ -152,10 +157,15 @@ def make_requests(tok: Any, n: int, long_ratio: float, max_tokens: int, run_salt
 
 
 def run_cell(
-    core: Any, reqs: list[Any], max_tokens: int, *, concurrency: int | None,
-    arrivals: list[float] | None, steps: dict[str, float] | None = None,
+    core: Any,
+    reqs: list[Any],
+    max_tokens: int,
+    *,
+    concurrency: int | None,
+    arrivals: list[float] | None,
+    steps: dict[str, float] | None = None,
     use_priority: bool = False,
-) -> tuple[list[Done], float]:  # fmt: skip
+) -> tuple[list[Done], float]:
     """Closed loop (``concurrency``) or open loop (``arrivals``, seconds from the start)."""
     clock = core.clock
     done: list[Done] = []
@@ -166,8 +176,12 @@ def run_cell(
     def add(i: int, arrival: float) -> None:
         nonlocal in_flight
         cls, ids, prio = reqs[i]
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                priority=prio if use_priority else 0)  # fmt: skip
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            priority=prio if use_priority else 0,
+        )
         rid = f"r{i}-{start:.3f}"
         try:
             core.add_request(rid, ids, params, arrival_time=arrival)
@@ -201,16 +215,22 @@ def run_cell(
                 in_flight -= 1
                 m = derive(d.times) if d.times else None
                 i, cls = classes.pop(d.request_id)
-                done.append(Done(i, cls, m and m.ttft, m and m.tpot,
-                                 m.num_output_tokens if m else 0))  # fmt: skip
+                done.append(
+                    Done(i, cls, m and m.ttft, m and m.tpot, m.num_output_tokens if m else 0)
+                )
     return done, clock.now() - start
 
 
 def sim_cell(
-    engine_config: Any, cost: Any, reqs: list[Any], max_tokens: int, *, concurrency: int | None,
+    engine_config: Any,
+    cost: Any,
+    reqs: list[Any],
+    max_tokens: int,
+    *,
+    concurrency: int | None,
     arrivals: list[float] | None,
     use_priority: bool = False,
-) -> tuple[list[Done], float]:  # fmt: skip
+) -> tuple[list[Done], float]:
     from poise.sim.simulator import SimCell, SimRequest, simulate_cell
 
     sims = [
@@ -222,7 +242,7 @@ def sim_cell(
             class_name=cls,
             prompt_key=f"p{i}",
             priority=prio if use_priority else 0,
-        )  # fmt: skip
+        )
         for i, (cls, ids, prio) in enumerate(reqs)
     ]
     cell = SimCell(sims, concurrency=concurrency, open_loop=arrivals is not None)
@@ -285,8 +305,10 @@ def main() -> int:
     from poise.engine.llm import LLM
     from poise.text.tokenizer import load_tokenizer
 
-    targets = {"short": (args.short_ttft_ms / 1e3, args.tpot_ms / 1e3),
-               "long": (args.long_ttft_ms / 1e3, args.long_tpot_ms / 1e3)}  # fmt: skip
+    targets = {
+        "short": (args.short_ttft_ms / 1e3, args.tpot_ms / 1e3),
+        "long": (args.long_ttft_ms / 1e3, args.long_tpot_ms / 1e3),
+    }
     policies = args.policies.split(",")
     configs = {pol: EngineConfig.from_kwargs(**engine_kwargs(pol, args)) for pol in policies}
     cost = cost_model(args.simulate, args.dtype) if args.simulate else None
@@ -316,17 +338,29 @@ def main() -> int:
                 for pol in policies:
                     steps: dict[str, float] = {}
                     if args.simulate:
-                        done, secs = sim_cell(configs[pol], cost, reqs, args.max_tokens,
-                                              concurrency=conc, arrivals=arrivals,
-                                              use_priority=pol == "priority")  # fmt: skip
+                        done, secs = sim_cell(
+                            configs[pol],
+                            cost,
+                            reqs,
+                            args.max_tokens,
+                            concurrency=conc,
+                            arrivals=arrivals,
+                            use_priority=pol == "priority",
+                        )
                         mode = f"sim-{mode}" if not mode.startswith("sim-") else mode
                     else:
                         # One engine at a time: five KV pools at once would not fit beside
                         # the other processes of a shared machine.
                         core = LLM(args.model, **engine_kwargs(pol, args)).engine
-                        done, secs = run_cell(core, reqs, args.max_tokens, concurrency=conc,
-                                              arrivals=arrivals, steps=steps,
-                                              use_priority=pol == "priority")  # fmt: skip
+                        done, secs = run_cell(
+                            core,
+                            reqs,
+                            args.max_tokens,
+                            concurrency=conc,
+                            arrivals=arrivals,
+                            steps=steps,
+                            use_priority=pol == "priority",
+                        )
                         assert not core.has_unfinished_requests()
                         assert core.kv.num_free_blocks == core.kv.num_blocks  # no leak
                         del core

@@ -35,24 +35,35 @@ from poise import LLM, SamplingParams  # noqa: E402
 from poise.core.structured import StructuredOutputsParams  # noqa: E402
 from poise.workload import SHORT_PROMPT  # noqa: E402
 
-SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
-          "minItems": 500}  # fmt: skip
+SCHEMA = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0, "maximum": 999},
+    "minItems": 500,
+}
 
 
 def run(llm: LLM, prompt: list[int], batch: int, max_tokens: int, constrained: bool) -> dict:
     plain = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     first = plain
     if constrained:
-        first = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                               structured_outputs=StructuredOutputsParams(json=SCHEMA))  # fmt: skip
+        first = SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            structured_outputs=StructuredOutputsParams(json=SCHEMA),
+        )
     t0 = time.perf_counter()
     outs = llm.generate([prompt] * batch, [first] + [plain] * (batch - 1), use_tqdm=False)
     wall = time.perf_counter() - t0
     tpots = [o.metrics.tpot for o in outs[1:] if o.metrics and o.metrics.tpot is not None]
     own = outs[0].metrics.tpot if outs[0].metrics else None
-    return {"wall_s": wall, "others_tpot_s": statistics.fmean(tpots), "first_tpot_s": own,
-            "first_text": outs[0].outputs[0].text[:40],
-            "others_ids": [o.outputs[0].token_ids for o in outs[1:]]}  # fmt: skip
+    return {
+        "wall_s": wall,
+        "others_tpot_s": statistics.fmean(tpots),
+        "first_tpot_s": own,
+        "first_text": outs[0].outputs[0].text[:40],
+        "others_ids": [o.outputs[0].token_ids for o in outs[1:]],
+    }
 
 
 def mask_cost_ms(llm: LLM, batch: int, reps: int = 200) -> float:
@@ -91,17 +102,19 @@ def main() -> None:
     same = all(a["others_ids"] == b["others_ids"] for a, b in zip(*rows.values(), strict=True))
     med = {k: statistics.median(r["others_tpot_s"] for r in v) for k, v in rows.items()}
     report = {
-        "batch": args.batch, "max_tokens": args.max_tokens, "rounds": args.rounds,
-        "others_tpot_ms": {k: [round(r["others_tpot_s"] * 1e3, 2) for r in v]
-                           for k, v in rows.items()},
+        "batch": args.batch,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "others_tpot_ms": {
+            k: [round(r["others_tpot_s"] * 1e3, 2) for r in v] for k, v in rows.items()
+        },
         "median_others_tpot_ms": {k: round(v * 1e3, 2) for k, v in med.items()},
         "ratio_one_json_over_plain": round(med["one_json"] / med["plain"], 3),
-        "constrained_tpot_ms": [round((r["first_tpot_s"] or 0) * 1e3, 2)
-                                for r in rows["one_json"]],
+        "constrained_tpot_ms": [round((r["first_tpot_s"] or 0) * 1e3, 2) for r in rows["one_json"]],
         "constrained_text": rows["one_json"][0]["first_text"],
         "others_greedy_ids_equal": same,
         "mask_logits_ms_per_step": round(mask_cost_ms(llm, args.batch), 3),
-    }  # fmt: skip
+    }
     print(json.dumps(report, indent=1))
 
 

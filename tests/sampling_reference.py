@@ -9,9 +9,18 @@ from typing import Any
 import torch
 
 
-def greedy_reference(hf: Any, prompt: list[int], n: int, *, bias: dict[int, float] | None = None,
-                     freq: float = 0.0, pres: float = 0.0, rep: float = 1.0, min_tokens: int = 0,
-                     stops: tuple[int, ...] = ()) -> list[int]:  # fmt: skip
+def greedy_reference(
+    hf: Any,
+    prompt: list[int],
+    n: int,
+    *,
+    bias: dict[int, float] | None = None,
+    freq: float = 0.0,
+    pres: float = 0.0,
+    rep: float = 1.0,
+    min_tokens: int = 0,
+    stops: tuple[int, ...] = (),
+) -> list[int]:
     """``n`` greedy tokens after ``prompt``; the repetition penalty is transformers' own
     ``RepetitionPenaltyLogitsProcessor`` (prompt and output tokens), frequency and presence
     OpenAI's formula over the output tokens."""

@@ -209,8 +209,15 @@ def test_duration_closed_loop_cycles_a_bounded_sample(mock: Any) -> None:
     old = runner.CLOSED_LOOP_SAMPLE
     runner.CLOSED_LOOP_SAMPLE = 3  # force wrap-around within the short cell
     try:
-        rec = run(mock(ttft=0.005, tpot=0.001), concurrency=(2,), max_tokens=3,
-                  num_requests=None, duration=0.6, warmup=1, long_ratio=(0.5,))  # fmt: skip
+        rec = run(
+            mock(ttft=0.005, tpot=0.001),
+            concurrency=(2,),
+            max_tokens=3,
+            num_requests=None,
+            duration=0.6,
+            warmup=1,
+            long_ratio=(0.5,),
+        )
     finally:
         runner.CLOSED_LOOP_SAMPLE = old
     cell = rec.cells[0]
@@ -233,8 +240,14 @@ def test_checkpoint_keeps_finished_cells_when_interrupted(mock: Any, tmp_path: P
             raise KeyboardInterrupt  # the user gives up during the second cell
         return await real(*args, **kw)
 
-    cfg = BenchConfig(base_url=srv.base_url, concurrency=(1, 2), max_tokens=3, num_requests=2,
-                      warmup=0, scrape=False)  # fmt: skip
+    cfg = BenchConfig(
+        base_url=srv.base_url,
+        concurrency=(1, 2),
+        max_tokens=3,
+        num_requests=2,
+        warmup=0,
+        scrape=False,
+    )
     path = tmp_path / "partial.yaml"
     runner.run_cell = flaky  # type: ignore[assignment]
     try:

@@ -33,8 +33,17 @@ def test_floor_tiny_run_reports_every_figure(tmp_path: Path) -> None:
     model.mkdir()
     (model / "config.json").write_text(json.dumps(CONFIG))
     out = tmp_path / "floor.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "floor.py"), "--tiny",
-           "--model", f"dummy:{model}", "--batches", "1,4", "--json", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "floor.py"),
+        "--tiny",
+        "--model",
+        f"dummy:{model}",
+        "--batches",
+        "1,4",
+        "--json",
+        str(out),
+    ]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "=== tiny" in run.stdout and "x floor" in run.stdout
@@ -52,8 +61,13 @@ def test_floor_tiny_run_reports_every_figure(tmp_path: Path) -> None:
     assert formats["int8"]["weight_bytes"] < formats["bf16"]["weight_bytes"]
     assert formats["int4"]["weight_bytes"] < formats["bf16"]["weight_bytes"]
     for r in formats.values():
-        assert set(r["bytes_by_kind"]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj",
-                                           "lm_head"}  # fmt: skip
+        assert set(r["bytes_by_kind"]) == {
+            "qkv_proj",
+            "o_proj",
+            "gate_up_proj",
+            "down_proj",
+            "lm_head",
+        }
         assert sum(r["bytes_by_kind"].values()) == r["weight_bytes"]
         assert math.isclose(r["decode_floor_s"], r["weight_bytes"] / hw["read_bytes_per_s"])
         for b in ("1", "4"):

@@ -56,10 +56,17 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tok.save_pretrained(path)
     # 4096 positions: the seed's LONG prompt is ~3.3k tokens with this tokenizer.
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=4096,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
-    )  # fmt: skip
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tok),
+        max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).eval().save_pretrained(path, safe_serialization=True)
     return path
@@ -72,14 +79,31 @@ def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     port = free_port()
     log = tmp_path_factory.mktemp("bench-live") / "server.log"
     # A small KV pool (300 blocks of 16) so two long prompts at once force preemptions.
-    cmd = [sys.executable, "-m", "poise", "serve", str(tiny_dir), "--port", str(port),
-           "--num-kv-blocks", "300", "--max-num-seqs", "4", "--log-interval", "0",
-           "--served-model-name", "tiny"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "poise",
+        "serve",
+        str(tiny_dir),
+        "--port",
+        str(port),
+        "--num-kv-blocks",
+        "300",
+        "--max-num-seqs",
+        "4",
+        "--log-interval",
+        "0",
+        "--served-model-name",
+        "tiny",
+    ]
     with log.open("w") as out:
         proc = subprocess.Popen(
-            cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+            cmd,
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
             env=dict(os.environ, OMP_NUM_THREADS="1"),
-        )  # fmt: skip
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 180
@@ -104,10 +128,17 @@ def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 def test_live_matrix_record(server: str, tmp_path: Path) -> None:
     cfg = BenchConfig(
-        base_url=server + "/v1", concurrency=(2, 4), long_ratio=(0.0, 0.5), max_tokens=MAX_TOKENS,
-        num_requests=4, warmup=0, scrape_interval=0.02, gpu="cpu", timeout_s=120,
+        base_url=server + "/v1",
+        concurrency=(2, 4),
+        long_ratio=(0.0, 0.5),
+        max_tokens=MAX_TOKENS,
+        num_requests=4,
+        warmup=0,
+        scrape_interval=0.02,
+        gpu="cpu",
+        timeout_s=120,
         server_args={"num_kv_blocks": 300, "max_num_seqs": 4},
-    )  # fmt: skip
+    )
     t0 = time.monotonic()
     rec = asyncio.run(run_matrix(cfg))
     print(f"matrix took {time.monotonic() - t0:.1f} s")
@@ -151,8 +182,22 @@ def test_bench_cli_fills_server_args_and_gpu_from_the_server(server: str, tmp_pa
     from poise.cli import main
 
     out = tmp_path / "described.yaml"
-    argv = ["bench", "--base-url", server + "/v1", "--concurrency", "1", "--max-tokens", "4",
-            "--num-requests", "2", "--warmup", "0", "--no-progress", "-o", str(out)]  # fmt: skip
+    argv = [
+        "bench",
+        "--base-url",
+        server + "/v1",
+        "--concurrency",
+        "1",
+        "--max-tokens",
+        "4",
+        "--num-requests",
+        "2",
+        "--warmup",
+        "0",
+        "--no-progress",
+        "-o",
+        str(out),
+    ]
     assert main(argv) == 0
     exp = yaml.safe_load(out.read_text())["experiment"]
     args = exp["server_args"]

@@ -19,14 +19,31 @@ from poise.bench.live_view import FeedReader, render, sparkline
 
 
 def _point(**over: Any) -> dict[str, Any]:
-    point = {"t": 1.0, "running": 3, "waiting": 7, "kv_usage": 0.42, "token_budget": 512,
-             "preemptions": 2, "prefix_cache_hit_rate": 0.25, "steps_per_s": 9.5,
-             "prefill_tokens_per_s": 1200.0, "decode_tokens_per_s": 30.0,
-             "prefill_requests_per_step": 0.5, "decode_requests_per_step": 3.0,
-             "budget_utilisation": 0.8, "first_tokens": 4, "ttft_mean": 0.25, "ttft_max": 0.9,
-             "ttft_parts_mean": {"ingress": 0.01, "queue": 0.14, "prefill_compute": 0.08,
-                                 "first_token_sched": 0.02},
-             "slo_ttft_attainment": {"interactive": 0.93}}  # fmt: skip
+    point = {
+        "t": 1.0,
+        "running": 3,
+        "waiting": 7,
+        "kv_usage": 0.42,
+        "token_budget": 512,
+        "preemptions": 2,
+        "prefix_cache_hit_rate": 0.25,
+        "steps_per_s": 9.5,
+        "prefill_tokens_per_s": 1200.0,
+        "decode_tokens_per_s": 30.0,
+        "prefill_requests_per_step": 0.5,
+        "decode_requests_per_step": 3.0,
+        "budget_utilisation": 0.8,
+        "first_tokens": 4,
+        "ttft_mean": 0.25,
+        "ttft_max": 0.9,
+        "ttft_parts_mean": {
+            "ingress": 0.01,
+            "queue": 0.14,
+            "prefill_compute": 0.08,
+            "first_token_sched": 0.02,
+        },
+        "slo_ttft_attainment": {"interactive": 0.93},
+    }
     return point | over
 
 
@@ -38,8 +55,12 @@ def _text(renderable: Any) -> str:
 
 def test_the_view_shows_the_latest_point_and_the_history() -> None:
     reader = FeedReader("http://127.0.0.1:1")
-    reader.config = {"model": "m", "dtype": "bfloat16", "device": "cpu",
-                     "engine_config": {"max_num_batched_tokens": 512, "max_num_seqs": 8}}  # fmt: skip
+    reader.config = {
+        "model": "m",
+        "dtype": "bfloat16",
+        "device": "cpu",
+        "engine_config": {"max_num_batched_tokens": 512, "max_num_seqs": 8},
+    }
     reader.points.extend([_point(waiting=1, preemptions=1), _point()])
     text = _text(render(reader))
     assert "m · bfloat16 · cpu" in text and "max_num_batched_tokens=512" in text
@@ -111,8 +132,22 @@ def test_bench_cli_live_draws_the_server_view(tmp_path: Path, capsys: Any) -> No
 
     out = tmp_path / "live.yaml"
     with _poise_server(0.05) as server:
-        argv = ["bench", "--base-url", server.base_url, "--concurrency", "2", "--num-requests",
-                "6", "--warmup", "0", "--max-tokens", "16", "--live", "-o", str(out)]  # fmt: skip
+        argv = [
+            "bench",
+            "--base-url",
+            server.base_url,
+            "--concurrency",
+            "2",
+            "--num-requests",
+            "6",
+            "--warmup",
+            "0",
+            "--max-tokens",
+            "16",
+            "--live",
+            "-o",
+            str(out),
+        ]
         assert main(argv) == 0
     err = capsys.readouterr().err
     assert "running / waiting" in err and "decode" in err  # the server's view, drawn

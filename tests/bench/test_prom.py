@@ -121,8 +121,10 @@ def test_window_summary_uses_counter_deltas_and_gauges_inside() -> None:
 
 def test_prefix_cache_hit_rate_is_the_window_delta_of_the_counters() -> None:
     def text(hits: int, queries: int) -> str:
-        return (f"poise:prefix_cache_hits_total{{model_name=\"m\"}} {hits}\n"
-                f"poise:prefix_cache_queries_total{{model_name=\"m\"}} {queries}\n")  # fmt: skip
+        return (
+            f'poise:prefix_cache_hits_total{{model_name="m"}} {hits}\n'
+            f'poise:prefix_cache_queries_total{{model_name="m"}} {queries}\n'
+        )
 
     a = map_scrape(0.0, text(100, 1000), ADAPTERS["poise"])
     b = map_scrape(2.0, text(400, 1600), ADAPTERS["poise"])

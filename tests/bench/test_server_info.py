@@ -20,21 +20,39 @@ def test_vllm_config_info_gauge_labels_become_server_args() -> None:
 
 
 def test_sglang_and_tgi_endpoints() -> None:
-    sg = from_sglang({"model_path": "q", "tp_size": 1, "chunked_prefill_size": 8192,
-                      "version": "0.5.0", "internal_states": [{}]})  # fmt: skip
+    sg = from_sglang(
+        {
+            "model_path": "q",
+            "tp_size": 1,
+            "chunked_prefill_size": 8192,
+            "version": "0.5.0",
+            "internal_states": [{}],
+        }
+    )
     assert sg is not None and sg.version == "0.5.0"
     assert sg.server_args == {"model_path": "q", "tp_size": 1, "chunked_prefill_size": 8192}
-    tgi = from_tgi({"model_id": "m", "model_dtype": "torch.float16", "version": "3.0.0",
-                    "max_batch_prefill_tokens": 4096})  # fmt: skip
+    tgi = from_tgi(
+        {
+            "model_id": "m",
+            "model_dtype": "torch.float16",
+            "version": "3.0.0",
+            "max_batch_prefill_tokens": 4096,
+        }
+    )
     assert tgi is not None and tgi.version == "3.0.0"
     assert tgi.server_args["max_batch_prefill_tokens"] == 4096 and tgi.gpu is None
     assert from_tgi({"version": "x"}) is None and from_sglang({"model_id": "m"}) is None
 
 
 def test_poise_effective_values_replace_configured_ones() -> None:
-    data = {"engine": "poise", "version": "0.1.0", "dtype": "bfloat16", "device": "cpu",
-            "engine_config": {"dtype": "auto", "max_num_seqs": 8},
-            "hardware": {"summary": "cpu: X (2 cores)"}}  # fmt: skip
+    data = {
+        "engine": "poise",
+        "version": "0.1.0",
+        "dtype": "bfloat16",
+        "device": "cpu",
+        "engine_config": {"dtype": "auto", "max_num_seqs": 8},
+        "hardware": {"summary": "cpu: X (2 cores)"},
+    }
     info = from_poise(data)
     assert info is not None and info.gpu == "cpu: X (2 cores)"
     assert info.server_args == {"dtype": "bfloat16", "max_num_seqs": 8, "device": "cpu"}

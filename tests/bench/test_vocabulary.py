@@ -38,8 +38,23 @@ def test_open_loop_sends_more_than_eight_at_once(mock: Any, tmp_path: Path) -> N
     srv = mock(ttft=0.6, tpot=0.001)
     out = tmp_path / "r.yaml"
     root = srv.base_url.removesuffix("/v1")  # the server's root: /v1 is added
-    argv = ["bench", "--base-url", root, "--request-rate", "200", "--num-requests", "20",
-            "--warmup", "0", "--max-tokens", "2", "--no-scrape", "--no-progress", "-o", str(out)]  # fmt: skip
+    argv = [
+        "bench",
+        "--base-url",
+        root,
+        "--request-rate",
+        "200",
+        "--num-requests",
+        "20",
+        "--warmup",
+        "0",
+        "--max-tokens",
+        "2",
+        "--no-scrape",
+        "--no-progress",
+        "-o",
+        str(out),
+    ]
     assert main(argv) == 0
     assert srv.state.peak_running > 8
     cell = yaml.safe_load(out.read_text())["results"][0]
@@ -63,17 +78,45 @@ def test_base_url_with_or_without_v1() -> None:
 def test_old_spellings_work_and_say_they_are_deprecated(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cfg = bench_config(["--base-url", "http://h:1", "--seed", "3", "--timeout", "30",
-                        "--slo-ttft-ms", "500,long=5000", "--slo-tpot-ms", "40"])  # fmt: skip
+    cfg = bench_config(
+        [
+            "--base-url",
+            "http://h:1",
+            "--seed",
+            "3",
+            "--timeout",
+            "30",
+            "--slo-ttft-ms",
+            "500,long=5000",
+            "--slo-tpot-ms",
+            "40",
+        ]
+    )
     assert cfg.seed == 3 and cfg.timeout_s == 30.0
     assert cfg.slo_ttft_ms == 500 and cfg.class_slo_ttft_ms == {"long": 5000.0}
     assert cfg.slo_tpot_ms == 40
     err = capsys.readouterr().err
-    for old, new in (("--seed", "--workload-seed"), ("--timeout", "--request-timeout"),
-                     ("--slo-ttft-ms", "--slo-ttft-p95-ms"), ("--slo-tpot-ms", "--slo-tpot-p50-ms")):  # fmt: skip
+    for old, new in (
+        ("--seed", "--workload-seed"),
+        ("--timeout", "--request-timeout"),
+        ("--slo-ttft-ms", "--slo-ttft-p95-ms"),
+        ("--slo-tpot-ms", "--slo-tpot-p50-ms"),
+    ):
         assert f"poise bench: {old} is deprecated, use {new}" in err
-    new = bench_config(["--base-url", "http://h:1", "--workload-seed", "3", "--request-timeout",
-                        "30", "--slo-ttft-p95-ms", "500,long=5000", "--slo-tpot-p50-ms", "40"])  # fmt: skip
+    new = bench_config(
+        [
+            "--base-url",
+            "http://h:1",
+            "--workload-seed",
+            "3",
+            "--request-timeout",
+            "30",
+            "--slo-ttft-p95-ms",
+            "500,long=5000",
+            "--slo-tpot-p50-ms",
+            "40",
+        ]
+    )
     assert new == cfg and capsys.readouterr().err == ""
     args = build_parser().parse_args(["simulate", "--output", "x.yaml", "--plot"])
     assert args.out == "x.yaml" and args.plots is True
@@ -84,8 +127,20 @@ def test_old_spellings_work_and_say_they_are_deprecated(
 
 
 def test_every_lab_command_takes_the_same_workload_flags() -> None:
-    common = ["--class", "chat:1:20:8", "--request-rate", "5", "--concurrency", "2",
-              "--workload-seed", "7", "--request-timeout", "9", "--max-tokens", "8"]  # fmt: skip
+    common = [
+        "--class",
+        "chat:1:20:8",
+        "--request-rate",
+        "5",
+        "--concurrency",
+        "2",
+        "--workload-seed",
+        "7",
+        "--request-timeout",
+        "9",
+        "--max-tokens",
+        "8",
+    ]
     from poise.cli.lab_options import workload_from_args
 
     specs = []
@@ -117,9 +172,23 @@ def test_user_mix_replaces_the_base_and_bad_values_are_errors(
 def test_simulate_takes_the_same_workload_and_refuses_what_it_cannot_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    base = ["simulate", "--accelerator", "a10", "--model-shape", "SmolLM2-135M-Instruct",
-            "--request-rate", "40", "--num-requests", "12", "--warmup", "0", "--max-tokens", "16",
-            "--class", "a:1:100:16"]  # fmt: skip
+    base = [
+        "simulate",
+        "--accelerator",
+        "a10",
+        "--model-shape",
+        "SmolLM2-135M-Instruct",
+        "--request-rate",
+        "40",
+        "--num-requests",
+        "12",
+        "--warmup",
+        "0",
+        "--max-tokens",
+        "16",
+        "--class",
+        "a:1:100:16",
+    ]
     out = tmp_path / "ok.yaml"
     assert main([*base, "--slo-ttft-p95-ms", "1000,a=0.001", "-o", str(out)]) == 0
     ov = yaml.safe_load(out.read_text())["results"][0]["metrics"]["overall"]
@@ -132,8 +201,20 @@ def test_simulate_takes_the_same_workload_and_refuses_what_it_cannot_model(
     capsys.readouterr()
     assert main([*base, "--temperature", "0.7"]) == 2
     assert "need a live server" in capsys.readouterr().err
-    tune = ["tune", "--simulate", "--accelerator", "h100", "--model-shape", "Qwen2.5-7B-Instruct",
-            "--device", "cuda", "--slo-ttft-p95-ms", "500", "--no-ignore-eos",
-            "--out", str(tmp_path / "t")]  # fmt: skip
+    tune = [
+        "tune",
+        "--simulate",
+        "--accelerator",
+        "h100",
+        "--model-shape",
+        "Qwen2.5-7B-Instruct",
+        "--device",
+        "cuda",
+        "--slo-ttft-p95-ms",
+        "500",
+        "--no-ignore-eos",
+        "--out",
+        str(tmp_path / "t"),
+    ]
     assert main(tune) == 2
     assert "need a live server" in capsys.readouterr().err

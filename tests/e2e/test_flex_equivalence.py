@@ -19,8 +19,9 @@ def expected(tiny_llama_dir: Path) -> list[list[int]]:
 def test_flex_mixed_steps_and_chunks_equal_transformers(
     tiny_llama_dir: Path, expected: list[list[int]]
 ) -> None:
-    got, llm = poise_outputs(tiny_llama_dir, make_prompts(), attention_backend="flex",
-                             max_num_batched_tokens=32)  # fmt: skip
+    got, llm = poise_outputs(
+        tiny_llama_dir, make_prompts(), attention_backend="flex", max_num_batched_tokens=32
+    )
     assert llm.model_info.attention_backend == "flex"
     assert got == expected
 
@@ -29,9 +30,14 @@ def test_flex_under_preemption_and_prefix_caching(
     tiny_llama_dir: Path, expected: list[list[int]]
 ) -> None:
     got, llm = poise_outputs(
-        tiny_llama_dir, make_prompts(), attention_backend="flex", num_kv_blocks=12,
-        block_size=8, safety_margin=0.0, enable_prefix_caching=True,
-    )  # fmt: skip
+        tiny_llama_dir,
+        make_prompts(),
+        attention_backend="flex",
+        num_kv_blocks=12,
+        block_size=8,
+        safety_margin=0.0,
+        enable_prefix_caching=True,
+    )
     assert llm.engine.scheduler.num_preemptions_total > 0
     assert got == expected
     assert llm.engine.kv.num_free_blocks == 12
@@ -42,8 +48,11 @@ def test_embedded_model_answers_equal_the_default_backend() -> None:
     from poise.core import SamplingParams
     from poise.engine.llm import LLM
 
-    prompts = ["What is the capital of France?", "Write a haiku about rain.",
-               "List three prime numbers."]  # fmt: skip
+    prompts = [
+        "What is the capital of France?",
+        "Write a haiku about rain.",
+        "List three prime numbers.",
+    ]
     params = SamplingParams(max_tokens=24, temperature=0.0)
     answers = []
     for backend in ("auto", "flex"):

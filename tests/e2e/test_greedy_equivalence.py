@@ -142,13 +142,24 @@ def test_invariance_under_preemption(
     tiny_llama_dir: Path, llama_reference: list[list[int]]
 ) -> None:
     # 12 blocks of 8 tokens: far less than 11 requests need at once.
-    runs = ((False, "fifo", None), (True, "fifo", None), (True, "slo", None),
-            (False, "priority", None), (True, "fifo", NGRAM_FIXED))  # fmt: skip
+    runs = (
+        (False, "fifo", None),
+        (True, "fifo", None),
+        (True, "slo", None),
+        (False, "priority", None),
+        (True, "fifo", NGRAM_FIXED),
+    )
     for caching, policy, spec in runs:
         got, llm = poise_outputs(
-            tiny_llama_dir, make_prompts(), num_kv_blocks=12, block_size=8, safety_margin=0.0,
-            enable_prefix_caching=caching, scheduling_policy=policy, speculative_config=spec,
-        )  # fmt: skip
+            tiny_llama_dir,
+            make_prompts(),
+            num_kv_blocks=12,
+            block_size=8,
+            safety_margin=0.0,
+            enable_prefix_caching=caching,
+            scheduling_policy=policy,
+            speculative_config=spec,
+        )
         assert llm.engine.scheduler.num_preemptions_total > 0
         assert got == llama_reference
         assert llm.engine.kv.num_free_blocks == 12
@@ -170,10 +181,14 @@ def test_invariance_with_per_request_priorities_and_classes(
     """SamplingParams carry priority, class and SLO overrides in the offline API."""
     prompts = make_prompts()
     llm = LLM(
-        model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256, max_num_seqs=2,
-        scheduling_policy="slo", traffic_classes="chat:ttft_p95_ms=500;docs:ttft_p95_ms=9000",
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        num_kv_blocks=256,
+        max_num_seqs=2,
+        scheduling_policy="slo",
+        traffic_classes="chat:ttft_p95_ms=500;docs:ttft_p95_ms=9000",
         attention_backend=ATTENTION_BACKEND,
-    )  # fmt: skip
+    )
     params = [
         SamplingParams(
             max_tokens=MAX_NEW,
@@ -182,7 +197,7 @@ def test_invariance_with_per_request_priorities_and_classes(
             priority=i % 3,
             traffic_class="docs" if i % 2 else "chat",
             ttft_slo_ms=None if i % 4 else 50.0,
-        )  # fmt: skip
+        )
         for i in range(len(prompts))
     ]
     outs = llm.generate(prompts, params)

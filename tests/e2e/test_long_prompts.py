@@ -32,10 +32,19 @@ def long_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(
-        hidden_size=384, intermediate_size=256, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048, rms_norm_eps=1e-6,
-        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        hidden_size=384,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
@@ -76,9 +85,13 @@ def test_long_prompts_equal_transformers(
     kwargs: dict[str, object], long_llama_dir: Path, long_reference: list[list[int]]
 ) -> None:
     llm = LLM(
-        model=str(long_llama_dir), dtype="float32", attention_backend="cpu", num_kv_blocks=512,
-        block_size=16, **kwargs,
-    )  # fmt: skip
+        model=str(long_llama_dir),
+        dtype="float32",
+        attention_backend="cpu",
+        num_kv_blocks=512,
+        block_size=16,
+        **kwargs,
+    )
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(long_prompts(), params, use_tqdm=False)]
     assert got == long_reference

@@ -32,7 +32,7 @@ def test_seeded_sampling_is_unchanged_by_speculation(tiny_llama_dir: Path) -> No
             seed=2,
             repetition_penalty=1.2,
             ignore_eos=True,
-        ),  # fmt: skip
+        ),
         SamplingParams(
             max_tokens=24,
             temperature=0.5,
@@ -41,12 +41,13 @@ def test_seeded_sampling_is_unchanged_by_speculation(tiny_llama_dir: Path) -> No
             frequency_penalty=0.3,
             ignore_eos=True,
             logprobs=2,
-        ),  # fmt: skip
+        ),
     ]
     outs = {}
     for spec in (None, SPEC):
-        llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128,
-                  speculative_config=spec)  # fmt: skip
+        llm = LLM(
+            model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, speculative_config=spec
+        )
         got = llm.generate(prompts, params)
         outs[spec is not None] = [o.outputs[0] for o in got]
         if spec is not None:

@@ -32,5 +32,12 @@ def pid_gone(pid: int) -> bool:
 
 @pytest.fixture
 def tiny_workload() -> WorkloadSpec:
-    return WorkloadSpec(concurrency=(4,), long_ratio=(0.0,), max_tokens=32, num_requests=8,
-                       warmup=2, long_repeat=5, timeout_s=30)  # fmt: skip
+    return WorkloadSpec(
+        concurrency=(4,),
+        long_ratio=(0.0,),
+        max_tokens=32,
+        num_requests=8,
+        warmup=2,
+        long_repeat=5,
+        timeout_s=30,
+    )

@@ -34,8 +34,9 @@ _PARENT = _SPIN + textwrap.dedent(f"""
 
 
 def test_split_counts_the_busiest_thread_of_each_engine_process_as_the_engine() -> None:
-    proc = subprocess.Popen([sys.executable, "-c", _PARENT], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdin is not None and proc.stdout is not None
     try:
         child = int(proc.stdout.readline())

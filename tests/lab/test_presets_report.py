@@ -71,13 +71,20 @@ def test_policy_preset_is_a_policy_pair() -> None:
 
 
 def _m(ttft: float, tpot: float, short: float, thr: float = 100.0) -> CellMetrics:
-    return CellMetrics(ttft_p95_ms=ttft, tpot_p50_ms=tpot, output_tokens_per_s=thr, num_requests=8,
-                       class_ttft_p95_ms={"short": short})  # fmt: skip
+    return CellMetrics(
+        ttft_p95_ms=ttft,
+        tpot_p50_ms=tpot,
+        output_tokens_per_s=thr,
+        num_requests=8,
+        class_ttft_p95_ms={"short": short},
+    )
 
 
 def test_questions_answered_from_numbers() -> None:
-    specs = [ServerSpec("f", args={"max_num_seqs": 4}),
-             ServerSpec("p", args={"max_num_seqs": 4, "scheduling_policy": "prefill_first"})]  # fmt: skip
+    specs = [
+        ServerSpec("f", args={"max_num_seqs": 4}),
+        ServerSpec("p", args={"max_num_seqs": 4, "scheduling_policy": "prefill_first"}),
+    ]
     work = WorkloadSpec(concurrency=(4,), long_ratio=(0.0, 0.5))
     grid = {
         "f": {"c4-long0": _m(100, 20, 100), "c4-long0.5": _m(900, 20, 400)},
@@ -96,8 +103,14 @@ def test_questions_answered_from_numbers() -> None:
 def test_mixed_long_ratio_effect_is_called_mixed() -> None:
     specs = [ServerSpec("f", args={"max_num_seqs": 4})]
     work = WorkloadSpec(concurrency=(2, 4), long_ratio=(0.0, 0.5))
-    grid = {"f": {"c2-long0": _m(100, 20, 100), "c2-long0.5": _m(90, 20, 60),
-                  "c4-long0": _m(100, 20, 100), "c4-long0.5": _m(300, 20, 300)}}  # fmt: skip
+    grid = {
+        "f": {
+            "c2-long0": _m(100, 20, 100),
+            "c2-long0.5": _m(90, 20, 60),
+            "c4-long0": _m(100, 20, 100),
+            "c4-long0.5": _m(300, 20, 300),
+        }
+    }
     text = "\n".join(answer_questions(SweepResult(Path("."), specs, work, []), grid))
     assert "Mixed: short requests' TTFT p95 moved by x0.6" in text and "x3.0" in text
 

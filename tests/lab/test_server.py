@@ -13,8 +13,12 @@ from tests.lab.conftest import MOCK_TEMPLATE, pid_gone
 
 
 def spec(**kw: object) -> ServerSpec:
-    base = dict(name="mock", command=MOCK_TEMPLATE,
-                args={"max_num_batched_tokens": 512, "max_num_seqs": 4}, startup_timeout_s=30)  # fmt: skip
+    base = dict(
+        name="mock",
+        command=MOCK_TEMPLATE,
+        args={"max_num_batched_tokens": 512, "max_num_seqs": 4},
+        startup_timeout_s=30,
+    )
     base.update(kw)
     return ServerSpec(**base)  # type: ignore[arg-type]
 
@@ -53,8 +57,9 @@ def test_early_exit_is_reported_with_log(tmp_path: Path) -> None:
 
 
 def test_not_ready_times_out_and_stops(tmp_path: Path) -> None:
-    never = spec(command=f"{sys.executable} -c 'import time; time.sleep(60)' {{port}}",
-                 startup_timeout_s=1.0)  # fmt: skip
+    never = spec(
+        command=f"{sys.executable} -c 'import time; time.sleep(60)' {{port}}", startup_timeout_s=1.0
+    )
     srv = ManagedServer(never, tmp_path / "log")
     with pytest.raises(ServerStartError, match="not ready"), srv:
         pass
@@ -62,10 +67,19 @@ def test_not_ready_times_out_and_stops(tmp_path: Path) -> None:
 
 
 def test_command_lines() -> None:
-    args = {"max_num_seqs": 16, "enable_chunked_prefill": False, "scheduling_policy": "prefill_first",
-            "kv_cache_memory_bytes": None}  # fmt: skip
-    assert args_to_flags(args) == ["--max-num-seqs", "16", "--no-enable-chunked-prefill",
-                                   "--scheduling-policy", "prefill-first"]  # fmt: skip
+    args = {
+        "max_num_seqs": 16,
+        "enable_chunked_prefill": False,
+        "scheduling_policy": "prefill_first",
+        "kv_cache_memory_bytes": None,
+    }
+    assert args_to_flags(args) == [
+        "--max-num-seqs",
+        "16",
+        "--no-enable-chunked-prefill",
+        "--scheduling-policy",
+        "prefill-first",
+    ]
     assert (
         poise_serve_command("m.gguf", {"max_num_seqs": 4}) == "poise serve m.gguf --max-num-seqs 4"
     )

@@ -26,15 +26,22 @@ def mock_specs() -> list[ServerSpec]:
             args={"max_num_batched_tokens": b, "max_num_seqs": 4},
             startup_timeout_s=30,
             grace_s=2,
-        )  # fmt: skip
+        )
         for name, b in (("small", 512), ("big", 1024))
     ]
 
 
 @pytest.fixture
 def two_cells() -> WorkloadSpec:
-    return WorkloadSpec(concurrency=(2,), long_ratio=(0.0, 0.5), max_tokens=16, num_requests=4,
-                       warmup=1, long_repeat=5, timeout_s=30)  # fmt: skip
+    return WorkloadSpec(
+        concurrency=(2,),
+        long_ratio=(0.0, 0.5),
+        max_tokens=16,
+        num_requests=4,
+        warmup=1,
+        long_repeat=5,
+        timeout_s=30,
+    )
 
 
 def test_sweep_report_plots_and_resume(tmp_path: Path, two_cells: WorkloadSpec) -> None:
@@ -90,10 +97,20 @@ def test_config_files(tmp_path: Path) -> None:
     (tmp_path / "a.yaml").write_text(
         yaml.safe_dump({"max_num_seqs": 8, "max-num-batched-tokens": 1024})
     )
-    (tmp_path / "multi.yaml").write_text(yaml.safe_dump({"configs": [
-        {"name": "vllm-b", "command": "vllm serve M --port {port}", "base_url": "http://127.0.0.1:{port}/v1"},
-        {"name": "p", "args": {"scheduling_policy": "prefill-first"}},
-    ]}))  # fmt: skip
+    (tmp_path / "multi.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "configs": [
+                    {
+                        "name": "vllm-b",
+                        "command": "vllm serve M --port {port}",
+                        "base_url": "http://127.0.0.1:{port}/v1",
+                    },
+                    {"name": "p", "args": {"scheduling_policy": "prefill-first"}},
+                ]
+            }
+        )
+    )
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"max_num_seqs": 0}))
     (a,) = load_specs(tmp_path / "a.yaml")
     assert a.name == "a" and a.args == {"max_num_seqs": 8, "max_num_batched_tokens": 1024}
@@ -115,10 +132,18 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tok = AutoTokenizer.from_pretrained(str(_cached_tokenizer_dir()), local_files_only=True)
     path = tmp_path_factory.mktemp("lab-tiny-llama")
     tok.save_pretrained(path)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
-                         max_position_embeddings=1024, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, tie_word_embeddings=True)  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tok),
+        max_position_embeddings=1024,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.float32).eval().save_pretrained(path, safe_serialization=True)
     return path
@@ -134,10 +159,21 @@ def test_acceptance_two_poise_configs_two_cells(
         "max_num_batched_tokens": 256,
     }
     specs = [
-        ServerSpec("fifo", model=str(tiny_llama), args=dict(common), env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=120),
-        ServerSpec("prefill-first", model=str(tiny_llama), args={**common, "scheduling_policy": "prefill_first"},
-                   env={"OMP_NUM_THREADS": "1"}, startup_timeout_s=120),
-    ]  # fmt: skip
+        ServerSpec(
+            "fifo",
+            model=str(tiny_llama),
+            args=dict(common),
+            env={"OMP_NUM_THREADS": "1"},
+            startup_timeout_s=120,
+        ),
+        ServerSpec(
+            "prefill-first",
+            model=str(tiny_llama),
+            args={**common, "scheduling_policy": "prefill_first"},
+            env={"OMP_NUM_THREADS": "1"},
+            startup_timeout_s=120,
+        ),
+    ]
     res = run_sweep(specs, two_cells, tmp_path, slo_ttft_ms=5000.0)
     for o in res.outcomes:
         assert o.error is None, o.error
@@ -154,6 +190,11 @@ def test_acceptance_two_poise_configs_two_cells(
 def test_cli_sweep_help_runs() -> None:
     import subprocess
 
-    out = subprocess.run([sys.executable, "-m", "poise", "sweep", "--help"], capture_output=True,
-                         text=True, env={**os.environ}, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "poise", "sweep", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ},
+        timeout=60,
+    )
     assert out.returncode == 0 and "--preset" in out.stdout

@@ -24,8 +24,9 @@ def probe_for(tmp_path: Path, workload: WorkloadSpec, extra: str = "") -> LivePr
 
 def settings(slo: float) -> TuneSettings:
     # As `poise tune --command-template` sets them: the scripted engine takes no policy.
-    return TuneSettings(slo, budgets=(512, 1024, 2048), seqs=(4,), try_policies=False,
-                        slo_scheduling=False)  # fmt: skip
+    return TuneSettings(
+        slo, budgets=(512, 1024, 2048), seqs=(4,), try_policies=False, slo_scheduling=False
+    )
 
 
 def test_tune_over_http_finds_the_largest_budget_within_slo(
@@ -36,8 +37,10 @@ def test_tune_over_http_finds_the_largest_budget_within_slo(
     assert result.throughput_first is not None and result.latency_first is not None
     assert result.throughput_first.candidate.max_num_batched_tokens == 1024
     assert result.latency_first.candidate.max_num_batched_tokens == 512
-    assert any(d.startswith("budget 1024 -> 2048") and "> SLO 200 ms: back off" in d
-               for d in result.decisions)  # fmt: skip
+    assert any(
+        d.startswith("budget 1024 -> 2048") and "> SLO 200 ms: back off" in d
+        for d in result.decisions
+    )
     # One server per probed config, every one of them stopped.
     assert len(probe.pids) == 3 and all(pid_gone(p) for p in probe.pids)
     # Resume: a second tuner on the same folder measures nothing again.
@@ -69,9 +72,27 @@ def test_tune_cli_against_a_command_template(
 ) -> None:
     from poise.cli import main
 
-    argv = ["tune", "--slo-ttft-p95-ms", "200", "--command-template", MOCK_TEMPLATE,
-            "--budgets", "512,1024,2048", "--seqs", "4", "--concurrency", "4", "--max-tokens", "32",
-            "--num-requests", "8", "--warmup", "2", "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "tune",
+        "--slo-ttft-p95-ms",
+        "200",
+        "--command-template",
+        MOCK_TEMPLATE,
+        "--budgets",
+        "512,1024,2048",
+        "--seqs",
+        "4",
+        "--concurrency",
+        "4",
+        "--max-tokens",
+        "32",
+        "--num-requests",
+        "8",
+        "--warmup",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "does not pass scheduling_policy: not tuned" in out

@@ -25,8 +25,14 @@ def slo_engine(c: Candidate) -> CellMetrics:
     """fifo as the mock engine; policy slo with classes cuts TTFT p95 by 40 %, more so the
     larger the first class's share (best at 0.9); the controller costs 1 % throughput and
     cuts the tail further only at the tightest target."""
-    m = mock_metrics(c.with_(scheduling_policy="fifo", traffic_classes=None,
-                             token_budget_controller=False, target_tpot_ms=None))  # fmt: skip
+    m = mock_metrics(
+        c.with_(
+            scheduling_policy="fifo",
+            traffic_classes=None,
+            token_budget_controller=False,
+            target_tpot_ms=None,
+        )
+    )
     if c.scheduling_policy != "slo" or c.traffic_classes is None:
         return m
     share = load_classes(c.traffic_classes).classes[0].share
@@ -35,10 +41,16 @@ def slo_engine(c: Candidate) -> CellMetrics:
     if c.token_budget_controller:
         thr = thr * 0.99  # type: ignore[operator]
         ttft *= 0.8 if c.target_tpot_ms is not None and c.target_tpot_ms < 40 else 1.0
-    return CellMetrics(ttft_p50_ms=ttft * 0.6, ttft_p95_ms=ttft, tpot_p50_ms=m.tpot_p50_ms,
-                       e2e_p95_ms=m.e2e_p95_ms, output_tokens_per_s=thr,
-                       kv_usage_peak=m.kv_usage_peak, preemptions=m.preemptions,
-                       num_requests=m.num_requests)  # fmt: skip
+    return CellMetrics(
+        ttft_p50_ms=ttft * 0.6,
+        ttft_p95_ms=ttft,
+        tpot_p50_ms=m.tpot_p50_ms,
+        e2e_p95_ms=m.e2e_p95_ms,
+        output_tokens_per_s=thr,
+        kv_usage_peak=m.kv_usage_peak,
+        preemptions=m.preemptions,
+        num_requests=m.num_requests,
+    )
 
 
 def _tune(**kw: object) -> tuple:
@@ -89,8 +101,9 @@ def test_class_spec_round_trips_and_shares_move() -> None:
 
 def test_slo_candidate_flags_reach_the_engine_and_the_command() -> None:
     spec = to_inline(load_classes("default"))
-    c = Candidate(1024, 8, "slo", traffic_classes=spec, token_budget_controller=True,
-                  target_tpot_ms=48.0)  # fmt: skip
+    c = Candidate(
+        1024, 8, "slo", traffic_classes=spec, token_budget_controller=True, target_tpot_ms=48.0
+    )
     args = c.to_args()
     cfg = EngineConfig.from_kwargs(**args)
     assert cfg.scheduler.scheduling_policy == "slo"

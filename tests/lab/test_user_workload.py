@@ -16,16 +16,42 @@ from tests.lab.conftest import MOCK_TEMPLATE
 def test_sweep_runs_a_jsonl_workload(tmp_path: Path) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
-        json.dumps({"prompt": "summarise the queue", "class": "ask"}) + "\n"
-        + json.dumps({"messages": [{"role": "user", "content": "a log"}], "class": "log"}) + "\n"
-    )  # fmt: skip
+        json.dumps({"prompt": "summarise the queue", "class": "ask"})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "a log"}], "class": "log"})
+        + "\n"
+    )
     config = tmp_path / "mock.yaml"
-    config.write_text(yaml.safe_dump({"name": "m", "command": MOCK_TEMPLATE, "startup_timeout_s": 30,
-                                      "args": {"max_num_batched_tokens": 512, "max_num_seqs": 4}}))  # fmt: skip
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "name": "m",
+                "command": MOCK_TEMPLATE,
+                "startup_timeout_s": 30,
+                "args": {"max_num_batched_tokens": 512, "max_num_seqs": 4},
+            }
+        )
+    )
     out = tmp_path / "out"
-    argv = ["sweep", str(config), "--jsonl", str(prompts), "--concurrency", "2",
-            "--num-requests", "4", "--warmup", "1", "--max-tokens", "8",
-            "--slo-ttft-p95-ms", "5000", "--no-plots", "--out", str(out)]  # fmt: skip
+    argv = [
+        "sweep",
+        str(config),
+        "--jsonl",
+        str(prompts),
+        "--concurrency",
+        "2",
+        "--num-requests",
+        "4",
+        "--warmup",
+        "1",
+        "--max-tokens",
+        "8",
+        "--slo-ttft-p95-ms",
+        "5000",
+        "--no-plots",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     # No long-ratio axis with a prompts file: one cell per load, labelled by the load alone.
     stored = json.loads((out / "cells" / "m" / "c2.json").read_text())
@@ -39,10 +65,28 @@ def test_sweep_runs_a_jsonl_workload(tmp_path: Path) -> None:
 def test_tune_runs_a_class_mix_in_open_loop(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["tune", "--slo-ttft-p95-ms", "200", "--command-template", MOCK_TEMPLATE,
-            "--budgets", "512,1024", "--seqs", "4", "--class", "chat:1:20:8",
-            "--request-rate", "20", "--num-requests", "8", "--warmup", "1",
-            "--no-latency-search", "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "tune",
+        "--slo-ttft-p95-ms",
+        "200",
+        "--command-template",
+        MOCK_TEMPLATE,
+        "--budgets",
+        "512,1024",
+        "--seqs",
+        "4",
+        "--class",
+        "chat:1:20:8",
+        "--request-rate",
+        "20",
+        "--num-requests",
+        "8",
+        "--warmup",
+        "1",
+        "--no-latency-search",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(argv) == 0
     record = json.loads((tmp_path / "tune.json").read_text())
     assert record["workload"]["classes"][0]["name"] == "chat"

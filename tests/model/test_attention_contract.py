@@ -86,8 +86,25 @@ def test_what_a_row_does_not_own_never_reaches_it(name: str) -> None:
     backend = BACKENDS[name].create()
     cache = torch.randn(10, block_size, 2 * kv_heads, hd, generator=gen)
     stale = cache.clone()
-    owned = {(4, 0), (4, 1), (4, 2), (4, 3), (5, 0), (5, 1), (5, 2), (5, 3), (6, 0), (6, 1),
-             (7, 0), (7, 1), (7, 2), (7, 3), (8, 0), (2, 0), (2, 1)}  # fmt: skip
+    owned = {
+        (4, 0),
+        (4, 1),
+        (4, 2),
+        (4, 3),
+        (5, 0),
+        (5, 1),
+        (5, 2),
+        (5, 3),
+        (6, 0),
+        (6, 1),
+        (7, 0),
+        (7, 1),
+        (7, 2),
+        (7, 3),
+        (8, 0),
+        (2, 0),
+        (2, 1),
+    }
     for block in range(10):
         for slot in range(block_size):
             if (block, slot) not in owned:  # this step writes the last of each row itself
@@ -156,8 +173,9 @@ def test_torch_backend_reads_an_fp8_cache_as_its_rounded_values() -> None:
     got = backend.forward(q, kv, fp8, backend.prepare(meta), hd**-0.5)
     # The same step over a float32 cache holding the fp8-rounded values.
     rounded = fp8.float()
-    want = backend.forward(q, kv.to(torch.float8_e4m3fn).float(), rounded,
-                           backend.prepare(meta), hd**-0.5)  # fmt: skip
+    want = backend.forward(
+        q, kv.to(torch.float8_e4m3fn).float(), rounded, backend.prepare(meta), hd**-0.5
+    )
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(fp8.float(), rounded, atol=0, rtol=0)  # written in place
     assert not torch.equal(fp8.float(), wide.to(torch.float8_e4m3fn).float())

@@ -48,8 +48,9 @@ class EagerGraphDevice:
 
 def eager_graphs(forward: Any, max_num_seqs: int, block_size: int) -> DecodeGraphs:
     device = EagerGraphDevice()
-    graphs = decode_graphs_for(forward, max_num_seqs, 64, block_size, PAD,
-                               torch.device("cpu"), device)  # fmt: skip
+    graphs = decode_graphs_for(
+        forward, max_num_seqs, 64, block_size, PAD, torch.device("cpu"), device
+    )
     device.graphs = graphs
     return graphs
 
@@ -68,7 +69,7 @@ def _decode(h: PagedHarness, lengths: dict[str, int], token: int) -> list[Schedu
     return [
         ScheduledRequest(
             rid, [token], n, list(h._blocks(rid, n + 1)), True, SamplingParams(), 0, n + 1
-        )  # fmt: skip
+        )
         for rid, n in lengths.items()
     ]
 
@@ -79,8 +80,9 @@ def test_padded_rows_change_no_real_row_and_touch_only_the_pad_block(
 ) -> None:
     from poise.runner.inputs import build_step_inputs
 
-    h = PagedHarness(load_ours(str(tiny_checkpoints["llama"])), num_blocks=PAD + 1,
-                     attention=backend())  # fmt: skip
+    h = PagedHarness(
+        load_ours(str(tiny_checkpoints["llama"])), num_blocks=PAD + 1, attention=backend()
+    )
     h._free.remove(PAD)  # the pad block is never handed to a request
     prompts = {f"r{i}": list(range(3 + i, 9 + 3 * i)) for i in range(5)}
     h.step([(rid, p, 0) for rid, p in prompts.items()])
@@ -91,14 +93,16 @@ def test_padded_rows_change_no_real_row_and_touch_only_the_pad_block(
 
     graphs = eager_graphs(forward, 8, h.block_size)
     for step, live in enumerate((["r0", "r1", "r2"], list(prompts), ["r1", "r3"])):
-        inputs = build_step_inputs(_decode(h, {r: lengths[r] for r in live}, 7 + step),
-                                   h.block_size, h.device)  # fmt: skip
+        inputs = build_step_inputs(
+            _decode(h, {r: lengths[r] for r in live}, 7 + step), h.block_size, h.device
+        )
         assert graphs.handles(inputs.meta)
         eager_caches = [c.clone() for c in h.caches]
         before = [c.clone() for c in h.caches]
         with torch.inference_mode():
-            want = h.model(inputs.input_ids, inputs.positions, eager_caches, inputs.meta,
-                           h.attention)  # fmt: skip
+            want = h.model(
+                inputs.input_ids, inputs.positions, eager_caches, inputs.meta, h.attention
+            )
             got = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         # Real rows: the eager step's hidden states (3 rows padded to 4, 5 to 8, 2 exact).
         assert got.shape == want.shape
@@ -108,13 +112,13 @@ def test_padded_rows_change_no_real_row_and_touch_only_the_pad_block(
             slots, eager_slots, old_slots = (c.flatten(0, 1) for c in (cache, eager, old))
             # The real rows wrote the eager step's K/V into their own slots (up to the
             # matmul's rounding at another batch size) ...
-            torch.testing.assert_close(slots[written], eager_slots[written], atol=1e-5,
-                                       rtol=1e-5)  # fmt: skip
+            torch.testing.assert_close(slots[written], eager_slots[written], atol=1e-5, rtol=1e-5)
             # ... and no other slot outside the pad block changed.
             untouched = torch.ones(PAD * h.block_size, dtype=torch.bool)
             untouched[written] = False
-            assert torch.equal(slots[: PAD * h.block_size][untouched],
-                               old_slots[: PAD * h.block_size][untouched])  # fmt: skip
+            assert torch.equal(
+                slots[: PAD * h.block_size][untouched], old_slots[: PAD * h.block_size][untouched]
+            )
             # Padded rows wrote into the pad block's first slot only (the last step has none).
             assert step > 0 or not torch.equal(cache[PAD, 0], old[PAD, 0])
             assert step < 2 or torch.equal(cache[PAD], old[PAD])
@@ -129,12 +133,18 @@ def test_graphs_take_decode_only_steps_that_fit(tiny_checkpoints: dict[str, Path
 
     h = PagedHarness(load_ours(str(tiny_checkpoints["llama"])), num_blocks=PAD + 1)
     graphs = eager_graphs(lambda *a: torch.empty(0), 4, h.block_size)
-    prefill = build_step_inputs(_decode(h, {"a": 3}, 1)[:0] + [
-        ScheduledRequest("p", [1, 2, 3], 0, list(h._blocks("p", 3)), True, SamplingParams(),
-                         0, 3)], h.block_size, h.device)  # fmt: skip
+    prefill = build_step_inputs(
+        _decode(h, {"a": 3}, 1)[:0]
+        + [
+            ScheduledRequest(
+                "p", [1, 2, 3], 0, list(h._blocks("p", 3)), True, SamplingParams(), 0, 3
+            )
+        ],
+        h.block_size,
+        h.device,
+    )
     assert not graphs.handles(prefill.meta)
-    five = build_step_inputs(_decode(h, {f"d{i}": 2 for i in range(5)}, 1), h.block_size,
-                             h.device)  # fmt: skip
+    five = build_step_inputs(_decode(h, {f"d{i}": 2 for i in range(5)}, 1), h.block_size, h.device)
     assert not graphs.handles(five.meta)  # more rows than the largest bucket (4)
     long = build_step_inputs(_decode(h, {"x": 70}, 1), h.block_size, h.device)
     assert not graphs.handles(long.meta)  # a table wider than the buffers (64 tokens)
@@ -149,8 +159,9 @@ def test_runner_with_decode_graphs_equals_transformers(tiny_checkpoints: dict[st
         return eager.model(ids, pos, caches, meta, eager.attention)
 
     graphs = eager_graphs(forward, 8, 4)
-    runner = ModelRunner(eager.model, eager.attention, caches, 4, torch.device("cpu"),
-                         decode_graphs=graphs)  # fmt: skip
+    runner = ModelRunner(
+        eager.model, eager.attention, caches, 4, torch.device("cpu"), decode_graphs=graphs
+    )
     assert runner.num_kv_blocks == PAD  # the pad block is not the KV manager's
     sched = MiniScheduler(block_size=4, num_blocks=PAD, chunk=5)
     for rid, p in PROMPTS.items():

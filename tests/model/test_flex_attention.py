@@ -15,8 +15,9 @@ from poise.runner.inputs import build_step_inputs
 BS, HKV, H, HD = 4, 2, 4, 8
 
 
-def windowed_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-                   window: int | None) -> torch.Tensor:  # fmt: skip
+def windowed_dense(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int | None
+) -> torch.Tensor:
     """q [n, H, hd] at positions start.. over k/v [start+n, Hkv, hd]; keys j with
     p - window < j <= p (transformers' sliding window), or all j <= p."""
     groups = q.shape[1] // k.shape[1]
@@ -43,8 +44,11 @@ def _step(tables: dict[str, list[int]], shapes: dict[str, tuple[int, int]], seed
         ks[rid] = torch.cat((flat[slots[:cached], :HKV], fresh[:, :HKV]))
         vs[rid] = torch.cat((flat[slots[:cached], HKV:], fresh[:, HKV:]))
         qs[rid] = torch.randn(n, H, HD, generator=gen)
-        scheduled.append(ScheduledRequest(rid, [0] * n, cached, tables[rid], True,
-                                          SamplingParams(), 0, cached + n))  # fmt: skip
+        scheduled.append(
+            ScheduledRequest(
+                rid, [0] * n, cached, tables[rid], True, SamplingParams(), 0, cached + n
+            )
+        )
     inputs = build_step_inputs(scheduled, BS, torch.device("cpu"))
     order = sorted(shapes, key=lambda r: inputs.flat_starts[r])
     q = torch.cat([qs[r] for r in order])
@@ -92,15 +96,24 @@ def test_decode_tables_need_no_host_read() -> None:
 
     def tables(check: bool) -> object:
         def build(slots: torch.Tensor, rows: torch.Tensor, ctx: torch.Tensor) -> tuple:
-            meta = AttentionMetadata(slot_mapping=slots, block_size=BS, num_decodes=3,
-                                     decode_block_tables=rows, decode_context_lens=ctx)  # fmt: skip
+            meta = AttentionMetadata(
+                slot_mapping=slots,
+                block_size=BS,
+                num_decodes=3,
+                decode_block_tables=rows,
+                decode_context_lens=ctx,
+            )
             t = build_tables(meta, 40, BS, 8, check)
-            mask = BlockMask.from_kv_blocks(t.kv_num_blocks, t.kv_indices, BLOCK_SIZE=(16, BS),
-                                            seq_lengths=(16, 40 * BS))  # fmt: skip
+            mask = BlockMask.from_kv_blocks(
+                t.kv_num_blocks, t.kv_indices, BLOCK_SIZE=(16, BS), seq_lengths=(16, 40 * BS)
+            )
             return t.q_pos, t.tables, t.block_logical, mask.kv_indices, mask.q_indices
 
-        args = (torch.tensor([1, 2, 3]), torch.tensor([[1, 2], [3, 4], [5, 6]]),
-                torch.tensor([5, 6, 7]))  # fmt: skip
+        args = (
+            torch.tensor([1, 2, 3]),
+            torch.tensor([[1, 2], [3, 4], [5, 6]]),
+            torch.tensor([5, 6, 7]),
+        )
         return make_fx(build, tracing_mode="fake")(*args)
 
     assert tables(check=False) is not None

@@ -312,15 +312,48 @@ def test_simulate_takes_quantization_from_a_profile_measured_with_it(
 
     prof = tmp_path / "p.json"
     rc = main(
-        ["profile", str(tiny_llama_dir), "--grid", "quick", "--repeats", "1", "--warmup", "0",
-         "--threads", "1", "--clock", "cpu", "--num-kv-blocks", "128", "--dtype", "float32",
-         "--quantization", "int8", "-o", str(prof)]
-    )  # fmt: skip
+        [
+            "profile",
+            str(tiny_llama_dir),
+            "--grid",
+            "quick",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--threads",
+            "1",
+            "--clock",
+            "cpu",
+            "--num-kv-blocks",
+            "128",
+            "--dtype",
+            "float32",
+            "--quantization",
+            "int8",
+            "-o",
+            str(prof),
+        ]
+    )
     assert rc == 0
     assert load_profile(prof).provenance["quantization"] == "int8"
-    sim = ["simulate", "--profile", str(prof), "--concurrency", "2", "--max-tokens", "4",
-           "--num-requests", "2", "--class", "c:1:20:4", "--num-kv-blocks", "128",
-           "-o", str(tmp_path / "s.yaml")]  # fmt: skip
+    sim = [
+        "simulate",
+        "--profile",
+        str(prof),
+        "--concurrency",
+        "2",
+        "--max-tokens",
+        "4",
+        "--num-requests",
+        "2",
+        "--class",
+        "c:1:20:4",
+        "--num-kv-blocks",
+        "128",
+        "-o",
+        str(tmp_path / "s.yaml"),
+    ]
     assert main([*sim, "--quantization", "int8"]) == 0
     assert main([*sim, "--quantization", "int4"]) == 2
     assert "the profile measured int8 weights" in capsys.readouterr().err

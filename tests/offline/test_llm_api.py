@@ -30,15 +30,22 @@ def _hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     return out[0, len(prompt) :].tolist()  # type: ignore[no-any-return]
 
 
 def test_request_output_has_vllms_shape(llm: LLM, tiny_model_dir: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    outs = llm.generate(["Hello, my name is", {"prompt_token_ids": [1, 2, 3]}], params,
-                        use_tqdm=False)  # fmt: skip
+    outs = llm.generate(
+        ["Hello, my name is", {"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False
+    )
     assert [type(o) for o in outs] == [RequestOutput, RequestOutput]
     first, second = outs
     assert first.prompt == "Hello, my name is" and second.prompt is None
@@ -59,8 +66,9 @@ def test_request_output_has_vllms_shape(llm: LLM, tiny_model_dir: Path) -> None:
 
 
 def test_stop_reasons(llm: LLM) -> None:
-    base = llm.generate("The", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]  # fmt: skip
+    base = llm.generate(
+        "The", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     token = base.token_ids[2]
     by_token = llm.generate(
         "The",
@@ -84,10 +92,17 @@ def test_stop_reasons(llm: LLM) -> None:
 
 @pytest.mark.parametrize(
     "field, value",
-    [("logprobs", 21), ("prompt_logprobs", -1), ("allowed_token_ids", [1]),
-     ("presence_penalty", 2.5), ("repetition_penalty", 0.0), ("min_tokens", 3),
-     ("logit_bias", {10**6: 1.0}), ("n", 0)],
-)  # fmt: skip
+    [
+        ("logprobs", 21),
+        ("prompt_logprobs", -1),
+        ("allowed_token_ids", [1]),
+        ("presence_penalty", 2.5),
+        ("repetition_penalty", 0.0),
+        ("min_tokens", 3),
+        ("logit_bias", {10**6: 1.0}),
+        ("n", 0),
+    ],
+)
 def test_unimplemented_or_invalid_fields_are_refused_not_ignored(
     llm: LLM, field: str, value: Any
 ) -> None:
@@ -120,8 +135,14 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 def test_chat_template_tools_and_kwargs(llm: LLM) -> None:
     msgs = [{"role": "user", "content": "hi"}]
     params = SamplingParams(temperature=0.0, max_tokens=2)
-    out = llm.chat(msgs, params, use_tqdm=False, chat_template=TEMPLATE, tools=TOOLS,
-                   chat_template_kwargs={"shout": True})[0]  # fmt: skip
+    out = llm.chat(
+        msgs,
+        params,
+        use_tqdm=False,
+        chat_template=TEMPLATE,
+        tools=TOOLS,
+        chat_template_kwargs={"shout": True},
+    )[0]
     want = "<user>hi\nTOOLS:get_weather;LOUD\n<assistant>"  # trim_blocks, as transformers
     assert out.prompt == want
     assert out.prompt_token_ids == llm.get_tokenizer().encode(want, add_special_tokens=False)
@@ -135,8 +156,14 @@ def test_chat_template_tools_and_kwargs(llm: LLM) -> None:
 def test_generation_config_defaults(tiny_model_dir: Path, tmp_path: Path) -> None:
     model = tmp_path / "m"
     shutil.copytree(tiny_model_dir, model)
-    gen = {"temperature": 0.6, "top_k": 20, "top_p": 0.9, "max_new_tokens": 5,
-           "repetition_penalty": 1.05, "do_sample": True}  # fmt: skip
+    gen = {
+        "temperature": 0.6,
+        "top_k": 20,
+        "top_p": 0.9,
+        "max_new_tokens": 5,
+        "repetition_penalty": 1.05,
+        "do_sample": True,
+    }
     (model / "generation_config.json").write_text(json.dumps(gen))
     auto = LLM(model=str(model), dtype="float32", num_kv_blocks=32)
     sp = auto.get_default_sampling_params()
@@ -155,8 +182,10 @@ def test_generation_config_defaults(tiny_model_dir: Path, tmp_path: Path) -> Non
 
 
 def test_import_is_light() -> None:
-    code = ("import sys; from poise import LLM, SamplingParams, RequestOutput; "
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")  # fmt: skip
+    code = (
+        "import sys; from poise import LLM, SamplingParams, RequestOutput; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

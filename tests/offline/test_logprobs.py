@@ -51,11 +51,17 @@ def _check_position(entry: dict[int, Any], token: int, ref_row: torch.Tensor, k:
 def test_prompt_and_sampled_logprobs_equal_transformers(
     tiny_model_dir: Path, hf_model: Any, chunk: int
 ) -> None:
-    llm = LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=128,
-              max_num_batched_tokens=chunk, enable_chunked_prefill=True)  # fmt: skip
+    llm = LLM(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        num_kv_blocks=128,
+        max_num_batched_tokens=chunk,
+        enable_chunked_prefill=True,
+    )
     prompt = "The quick brown fox jumps over the lazy dog, and then it runs far away."
-    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3,
-                            prompt_logprobs=2)  # fmt: skip
+    params = SamplingParams(
+        temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3, prompt_logprobs=2
+    )
     plain = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     out, neighbour = llm.generate([prompt, "Another prompt"], [params, plain], use_tqdm=False)
     ids = out.prompt_token_ids
@@ -84,8 +90,9 @@ def test_prefix_cache_hit_keeps_prompt_logprobs(tiny_model_dir: Path, hf_model: 
     warm = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     again = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     assert again[0].num_cached_tokens > 0  # the cache would serve this prompt
-    scored = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
-                          use_tqdm=False)[0]  # fmt: skip
+    scored = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )[0]
     assert scored.num_cached_tokens == 0  # ... but not to a request that scores the prompt
     ids = warm[0].prompt_token_ids
     ref = _ref_logprobs(hf_model, ids)
@@ -99,8 +106,9 @@ def test_prefix_cache_hit_keeps_prompt_logprobs(tiny_model_dir: Path, hf_model: 
 def test_sampled_tokens_logprobs_are_raw(tiny_model_dir: Path, hf_model: Any) -> None:
     """With temperature the logprob is still the raw distribution's (vLLM's raw_logprobs)."""
     llm = LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
-    params = SamplingParams(temperature=1.5, top_k=20, seed=3, max_tokens=4, ignore_eos=True,
-                            logprobs=0)  # fmt: skip
+    params = SamplingParams(
+        temperature=1.5, top_k=20, seed=3, max_tokens=4, ignore_eos=True, logprobs=0
+    )
     out = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0]
     c = out.outputs[0]
     ref = _ref_logprobs(hf_model, [5, 6, 7, 8] + c.token_ids)
@@ -123,8 +131,9 @@ def test_n_samples_each_have_logprobs_and_the_prompt_is_scored_once(
 ) -> None:
     llm = LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=128, block_size=16)
     ids = list(range(20, 60))
-    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=3, ignore_eos=True,
-                            logprobs=1, prompt_logprobs=1)  # fmt: skip
+    params = SamplingParams(
+        n=3, temperature=1.0, seed=7, max_tokens=3, ignore_eos=True, logprobs=1, prompt_logprobs=1
+    )
     out = llm.generate([ids], params, use_tqdm=False)[0]
     assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids)
     ref = _ref_logprobs(hf_model, ids)

@@ -34,10 +34,13 @@ for output in outputs:
 
 def test_vllm_quickstart_runs_unchanged() -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", QUICKSTART], cwd=REPO, capture_output=True, text=True,
-        timeout=240, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
-                          "HOME": str(Path.home())},
-    )  # fmt: skip
+        [sys.executable, "-c", QUICKSTART],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 4

@@ -48,11 +48,18 @@ def test_no_field_set_is_plain_greedy(llm: LLM, hf: Any) -> None:
 def test_repetition_penalty_equals_transformers_generate(llm: LLM, hf: Any) -> None:
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
-        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N,
-                           do_sample=False, repetition_penalty=1.8, eos_token_id=None,
-                           pad_token_id=0)[0, len(PROMPT):].tolist()  # fmt: skip
-    got = _ids(llm, SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True,
-                                   repetition_penalty=1.8))  # fmt: skip
+        want = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=N,
+            do_sample=False,
+            repetition_penalty=1.8,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(PROMPT) :].tolist()
+    got = _ids(
+        llm, SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True, repetition_penalty=1.8)
+    )
     assert got == want
     assert got != _reference(hf, N)  # the penalty changed the output
 
@@ -73,12 +80,15 @@ def test_min_tokens_holds_back_stop_tokens(llm: LLM, hf: Any) -> None:
     plain = _reference(hf, N)
     stop = plain[1]  # plain greedy stops at its first occurrence
     kw: dict[str, Any] = {"temperature": 0.0, "max_tokens": N, "ignore_eos": True}
-    early = llm.generate({"prompt_token_ids": PROMPT},
-                         SamplingParams(stop_token_ids=[stop], **kw), use_tqdm=False)[0]  # fmt: skip
+    early = llm.generate(
+        {"prompt_token_ids": PROMPT}, SamplingParams(stop_token_ids=[stop], **kw), use_tqdm=False
+    )[0]
     assert early.outputs[0].token_ids == plain[: plain.index(stop) + 1]
-    out = llm.generate({"prompt_token_ids": PROMPT},
-                       SamplingParams(stop_token_ids=[stop], min_tokens=6, **kw),
-                       use_tqdm=False)[0].outputs[0]  # fmt: skip
+    out = llm.generate(
+        {"prompt_token_ids": PROMPT},
+        SamplingParams(stop_token_ids=[stop], min_tokens=6, **kw),
+        use_tqdm=False,
+    )[0].outputs[0]
     want = _reference(hf, N, min_tokens=6, stops=(stop,))
     assert stop not in out.token_ids[:6]
     # Masked until 6 tokens exist; after that the stop token ends the sequence when it comes.

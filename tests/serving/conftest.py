@@ -66,8 +66,13 @@ def smol_tokenizer(smol_tokenizer_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(smol_tokenizer_dir), local_files_only=True)
 
 
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 def write_tiny_llama(path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
@@ -86,26 +91,43 @@ def write_tiny_llama(path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     )
     h, i, layers = TINY["hidden_size"], TINY["intermediate_size"], TINY["num_hidden_layers"]
     kv = TINY["num_key_value_heads"] * h // TINY["num_attention_heads"]
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **TINY,
-              "vocab_size": vocab, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-              "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": True,
-              "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}  # fmt: skip
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **TINY,
+        "vocab_size": vocab,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
     (path / "config.json").write_text(json.dumps(config, indent=1))
     shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
     for n in range(layers):
         pre = f"model.layers.{n}."
-        shapes |= {pre + "self_attn.q_proj.weight": (h, h), pre + "self_attn.k_proj.weight": (kv, h),
-                   pre + "self_attn.v_proj.weight": (kv, h), pre + "self_attn.o_proj.weight": (h, h),
-                   pre + "mlp.gate_proj.weight": (i, h), pre + "mlp.up_proj.weight": (i, h),
-                   pre + "mlp.down_proj.weight": (h, i), pre + "input_layernorm.weight": (h,),
-                   pre + "post_attention_layernorm.weight": (h,)}  # fmt: skip
+        shapes |= {
+            pre + "self_attn.q_proj.weight": (h, h),
+            pre + "self_attn.k_proj.weight": (kv, h),
+            pre + "self_attn.v_proj.weight": (kv, h),
+            pre + "self_attn.o_proj.weight": (h, h),
+            pre + "mlp.gate_proj.weight": (i, h),
+            pre + "mlp.up_proj.weight": (i, h),
+            pre + "mlp.down_proj.weight": (h, i),
+            pre + "input_layernorm.weight": (h,),
+            pre + "post_attention_layernorm.weight": (h,),
+        }
     # Spread wider than HF's init, so greedy text varies instead of repeating one token.
     gen = torch.Generator().manual_seed(seed)
     tensors = {
-        name: (1.0 + 0.1 * torch.randn(shape, generator=gen)) if name.endswith("norm.weight")
+        name: (1.0 + 0.1 * torch.randn(shape, generator=gen))
+        if name.endswith("norm.weight")
         else 0.08 * torch.randn(shape, generator=gen)
         for name, shape in shapes.items()
-    }  # fmt: skip
+    }
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
@@ -128,8 +150,9 @@ class InProcessServer:
         self.state = state
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        settings = dataclasses.replace(settings or ServerSettings(), host="127.0.0.1",
-                                       port=self.port)  # fmt: skip
+        settings = dataclasses.replace(
+            settings or ServerSettings(), host="127.0.0.1", port=self.port
+        )
         config = uvicorn_config(state, settings)
         self.server = PoiseServer(config, state.engine, settings.shutdown_grace_s)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -159,8 +182,9 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "poise", "serve", *args, "--port", str(self.port)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=env)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env
+        )
 
     def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
         deadline = time.monotonic() + timeout

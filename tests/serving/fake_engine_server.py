@@ -42,12 +42,18 @@ class Executor(FakeExecutor):
         return out
 
 
-def fake_server(tokenizer: Any, settings: ServerSettings | None = None, **engine: Any
-                ) -> tuple[InProcessServer, Executor]:  # fmt: skip
+def fake_server(
+    tokenizer: Any, settings: ServerSettings | None = None, **engine: Any
+) -> tuple[InProcessServer, Executor]:
     vocab = len(tokenizer)
     executor = Executor(vocab)
-    core = EngineCore(EngineConfig.from_kwargs(block_size=16, **engine), executor,
-                      num_kv_blocks=512, max_model_len=2048, vocab_size=vocab)  # fmt: skip
+    core = EngineCore(
+        EngineConfig.from_kwargs(block_size=16, **engine),
+        executor,
+        num_kv_blocks=512,
+        max_model_len=2048,
+        vocab_size=vocab,
+    )
     state = build_state(core, tokenizer, model_name="fake", vocab_size=vocab)
     return InProcessServer(state, settings), executor
 
@@ -77,13 +83,20 @@ def assert_left_nothing(server: InProcessServer, threads: int, num_tasks: int) -
     """Nothing running or waiting, no KV block, task or thread beyond those given, and the next
     request served."""
     core = server.state.engine.core
-    wait(lambda: gauge(server, "poise:num_requests_running") == 0
-         and gauge(server, "poise:num_requests_waiting") == 0)  # fmt: skip
+    wait(
+        lambda: (
+            gauge(server, "poise:num_requests_running") == 0
+            and gauge(server, "poise:num_requests_waiting") == 0
+        )
+    )
     wait(lambda: core.scheduler.kv_cache_usage == 0 and tasks(server) <= num_tasks)
     assert server.state.engine.num_in_flight == 0
     assert threading.active_count() <= threads
-    r = httpx.post(server.base_url + "/v1/completions", timeout=30,
-                   json={"prompt": [5, 6], "max_tokens": 3, "ignore_eos": True})  # fmt: skip
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        timeout=30,
+        json={"prompt": [5, 6], "max_tokens": 3, "ignore_eos": True},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 

@@ -65,14 +65,28 @@ def openai_error_shape(ctx: Any, response: Any, case: Any) -> bool | None:
 # tool_choice only with tools, exactly one structured output constraint,
 # guided_whitespace_pattern only with guided_json). A
 # schema-valid request may be refused only for these.
-_WINDOW = ("max_model_len", "KV cache", "prompt is empty", "logit_bias: token id",
-           "no token of this model produces", "needs the server started with",
-           "arguments are not JSON", "json schema is not valid JSON", "invalid json:",
-           "invalid regex:", "invalid grammar:",
-           "differ; give one", "only allowed when stream is true",
-           "min_tokens must be in [0, max_tokens", "only allowed with echo",
-           "top_logprobs needs logprobs", "tool_choice needs tools", "exactly one of",
-           "give one structured output constraint", "needs guided_json")  # fmt: skip
+_WINDOW = (
+    "max_model_len",
+    "KV cache",
+    "prompt is empty",
+    "logit_bias: token id",
+    "no token of this model produces",
+    "needs the server started with",
+    "arguments are not JSON",
+    "json schema is not valid JSON",
+    "invalid json:",
+    "invalid regex:",
+    "invalid grammar:",
+    "differ; give one",
+    "only allowed when stream is true",
+    "min_tokens must be in [0, max_tokens",
+    "only allowed with echo",
+    "top_logprobs needs logprobs",
+    "tool_choice needs tools",
+    "exactly one of",
+    "give one structured output constraint",
+    "needs guided_json",
+)
 
 
 @schemathesis.check
@@ -92,9 +106,13 @@ def valid_requests_are_served(ctx: Any, response: Any, case: Any) -> bool | None
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_dir: Path) -> Iterator[InProcessServer]:
-    cfg = EngineConfig.from_kwargs(model=str(tiny_model_dir), dtype="float32",
-                                   max_model_len=MAX_MODEL_LEN, num_kv_blocks=64,
-                                   num_threads=1)  # fmt: skip
+    cfg = EngineConfig.from_kwargs(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        num_kv_blocks=64,
+        num_threads=1,
+    )
     settings_ = ServerSettings(enable_api_docs=True, api_key=KEY)
     state = build_state_from_config(cfg, settings_)
     with InProcessServer(state, settings_) as server:
@@ -115,15 +133,21 @@ def _fuzz_operation(
     statuses: Counter[str] = Counter()
 
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=examples, deadline=None, derandomize=True,
-              phases=[Phase.explicit, Phase.generate],
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     def one(case: Any) -> None:
         response = case.call_and_validate(
-            base_url=server.base_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+            base_url=server.base_url,
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=60,
             additional_checks=[openai_error_shape, valid_requests_are_served],
             excluded_checks=[positive_data_acceptance],
-        )  # fmt: skip
+        )
         statuses[f"{operation.label} {response.status_code}"] += 1
 
     one()
@@ -164,10 +188,12 @@ def test_every_route_large(api_schema: Any, fuzz_server: InProcessServer) -> Non
 
 
 def test_still_serving_after_the_fuzz(fuzz_server: InProcessServer) -> None:
-    r = httpx.post(fuzz_server.base_url + "/v1/chat/completions", timeout=60,
-                   headers={"Authorization": f"Bearer {KEY}"},
-                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                         "ignore_eos": True})  # fmt: skip
+    r = httpx.post(
+        fuzz_server.base_url + "/v1/chat/completions",
+        timeout=60,
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4
     core = fuzz_server.state.engine.core
@@ -178,8 +204,9 @@ def test_still_serving_after_the_fuzz(fuzz_server: InProcessServer) -> None:
 
 
 def _post(server: InProcessServer, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(server.base_url + path, json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+    return httpx.post(
+        server.base_url + path, json=body, timeout=60, headers={"Authorization": f"Bearer {KEY}"}
+    )
 
 
 def test_the_schema_says_what_the_server_refuses(fuzz_server: InProcessServer) -> None:
@@ -188,8 +215,11 @@ def test_the_schema_says_what_the_server_refuses(fuzz_server: InProcessServer) -
     models = schema["components"]["schemas"]
     vocab = fuzz_server.state.generator.vocab_size
     # Token ids are below the vocabulary size, wherever a request gives them.
-    for model, name in (("CompletionRequest", "prompt"), ("DetokenizeRequest", "tokens"),
-                        ("ChatCompletionRequest", "stop_token_ids")):  # fmt: skip
+    for model, name in (
+        ("CompletionRequest", "prompt"),
+        ("DetokenizeRequest", "tokens"),
+        ("ChatCompletionRequest", "stop_token_ids"),
+    ):
         assert f'"maximum": {vocab - 1}' in json.dumps(models[model]["properties"][name])
     r = _post(fuzz_server, "/v1/completions", {"prompt": [vocab], "max_tokens": 1})
     assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
@@ -205,8 +235,11 @@ def test_the_schema_says_what_the_server_refuses(fuzz_server: InProcessServer) -
     assert models["ChatMessage"]["then"]["required"] == ["content"]
     r = _post(fuzz_server, "/v1/chat/completions", {"messages": [{"role": "tool"}]})
     assert r.status_code == 400 and "needs content" in r.json()["error"]["message"]
-    r = _post(fuzz_server, "/v1/chat/completions",
-              {"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}], "max_tokens": 1})  # fmt: skip
+    r = _post(
+        fuzz_server,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}], "max_tokens": 1},
+    )
     assert r.status_code == 200, r.text
     # Refused values are out of the schema (continue_final_message).
     assert models["TokenizeRequest"]["properties"]["continue_final_message"]["enum"] == [False]
@@ -219,10 +252,15 @@ def test_the_schema_says_what_the_server_refuses(fuzz_server: InProcessServer) -
 
 @pytest.mark.parametrize(
     ("body", "param"),
-    [({"ttft_slo_ms": True}, "ttft_slo_ms"), ({"max_tokens": "5"}, "max_tokens"),
-     ({"stream": "yes"}, "stream"), ({"max_tokens": True}, "max_tokens"),
-     ({"ttft_slo_ms": 0}, "ttft_slo_ms"), ({"prompt": [[]]}, "prompt")],
-)  # fmt: skip
+    [
+        ({"ttft_slo_ms": True}, "ttft_slo_ms"),
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"stream": "yes"}, "stream"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"ttft_slo_ms": 0}, "ttft_slo_ms"),
+        ({"prompt": [[]]}, "prompt"),
+    ],
+)
 def test_values_of_the_wrong_json_type_are_400_not_coerced(
     fuzz_server: InProcessServer, body: dict[str, Any], param: str
 ) -> None:
@@ -233,8 +271,11 @@ def test_values_of_the_wrong_json_type_are_400_not_coerced(
 
 
 def test_an_integral_float_is_an_integer_as_json_says(fuzz_server: InProcessServer) -> None:
-    r = _post(fuzz_server, "/v1/completions", {"prompt": [5.0, 6], "max_tokens": 3.0,
-                                                "ignore_eos": True, "temperature": 0})  # fmt: skip
+    r = _post(
+        fuzz_server,
+        "/v1/completions",
+        {"prompt": [5.0, 6], "max_tokens": 3.0, "ignore_eos": True, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (2, 3), usage
@@ -266,9 +307,15 @@ def test_a_100k_message_chat_is_refused_quickly(fuzz_server: InProcessServer) ->
 
 @pytest.mark.parametrize(
     "content",
-    [[{"type": "text", "text": 5}], [{"type": "image_url", "image_url": {"url": "x"}}], [5],
-     [{"text": "no type"}], {"type": "text", "text": "not a list"}, 7],
-)  # fmt: skip
+    [
+        [{"type": "text", "text": 5}],
+        [{"type": "image_url", "image_url": {"url": "x"}}],
+        [5],
+        [{"text": "no type"}],
+        {"type": "text", "text": "not a list"},
+        7,
+    ],
+)
 def test_content_parts_that_are_not_text_are_400(
     fuzz_server: InProcessServer, content: Any
 ) -> None:
@@ -279,20 +326,22 @@ def test_content_parts_that_are_not_text_are_400(
 
 @pytest.mark.parametrize(
     ("body", "status"),
-    [({"add_special_tokens": True}, 200),
-     ({"chat_template_kwargs": {"add_generation_prompt": 5}}, 400),
-     ({"chat_template_kwargs": {"messages": 1}}, 400),
-     ({"chat_template_kwargs": {"tokenize": True}}, 400),
-     # Validated as the chat endpoint does (they used to reach the template as they were):
-     ({"chat_template_kwargs": {"return_dict": True}}, 400),
-     ({"chat_template_kwargs": {"documents": [{"x": 1}]}}, 400),
-     ({"chat_template_kwargs": {"tokenizer": 1}}, 400),
-     ({"chat_template_kwargs": {"enable_thinking": False}}, 200),
-     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 200),
-     ({"tools": [{}]}, 400),
-     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, 400),
-     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, 400)],
-)  # fmt: skip
+    [
+        ({"add_special_tokens": True}, 200),
+        ({"chat_template_kwargs": {"add_generation_prompt": 5}}, 400),
+        ({"chat_template_kwargs": {"messages": 1}}, 400),
+        ({"chat_template_kwargs": {"tokenize": True}}, 400),
+        # Validated as the chat endpoint does (they used to reach the template as they were):
+        ({"chat_template_kwargs": {"return_dict": True}}, 400),
+        ({"chat_template_kwargs": {"documents": [{"x": 1}]}}, 400),
+        ({"chat_template_kwargs": {"tokenizer": 1}}, 400),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, 200),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 200),
+        ({"tools": [{}]}, 400),
+        ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, 400),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, 400),
+    ],
+)
 @pytest.mark.parametrize("route", ["/tokenize", "/v1/chat/completions"])
 def test_template_options_are_validated_alike_on_tokenize_and_chat(
     fuzz_server: InProcessServer, body: dict[str, Any], status: int, route: str

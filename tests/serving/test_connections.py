@@ -26,8 +26,9 @@ from tests.unit.fake_executor import FakeExecutor
 def _server(tokenizer: Any, **settings: Any) -> InProcessServer:
     vocab = len(tokenizer)
     cfg = EngineConfig.from_kwargs(block_size=16)
-    core = EngineCore(cfg, FakeExecutor(vocab, 16), num_kv_blocks=64, max_model_len=512,
-                      vocab_size=vocab)  # fmt: skip
+    core = EngineCore(
+        cfg, FakeExecutor(vocab, 16), num_kv_blocks=64, max_model_len=512, vocab_size=vocab
+    )
     state = build_state(core, tokenizer, model_name="fake", vocab_size=vocab)
     return InProcessServer(state, ServerSettings(**settings))
 
@@ -172,8 +173,13 @@ def test_allowed_host_names() -> None:
     loop = allowed_host_names("127.0.0.2", [])
     assert loop == {"localhost", "127.0.0.1", "::1", "127.0.0.2"}
     assert allowed_host_names("::1", ["fe80::1", "[fe80::2]", "Api.Example:8000"]) == {
-        "localhost", "127.0.0.1", "::1", "fe80::1", "fe80::2", "api.example"
-    }  # fmt: skip
+        "localhost",
+        "127.0.0.1",
+        "::1",
+        "fe80::1",
+        "fe80::2",
+        "api.example",
+    }
     assert host_name("[::1]:8000") == "::1" and host_name("Example.COM.:80") == "example.com"
 
 

@@ -63,9 +63,16 @@ def _bench(base_url: str, done: threading.Event) -> None:
     from poise.bench.bench_config import BenchConfig
     from poise.bench.runner import run_matrix
 
-    cfg = BenchConfig(base_url=base_url + "/v1", concurrency=(4,), long_ratio=(0.0,),
-                      max_tokens=24, num_requests=60, warmup=0, scrape=False,
-                      timeout_s=60)  # fmt: skip
+    cfg = BenchConfig(
+        base_url=base_url + "/v1",
+        concurrency=(4,),
+        long_ratio=(0.0,),
+        max_tokens=24,
+        num_requests=60,
+        warmup=0,
+        scrape=False,
+        timeout_s=60,
+    )
     try:
         asyncio.run(run_matrix(cfg))
     finally:
@@ -87,8 +94,9 @@ def test_live_page_updates_under_bench_load_without_console_errors(
         done = threading.Event()
         load = threading.Thread(target=_bench, args=(server.base_url, done), daemon=True)
         load.start()
-        page.wait_for_function("window.poiseDash.points.some(p => p.first_tokens > 0)",
-                               timeout=30_000)  # fmt: skip
+        page.wait_for_function(
+            "window.poiseDash.points.some(p => p.first_tokens > 0)", timeout=30_000
+        )
         draws = page.evaluate("window.poiseDash.draws")
         time.sleep(2.5)
         # Still drawing while the run goes on, with tokens and TTFT parts in its points.

@@ -60,8 +60,9 @@ def test_leaving_early_ends_the_apps_stream() -> None:
 
 
 def test_metrics_carry_each_replica_and_the_router() -> None:
-    router = Router([ReplicaState("engine-0"), ReplicaState("engine-1")],
-                    RouterConfig(policy="prefix_affinity"))  # fmt: skip
+    router = Router(
+        [ReplicaState("engine-0"), ReplicaState("engine-1")], RouterConfig(policy="prefix_affinity")
+    )
     router.route(RouteRequest("a", list(range(40)), 4))
     router.route(RouteRequest("b", list(range(40)), 4))
     text = 'poise:num_requests_running{model_name="m"} 2.0\n'

@@ -49,10 +49,23 @@ def server(hf_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     gen_dir.mkdir()
     (gen_dir / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
     args = [
-        HUB_ID, "--api-key", KEY, "--chat-template", TEMPLATE, "--generation-config",
-        str(gen_dir), "--uvicorn-log-level", "info", "--enable-log-requests", "--dtype",
-        "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", "16MiB",
-    ]  # fmt: skip
+        HUB_ID,
+        "--api-key",
+        KEY,
+        "--chat-template",
+        TEMPLATE,
+        "--generation-config",
+        str(gen_dir),
+        "--uvicorn-log-level",
+        "info",
+        "--enable-log-requests",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory-bytes",
+        "16MiB",
+    ]
     old = os.environ.get("HF_HOME")
     os.environ["HF_HOME"] = str(hf_home)  # the subprocess's cache; restored below
     try:
@@ -106,24 +119,35 @@ def test_generation_config_dir_sets_default_max_tokens(server: ServerProcess) ->
 def test_chat_template_and_tokenize(server: ServerProcess) -> None:
     auth = {"Authorization": f"Bearer {KEY}"}
     msgs = [{"role": "user", "content": "hi"}]
-    chat = httpx.post(server.base_url + "/tokenize", headers=auth,
-                      json={"model": HUB_ID, "messages": msgs}).json()  # fmt: skip
-    plain = httpx.post(server.base_url + "/tokenize", headers=auth,
-                       json={"prompt": "[user]hi[assistant]", "add_special_tokens": False,
-                             "return_token_strs": True}).json()  # fmt: skip
+    chat = httpx.post(
+        server.base_url + "/tokenize", headers=auth, json={"model": HUB_ID, "messages": msgs}
+    ).json()
+    plain = httpx.post(
+        server.base_url + "/tokenize",
+        headers=auth,
+        json={
+            "prompt": "[user]hi[assistant]",
+            "add_special_tokens": False,
+            "return_token_strs": True,
+        },
+    ).json()
     assert chat["tokens"] == plain["tokens"] and chat["count"] == len(chat["tokens"])
     assert chat["max_model_len"] == 256 and len(plain["token_strs"]) == plain["count"]
-    back = httpx.post(server.base_url + "/detokenize", headers=auth,
-                      json={"tokens": plain["tokens"]}).json()  # fmt: skip
+    back = httpx.post(
+        server.base_url + "/detokenize", headers=auth, json={"tokens": plain["tokens"]}
+    ).json()
     assert back == {"prompt": "[user]hi[assistant]"}
     # The chat endpoint renders with the same template: its prompt token count matches.
     out = _client(server).chat.completions.create(model=HUB_ID, messages=msgs, max_tokens=1)  # type: ignore[arg-type]
     assert out.usage is not None and out.usage.prompt_tokens == chat["count"]
-    bad = httpx.post(server.base_url + "/tokenize", headers=auth,
-                     json={"model": "nope", "prompt": "x"})  # fmt: skip
+    bad = httpx.post(
+        server.base_url + "/tokenize", headers=auth, json={"model": "nope", "prompt": "x"}
+    )
     assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
-    assert httpx.post(server.base_url + "/detokenize", headers=auth,
-                      json={"tokens": [-1]}).status_code == 400  # fmt: skip
+    assert (
+        httpx.post(server.base_url + "/detokenize", headers=auth, json={"tokens": [-1]}).status_code
+        == 400
+    )
 
 
 def test_request_log_has_ids_and_lengths_not_prompts(server: ServerProcess) -> None:
@@ -136,9 +160,13 @@ def test_request_log_has_ids_and_lengths_not_prompts(server: ServerProcess) -> N
 
 def _serve_fails(args: list[str], env: dict[str, str]) -> str:
     proc = subprocess.run(
-        [sys.executable, "-m", "poise", "serve", *args, "--port", "1"], cwd=REPO,
-        capture_output=True, text=True, timeout=120, env={**os.environ, **env},
-    )  # fmt: skip
+        [sys.executable, "-m", "poise", "serve", *args, "--port", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

@@ -30,10 +30,17 @@ def test_a_busy_engine_logs_throughput_queue_kv_cache_hits_and_budget(
 ) -> None:
     caplog.set_level(logging.INFO, logger="poise.serving.async_engine")
     vocab = len(smol_tokenizer)
-    cfg = EngineConfig.from_kwargs(block_size=16, enable_prefix_caching=True,
-                                   max_num_batched_tokens=256)  # fmt: skip
-    core = EngineCore(cfg, SlowExecutor(vocab, 16, 0.01), num_kv_blocks=256, max_model_len=1024,
-                      vocab_size=vocab, eos_token_ids=eos_token_ids(smol_tokenizer))  # fmt: skip
+    cfg = EngineConfig.from_kwargs(
+        block_size=16, enable_prefix_caching=True, max_num_batched_tokens=256
+    )
+    core = EngineCore(
+        cfg,
+        SlowExecutor(vocab, 16, 0.01),
+        num_kv_blocks=256,
+        max_model_len=1024,
+        vocab_size=vocab,
+        eos_token_ids=eos_token_ids(smol_tokenizer),
+    )
     settings = ServerSettings(log_interval_s=0.05)
     state = build_state(
         core, smol_tokenizer, model_name="fake", vocab_size=vocab, settings=settings

@@ -60,8 +60,9 @@ def test_echo_max_tokens_1_as_lm_eval_sends_it(
 ) -> None:
     """lm-eval's local-completions: echo, logprobs 1, max_tokens 1; it reads [ctxlen:-1]."""
     ids = smol_tokenizer.encode("Question: is the sky blue? Answer: yes")
-    r = client.completions.create(model="tiny", prompt=[ids], max_tokens=1, echo=True,
-                                  logprobs=1, temperature=0)  # fmt: skip
+    r = client.completions.create(
+        model="tiny", prompt=[ids], max_tokens=1, echo=True, logprobs=1, temperature=0
+    )
     lp = r.choices[0].logprobs
     assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
     assert len(lp.token_logprobs) == len(ids) + 1 and r.usage.completion_tokens == 1  # type: ignore[union-attr]
@@ -83,8 +84,9 @@ def test_echo_max_tokens_0_scores_the_prompt(
     prompt = "The capital of France is Paris, and the capital of Italy is Rome. " * 3
     ids = smol_tokenizer.encode(prompt)
     assert len(ids) > 32
-    r = client.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True,
-                                  logprobs=2, temperature=0)  # fmt: skip
+    r = client.completions.create(
+        model="tiny", prompt=ids, max_tokens=0, echo=True, logprobs=2, temperature=0
+    )
     choice = r.choices[0]
     assert choice.text == smol_tokenizer.decode(ids) and choice.finish_reason == "length"
     assert r.usage is not None and r.usage.completion_tokens == 0
@@ -108,8 +110,14 @@ def test_echo_max_tokens_0_scores_the_prompt(
 def test_completion_logprobs_stream_and_not(
     client: openai.OpenAI, reference: Any, smol_tokenizer: Any
 ) -> None:
-    kw: dict[str, Any] = dict(model="tiny", prompt="Once upon a time", max_tokens=6,
-                              temperature=0, logprobs=3, extra_body={"ignore_eos": True})  # fmt: skip
+    kw: dict[str, Any] = dict(
+        model="tiny",
+        prompt="Once upon a time",
+        max_tokens=6,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     r = client.completions.create(**kw)
     lp = r.choices[0].logprobs
     assert lp is not None and lp.token_logprobs is not None and len(lp.token_logprobs) == 6
@@ -133,8 +141,15 @@ def test_chat_logprobs_shape_and_values(
     from poise.text import apply_chat_template
 
     msgs = [{"role": "user", "content": "Say something."}]
-    kw: dict[str, Any] = dict(model="tiny", messages=msgs, max_tokens=5, temperature=0,
-                              logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
+    kw: dict[str, Any] = dict(
+        model="tiny",
+        messages=msgs,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     r = client.chat.completions.create(**kw)
     content = r.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 5
@@ -163,8 +178,9 @@ def test_chat_logprobs_shape_and_values(
 
 def test_batched_prompts_are_indexed_choices(client: openai.OpenAI, smol_tokenizer: Any) -> None:
     prompts = ["The first prompt", "A second, longer prompt than the first", "Third"]
-    kw: dict[str, Any] = dict(model="tiny", max_tokens=4, temperature=0,
-                              extra_body={"ignore_eos": True})  # fmt: skip
+    kw: dict[str, Any] = dict(
+        model="tiny", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
     singles = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
     r = client.completions.create(prompt=prompts, **kw)
     assert [c.index for c in r.choices] == [0, 1, 2]
@@ -180,11 +196,11 @@ def test_batched_prompts_are_indexed_choices(client: openai.OpenAI, smol_tokeniz
     assert texts == singles
 
 
-def test_batched_echo_scores_every_prompt(client: openai.OpenAI, reference: Any,
-                                          smol_tokenizer: Any) -> None:  # fmt: skip
+def test_batched_echo_scores_every_prompt(
+    client: openai.OpenAI, reference: Any, smol_tokenizer: Any
+) -> None:
     prompts = ["Question: two plus two? Answer: four", "Question: the sky? Answer: blue"]
-    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=0, echo=True,
-                                  logprobs=0)  # fmt: skip
+    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=0, echo=True, logprobs=0)
     for choice, p in zip(r.choices, prompts, strict=True):
         ids = smol_tokenizer.encode(p)
         ref = reference(ids)
@@ -203,8 +219,13 @@ def test_disconnect_aborts_every_prompt_of_a_batch(server: ServerProcess) -> Non
         return metric_value(text, "poise:request_success_total", finished_reason="abort")
 
     before = aborted()
-    body = {"model": "tiny", "prompt": ["one", "two", "three", "four"], "max_tokens": 240,
-            "stream": True, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": ["one", "two", "three", "four"],
+        "max_tokens": 240,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=30) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -226,17 +247,28 @@ def test_cached_tokens_in_usage(client: openai.OpenAI) -> None:
     assert details is not None and details.cached_tokens is not None
     assert details.cached_tokens >= 16 and details.cached_tokens % 16 == 0
     # Scoring the prompt reads no cache (every position's logits are needed).
-    scored = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True,
-                                       logprobs=0)  # fmt: skip
+    scored = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=0
+    )
     assert scored.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=1, stream=True,
-        stream_options={"include_usage": True},
-    ))  # fmt: skip
-    chunks = chunks + list(client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=1, stream=True,
-        stream_options={"include_usage": True},
-    ))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=1,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    chunks = chunks + list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=1,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
 
 
@@ -258,8 +290,11 @@ def test_completions_refusals(client: openai.OpenAI, body: dict[str, Any], param
 
 def test_chat_refusals(client: openai.OpenAI) -> None:
     msgs = [{"role": "user", "content": "x"}]
-    for extra in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21},
-                  {"stream_options": {"include_usage": True}}):  # fmt: skip
+    for extra in (
+        {"top_logprobs": 2},
+        {"logprobs": True, "top_logprobs": 21},
+        {"stream_options": {"include_usage": True}},
+    ):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, **extra)
 
@@ -290,9 +325,11 @@ def test_unknown_route_and_wrong_method_have_openai_error_shape(
 def test_developer_role_is_system(client: openai.OpenAI) -> None:
     def run(role: str) -> Any:
         return client.chat.completions.create(
-            model="tiny", max_tokens=4, temperature=0,
+            model="tiny",
+            max_tokens=4,
+            temperature=0,
             messages=[{"role": role, "content": "Be terse."}, {"role": "user", "content": "Hi"}],
-        )  # fmt: skip
+        )
 
     dev, system = run("developer"), run("system")
     assert dev.usage is not None and system.usage is not None
@@ -324,8 +361,9 @@ def test_batched_prompts_with_n_number_choices_prompt_times_n_plus_sample(
     client: openai.OpenAI,
 ) -> None:
     prompts = ["The first prompt", "Second"]
-    kw: dict[str, Any] = dict(model="tiny", max_tokens=3, temperature=0, logprobs=1,
-                              extra_body={"ignore_eos": True})  # fmt: skip
+    kw: dict[str, Any] = dict(
+        model="tiny", max_tokens=3, temperature=0, logprobs=1, extra_body={"ignore_eos": True}
+    )
     singles = [client.completions.create(prompt=p, **kw).choices[0] for p in prompts]
     r = client.completions.create(prompt=prompts, n=2, **kw)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
@@ -336,6 +374,7 @@ def test_batched_prompts_with_n_number_choices_prompt_times_n_plus_sample(
         assert c.logprobs.token_logprobs == pytest.approx(single.logprobs.token_logprobs)
     assert r.usage is not None and r.usage.completion_tokens == 12
     with pytest.raises(openai.BadRequestError) as info:  # only one sample feeds the prompt
-        client.completions.create(prompt=prompts, n=2, echo=True, model="tiny", max_tokens=1,
-                                  logprobs=0)  # fmt: skip
+        client.completions.create(
+            prompt=prompts, n=2, echo=True, model="tiny", max_tokens=1, logprobs=0
+        )
     assert "n = 1" in str(info.value)

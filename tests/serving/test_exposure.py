@@ -30,9 +30,14 @@ SECRET = "the-secret-prompt-2718"
 
 def _state(tokenizer: Any) -> Any:
     vocab = len(tokenizer)
-    core = EngineCore(EngineConfig.from_kwargs(block_size=16), FakeExecutor(vocab, 16),
-                      num_kv_blocks=128, max_model_len=512, vocab_size=vocab,
-                      eos_token_ids=eos_token_ids(tokenizer))  # fmt: skip
+    core = EngineCore(
+        EngineConfig.from_kwargs(block_size=16),
+        FakeExecutor(vocab, 16),
+        num_kv_blocks=128,
+        max_model_len=512,
+        vocab_size=vocab,
+        eos_token_ids=eos_token_ids(tokenizer),
+    )
     settings = ServerSettings(enable_log_requests=True)
     return build_state(core, tokenizer, model_name="fake", vocab_size=vocab, settings=settings)
 
@@ -48,9 +53,16 @@ def _get(app: Any, path: str, client: str, headers: dict[str, str] | None = None
     return asyncio.run(go())
 
 
-ROUTES = [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
-          ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/server_info"),
-          ("GET", "/dashboard"), ("GET", "/openapi.json")]  # fmt: skip
+ROUTES = [
+    ("GET", "/v1/models"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/server_info"),
+    ("GET", "/dashboard"),
+    ("GET", "/openapi.json"),
+]
 
 
 def test_every_route_but_the_probes_needs_the_key(smol_tokenizer: Any) -> None:

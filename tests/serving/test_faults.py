@@ -45,8 +45,14 @@ def _server(
     vocab = len(tokenizer)
     cfg = EngineConfig.from_kwargs(block_size=16, **engine_kwargs)
     executor = FaultyExecutor(vocab, 16)
-    core = EngineCore(cfg, executor, num_kv_blocks=num_kv_blocks, max_model_len=1024, vocab_size=vocab,
-                      eos_token_ids=eos_token_ids(tokenizer))  # fmt: skip
+    core = EngineCore(
+        cfg,
+        executor,
+        num_kv_blocks=num_kv_blocks,
+        max_model_len=1024,
+        vocab_size=vocab,
+        eos_token_ids=eos_token_ids(tokenizer),
+    )
     state = build_state(core, tokenizer, model_name="fake", vocab_size=vocab)
     return InProcessServer(state), executor
 
@@ -121,8 +127,9 @@ def test_flood_against_a_tiny_queue_gets_429_with_retry_after(smol_tokenizer: An
 def test_a_burst_fills_the_free_slots_before_the_queue_bound_applies(smol_tokenizer: Any) -> None:
     """64 sequence slots and a queue of 8: 100 requests at once are 72 admitted (the slots plus
     the queue), not the 8-16 of a bound that counted requests the next step would start."""
-    server, executor = _server(smol_tokenizer, num_kv_blocks=4096, max_num_seqs=64,
-                               max_num_queued_requests=8)  # fmt: skip
+    server, executor = _server(
+        smol_tokenizer, num_kv_blocks=4096, max_num_seqs=64, max_num_queued_requests=8
+    )
     executor.delay_s = 0.02  # 50 tokens: each admitted request runs for 1 s or more
     with server:
         url = server.base_url + "/v1/completions"
@@ -130,8 +137,10 @@ def test_a_burst_fills_the_free_slots_before_the_queue_bound_applies(smol_tokeni
         async def burst() -> list[httpx.Response]:
             limits = httpx.Limits(max_connections=100)
             async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-                bodies = [{"prompt": [5, 6, i + 10], "max_tokens": 50, "ignore_eos": True}
-                          for i in range(100)]  # fmt: skip
+                bodies = [
+                    {"prompt": [5, 6, i + 10], "max_tokens": 50, "ignore_eos": True}
+                    for i in range(100)
+                ]
                 return list(await asyncio.gather(*(client.post(url, json=b) for b in bodies)))
 
         codes = [r.status_code for r in asyncio.run(burst())]

@@ -39,15 +39,24 @@ def test_guidellm_run(
         pytest.skip("guidellm is in the `eval` extra (make test-all)")
     out = tmp_path / "report.json"
     cmd = [
-        exe, "run", "--backend", f"kind=openai_http,target={server.base_url},model=tiny",
-        "--profile", profile, "--constraint", "kind=max_requests,count=8",
-        "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=8",
-        "--tokenizer", f"kind=huggingface_auto,model={tiny_model_dir}",
-        "--output", f"kind=json,path={out}", "--disable-progress",
-    ]  # fmt: skip
+        exe,
+        "run",
+        "--backend",
+        f"kind=openai_http,target={server.base_url},model=tiny",
+        "--profile",
+        profile,
+        "--constraint",
+        "kind=max_requests,count=8",
+        "--data",
+        "kind=synthetic_text,prompt_tokens=32,output_tokens=8",
+        "--tokenizer",
+        f"kind=huggingface_auto,model={tiny_model_dir}",
+        "--output",
+        f"kind=json,path={out}",
+        "--disable-progress",
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     bench = json.loads(out.read_text())["benchmarks"][0]
     state = bench["scheduler_state"]

@@ -34,8 +34,14 @@ USER = [{"role": "user", "content": "hello"}]
 def _server(tokenizer: Any, **limits: Any) -> InProcessServer:
     vocab = len(tokenizer)
     cfg = EngineConfig.from_kwargs(block_size=16)
-    core = EngineCore(cfg, FakeExecutor(vocab, 16), num_kv_blocks=256, max_model_len=MAX_MODEL_LEN,
-                      vocab_size=vocab, eos_token_ids=eos_token_ids(tokenizer))  # fmt: skip
+    core = EngineCore(
+        cfg,
+        FakeExecutor(vocab, 16),
+        num_kv_blocks=256,
+        max_model_len=MAX_MODEL_LEN,
+        vocab_size=vocab,
+        eos_token_ids=eos_token_ids(tokenizer),
+    )
     settings = ServerSettings(enable_api_docs=True, limits=RequestLimitsConfig(**limits))
     state = build_state(core, tokenizer, model_name="fake", vocab_size=vocab, settings=settings)
     return InProcessServer(state, settings)
@@ -149,9 +155,15 @@ def test_a_prompt_too_long_in_characters_is_refused_before_tokenizing(
         text = "é" * (bound + 1)
         for r, param in (
             (_chat(server, messages=[{"role": "user", "content": text}]), "messages"),
-            (httpx.post(server.base_url + "/v1/completions",
-                        json={"prompt": text, "max_tokens": 1}, timeout=30), "prompt"),
-        ):  # fmt: skip
+            (
+                httpx.post(
+                    server.base_url + "/v1/completions",
+                    json={"prompt": text, "max_tokens": 1},
+                    timeout=30,
+                ),
+                "prompt",
+            ),
+        ):
             err = _error(r, 400)
             assert err["param"] == param and "characters" in err["message"]
             assert str(MAX_MODEL_LEN) in err["message"]
@@ -212,16 +224,24 @@ def test_stop_strings_at_the_limits_are_served(server: InProcessServer) -> None:
 @pytest.mark.parametrize(
     ("path", "raw", "param"),
     [
-        ("/v1/chat/completions",
-         '{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}', "messages"),
-        ("/v1/chat/completions",
-         '{"messages": [{"role": "user", "content": "hi"}], "stream": true, "stop": "\\udfff"}',
-         "stop"),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}',
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "hi"}], "stream": true, "stop": "\\udfff"}',
+            "stop",
+        ),
         ("/v1/completions", '{"prompt": "x\\ud800", "max_tokens": 2}', "prompt"),
-        ("/v1/completions", '{"prompt": "x", "stream": true, "max_tokens": 2, "user": "\\ud83d"}',
-         "user"),
+        (
+            "/v1/completions",
+            '{"prompt": "x", "stream": true, "max_tokens": 2, "user": "\\ud83d"}',
+            "user",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_lone_surrogate_is_400(server: InProcessServer, path: str, raw: str, param: str) -> None:
     err = _error(_post(server, path, raw), 400)
     assert err["param"] == param and "surrogate" in err["message"]
@@ -342,8 +362,10 @@ def test_openapi_schema_matches_what_the_server_answers(server: InProcessServer)
     schema = httpx.get(server.base_url + "/openapi.json").json()
     assert '"422"' not in json.dumps(schema) and "HTTPValidationError" not in json.dumps(schema)
     models = schema["components"]["schemas"]
-    for path, ok in (("/v1/chat/completions", "ChatCompletionResponse"),
-                     ("/v1/completions", "CompletionResponse")):  # fmt: skip
+    for path, ok in (
+        ("/v1/chat/completions", "ChatCompletionResponse"),
+        ("/v1/completions", "CompletionResponse"),
+    ):
         responses = schema["paths"][path]["post"]["responses"]
         assert responses["200"]["content"]["application/json"]["schema"]["$ref"].endswith(ok)
         assert "text/event-stream" in responses["200"]["content"]

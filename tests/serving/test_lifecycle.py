@@ -88,8 +88,12 @@ def _storm(server: InProcessServer, n: int, seed: int = 0) -> int:
     cuts = [rng.randint(0, 30) for _ in range(n)]
 
     async def one(client: httpx.AsyncClient, cut: int, i: int) -> int:
-        body = {"prompt": [5, 6, i % 500 + 10], "max_tokens": 200, "ignore_eos": True,
-                "stream": True}  # fmt: skip
+        body = {
+            "prompt": [5, 6, i % 500 + 10],
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+        }
         read = 0
         async with client.stream("POST", server.base_url + "/v1/completions", json=body) as r:
             async for line in r.aiter_lines():
@@ -115,8 +119,11 @@ def test_a_disconnect_storm_leaves_no_blocks_tasks_or_threads(smol_tokenizer: An
         read = _storm(server, STORM, seed=1)
         assert read > 0
         assert_left_nothing(server, threads, num_tasks)
-        aborted = metric_value(httpx.get(server.base_url + "/metrics").text,
-                               "poise:request_success_total", finished_reason="abort")  # fmt: skip
+        aborted = metric_value(
+            httpx.get(server.base_url + "/metrics").text,
+            "poise:request_success_total",
+            finished_reason="abort",
+        )
         assert aborted >= STORM * 0.9, aborted  # the cut ones were aborted, not run to the end
 
 
@@ -130,16 +137,20 @@ def test_streams_whose_client_left_before_the_response_started_are_aborted(
     import socket
 
     server, executor = fake_server(smol_tokenizer, max_num_seqs=64)
-    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True,
-                       "stream": True}).encode()  # fmt: skip
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
-            f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    body = json.dumps(
+        {"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "stream": True}
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+        f"application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     busy = {"prompt": [9, 9], "max_tokens": 4, "ignore_eos": True}
     with server:
         executor.delay_s = 0.3  # slow steps: new requests wait for the engine to admit them
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            running = pool.submit(httpx.post, server.base_url + "/v1/completions", json=busy,
-                                  timeout=30)  # fmt: skip
+            running = pool.submit(
+                httpx.post, server.base_url + "/v1/completions", json=busy, timeout=30
+            )
             wait(lambda: server.state.engine.core.scheduler.num_running == 1)
             for _ in range(5):
                 with socket.create_connection(("127.0.0.1", server.port)) as sock:
@@ -171,8 +182,17 @@ def test_a_large_disconnect_storm(smol_tokenizer: Any) -> None:
 def test_sigterm_lets_requests_in_flight_finish_and_exits_0(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    args = [str(tiny_model_dir), "--dtype", "float32", "--max-model-len", "1024",
-            "--kv-cache-memory-bytes", "8MiB", "--shutdown-grace-period", "60"]  # fmt: skip
+    args = [
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory-bytes",
+        "8MiB",
+        "--shutdown-grace-period",
+        "60",
+    ]
     server = ServerProcess(args, tmp_path / "server.log").wait_ready()
     try:
         results: list[httpx.Response] = []
@@ -184,8 +204,15 @@ def test_sigterm_lets_requests_in_flight_finish_and_exits_0(
         threads = [threading.Thread(target=post, args=(i,)) for i in range(3)]
         for t in threads:
             t.start()
-        wait(lambda: metric_value(httpx.get(server.base_url + "/metrics").text,
-                                   "poise:num_requests_running") == 3, timeout=60)  # fmt: skip
+        wait(
+            lambda: (
+                metric_value(
+                    httpx.get(server.base_url + "/metrics").text, "poise:num_requests_running"
+                )
+                == 3
+            ),
+            timeout=60,
+        )
         sent = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
@@ -218,14 +245,19 @@ def test_clients_that_stop_reading_hold_no_engine_resources_and_bounded_memory(
         wait(lambda: gauge(server, "poise:num_requests_running") == 0)
         rss = rss_bytes()
         socks = []
-        body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True,
-                           "stream": True}).encode()  # fmt: skip
+        body = json.dumps(
+            {"prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "stream": True}
+        ).encode()
         for _ in range(10):
             s = socket.create_connection(("127.0.0.1", server.port))
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fill up early
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                      b"Content-Type: application/json\r\nContent-Length: "
-                      + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
             assert s.recv(64).startswith(b"HTTP/1.1 200")
             socks.append(s)
         core = server.state.engine.core
@@ -238,8 +270,11 @@ def test_clients_that_stop_reading_hold_no_engine_resources_and_bounded_memory(
         # 3,000 tokens wait for their readers: a few hundred bytes each at most.
         assert held < 64 * 2**20, held
         print(f"10 stalled streams x 300 tokens: RSS +{held / 2**20:.1f} MiB while they wait")
-        r = httpx.post(server.base_url + "/v1/completions", timeout=30,
-                       json={"prompt": [5], "max_tokens": 2, "ignore_eos": True})  # fmt: skip
+        r = httpx.post(
+            server.base_url + "/v1/completions",
+            timeout=30,
+            json={"prompt": [5], "max_tokens": 2, "ignore_eos": True},
+        )
         assert r.status_code == 200
 
 

@@ -33,11 +33,24 @@ def server(
 ) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("live") / "server.log"
     args = [
-        str(tiny_model_dir), "--served-model-name", "tiny", "--dtype", "float32",
-        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64",
-        "--max-num-batched-tokens", "1024", "--kv-cache-memory-bytes", "32MiB",
-        "--log-interval", "1", "--step-trace", str(log.parent / "steps.jsonl"),
-    ]  # fmt: skip
+        str(tiny_model_dir),
+        "--served-model-name",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        "64",
+        "--max-num-batched-tokens",
+        "1024",
+        "--kv-cache-memory-bytes",
+        "32MiB",
+        "--log-interval",
+        "1",
+        "--step-trace",
+        str(log.parent / "steps.jsonl"),
+    ]
     proc = ServerProcess(args, log).wait_ready()
     yield proc
     assert proc.stop() == 0, log.read_text()[-3000:]
@@ -67,17 +80,24 @@ def test_step_trace_records_each_step_of_a_request(
     path = server.log_path.parent / "steps.jsonl"
     _, before = read_trace(path)
     client.completions.create(
-        model="tiny", prompt="step trace " * 7, max_tokens=5, temperature=0,
+        model="tiny",
+        prompt="step trace " * 7,
+        max_tokens=5,
+        temperature=0,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     n_prompt = len(smol_tokenizer.encode("step trace " * 7))
     header, after = read_trace(path)
     new = after[len(before) :]
     assert header["source"] == "poise serve" and header["model"]
     # One prefill step that samples the first token, then one decode step per further token.
     assert [(s.shape.num_prefill_tokens, s.shape.num_decode_seqs) for s in new] == [
-        (n_prompt, 0), (0, 1), (0, 1), (0, 1), (0, 1)
-    ]  # fmt: skip
+        (n_prompt, 0),
+        (0, 1),
+        (0, 1),
+        (0, 1),
+        (0, 1),
+    ]
     assert [s.shape.decode_ctx_tokens for s in new[1:]] == [n_prompt + i for i in range(1, 5)]
     assert all(s.cpu_s is not None and 0 < s.cpu_s <= s.wall_s + 0.002 for s in new)
     assert all(a.start_s < b.start_s for a, b in zip(new, new[1:], strict=False))
@@ -88,9 +108,12 @@ def test_chat_stream_and_non_stream_agree_and_usage_is_real(
 ) -> None:
     n_prompt = len(apply_chat_template(smol_tokenizer, MSG))
     full = client.chat.completions.create(
-        model="tiny", messages=MSG, max_completion_tokens=12, temperature=0,
+        model="tiny",
+        messages=MSG,
+        max_completion_tokens=12,
+        temperature=0,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     assert full.object == "chat.completion" and full.choices[0].finish_reason == "length"
     assert full.usage is not None
     assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (n_prompt, 12)
@@ -107,7 +130,7 @@ def test_chat_stream_and_non_stream_agree_and_usage_is_real(
             stream=True,
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
-        )  # fmt: skip
+        )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -132,16 +155,25 @@ def test_completions_text_and_token_ids(client: openai.OpenAI, smol_tokenizer: A
 
 def test_stop_strings(client: openai.OpenAI) -> None:
     base = client.completions.create(
-        model="tiny", prompt="Once upon a time", max_tokens=24, temperature=0,
+        model="tiny",
+        prompt="Once upon a time",
+        max_tokens=24,
+        temperature=0,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     text = base.choices[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), text
     cut = text[: text.index(stop)]
     for stream in (False, True):
-        kwargs: dict[str, Any] = dict(model="tiny", prompt="Once upon a time", max_tokens=24,
-                                      temperature=0, stop=[stop], stream=stream)  # fmt: skip
+        kwargs: dict[str, Any] = dict(
+            model="tiny",
+            prompt="Once upon a time",
+            max_tokens=24,
+            temperature=0,
+            stop=[stop],
+            stream=stream,
+        )
         if stream:
             parts = list(client.completions.create(**kwargs))
             got = "".join(p.choices[0].text for p in parts if p.choices)
@@ -155,9 +187,14 @@ def test_stop_strings(client: openai.OpenAI) -> None:
 def test_seed_reproducibility(client: openai.OpenAI) -> None:
     def sample(seed: int) -> str:
         out = client.chat.completions.create(
-            model="tiny", messages=MSG, max_tokens=16, temperature=1.0, top_p=0.95, seed=seed,
+            model="tiny",
+            messages=MSG,
+            max_tokens=16,
+            temperature=1.0,
+            top_p=0.95,
+            seed=seed,
             extra_body={"top_k": 50, "ignore_eos": True},
-        )  # fmt: skip
+        )
         return out.choices[0].message.content or ""
 
     first = sample(7)
@@ -167,9 +204,14 @@ def test_seed_reproducibility(client: openai.OpenAI) -> None:
 
 def test_ignore_eos_gives_exactly_max_tokens(client: openai.OpenAI) -> None:
     stream = client.completions.create(
-        model="tiny", prompt="x", max_tokens=40, temperature=0.8, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "min_p": 0.01},
-    )  # fmt: skip
+        model="tiny",
+        prompt="x",
+        max_tokens=40,
+        temperature=0.8,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "min_p": 0.01},
+    )
     chunks = list(stream)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 40
 
@@ -219,8 +261,11 @@ def test_unknown_model_is_404_model_not_found(client: openai.OpenAI) -> None:
 
 
 def test_malformed_json_is_400(server: ServerProcess) -> None:
-    r = httpx.post(server.base_url + "/v1/chat/completions", content=b"{not json",
-                   headers={"content-type": "application/json"})  # fmt: skip
+    r = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
@@ -241,9 +286,14 @@ def test_64_concurrent_streams_all_complete_correctly(
     async def one(i: int) -> tuple[str, str, int]:
         prompt = prompts[i % 4]
         stream = await aclient.completions.create(
-            model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-        )  # fmt: skip
+            model="tiny",
+            prompt=prompt,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         text, n = "", 0
         async for chunk in stream:
             text += "".join(c.text for c in chunk.choices)
@@ -273,12 +323,12 @@ def _wait_for(cond: Any, timeout: float = 30.0) -> None:
 def test_disconnecting_20_streams_and_3_waiters_frees_the_kv_cache(
     server: ServerProcess, client: openai.OpenAI
 ) -> None:
-    aborts_before = metric_value(_metrics(server), "poise:request_success_total",
-                                 finished_reason="abort")  # fmt: skip
+    aborts_before = metric_value(
+        _metrics(server), "poise:request_success_total", finished_reason="abort"
+    )
 
     async def start_and_leave(http: httpx.AsyncClient, i: int) -> None:
-        body = {"prompt": f"long story {i}", "max_tokens": 400, "stream": True,
-                "ignore_eos": True}  # fmt: skip
+        body = {"prompt": f"long story {i}", "max_tokens": 400, "stream": True, "ignore_eos": True}
         async with http.stream("POST", server.base_url + "/v1/completions", json=body) as r:
             assert r.status_code == 200
             seen = 0
@@ -319,14 +369,19 @@ def test_disconnecting_20_streams_and_3_waiters_frees_the_kv_cache(
 def test_metrics_move_and_histograms_count_served_requests(
     server: ServerProcess, client: openai.OpenAI
 ) -> None:
-    names = ("poise:e2e_request_latency_seconds_count", "poise:time_to_first_token_seconds_count",
-             "poise:request_queue_time_seconds_count", "poise:generation_tokens_total",
-             "poise:prompt_tokens_total")  # fmt: skip
+    names = (
+        "poise:e2e_request_latency_seconds_count",
+        "poise:time_to_first_token_seconds_count",
+        "poise:request_queue_time_seconds_count",
+        "poise:generation_tokens_total",
+        "poise:prompt_tokens_total",
+    )
     before = {n: metric_value(_metrics(server), n) for n in names}
     prompt_tokens = completion_tokens = 0
     for i in range(5):
-        out = client.completions.create(model="tiny", prompt=f"metrics {i}", max_tokens=5 + i,
-                                        extra_body={"ignore_eos": True})  # fmt: skip
+        out = client.completions.create(
+            model="tiny", prompt=f"metrics {i}", max_tokens=5 + i, extra_body={"ignore_eos": True}
+        )
         assert out.usage is not None
         prompt_tokens += out.usage.prompt_tokens
         completion_tokens += out.usage.completion_tokens
@@ -350,8 +405,13 @@ def test_sigterm_stops_accepting_finishes_in_flight_and_exits_0(server: ServerPr
     lines: list[str] = []
 
     def stream() -> None:
-        body = {"prompt": "drain me", "max_tokens": 200, "stream": True, "ignore_eos": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "prompt": "drain me",
+            "max_tokens": 200,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
         url = server.base_url + "/v1/completions"
         with httpx.stream("POST", url, json=body, timeout=0.3) as r:
             lines.extend(line for line in r.iter_lines() if line.startswith("data: "))

@@ -34,8 +34,9 @@ def server(
         yield proc
 
 
-def _evaluate(model: str, model_args: str, task: str, monkeypatch: pytest.MonkeyPatch,
-              **kw: Any) -> dict[str, Any]:  # fmt: skip
+def _evaluate(
+    model: str, model_args: str, task: str, monkeypatch: pytest.MonkeyPatch, **kw: Any
+) -> dict[str, Any]:
     pytest.importorskip("lm_eval", reason="lm-eval is in the `eval` extra (make test-all)")
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -44,9 +45,14 @@ def _evaluate(model: str, model_args: str, task: str, monkeypatch: pytest.Monkey
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(REPO)  # the tasks' data_files are relative to the repository
     out = lm_eval.simple_evaluate(
-        model=model, model_args=model_args, tasks=[task], log_samples=True,
-        task_manager=TaskManager(include_path=str(TASKS)), random_seed=0, **kw,
-    )  # fmt: skip
+        model=model,
+        model_args=model_args,
+        tasks=[task],
+        log_samples=True,
+        task_manager=TaskManager(include_path=str(TASKS)),
+        random_seed=0,
+        **kw,
+    )
     assert out is not None
     return out
 
@@ -55,15 +61,22 @@ def _by_doc(out: dict[str, Any], task: str) -> dict[int, Any]:
     return {s["doc_id"]: s for s in out["samples"][task]}
 
 
-def _served_and_hf(server: ServerProcess, model_dir: Path, task: str,
-                   monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+def _served_and_hf(
+    server: ServerProcess, model_dir: Path, task: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The task through local-completions against the server, then through lm-eval's hf model
     on the same weights, both at batch size 4."""
     url = f"{server.base_url}/v1/completions"
-    served = _evaluate("local-completions", f"model=tiny,base_url={url},num_concurrent=1,"
-                       "max_retries=1", task, monkeypatch, batch_size=4)  # fmt: skip
-    hf = _evaluate("hf", f"pretrained={model_dir},dtype=float32", task, monkeypatch,
-                   batch_size=4, device="cpu")  # fmt: skip
+    served = _evaluate(
+        "local-completions",
+        f"model=tiny,base_url={url},num_concurrent=1,max_retries=1",
+        task,
+        monkeypatch,
+        batch_size=4,
+    )
+    hf = _evaluate(
+        "hf", f"pretrained={model_dir},dtype=float32", task, monkeypatch, batch_size=4, device="cpu"
+    )
     return served, hf
 
 
@@ -91,17 +104,24 @@ def test_generate_until_batch_4_matches_hf(
     generations = {d: s["resps"][0][0] for d, s in got.items()}
     assert generations == {d: s["resps"][0][0] for d, s in want.items()}
     assert any(generations.values())  # something was generated
-    assert (served["results"]["poise_gen"]["exact_match,none"]
-            == hf["results"]["poise_gen"]["exact_match,none"])  # fmt: skip
+    assert (
+        served["results"]["poise_gen"]["exact_match,none"]
+        == hf["results"]["poise_gen"]["exact_match,none"]
+    )
 
 
 def test_local_chat_completions_runs(
     server: ServerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = f"{server.base_url}/v1/chat/completions"
-    out = _evaluate("local-chat-completions", f"model=tiny,base_url={url},num_concurrent=1,"
-                    "max_retries=1", "poise_gen", monkeypatch, apply_chat_template=True,
-                    limit=4)  # fmt: skip
+    out = _evaluate(
+        "local-chat-completions",
+        f"model=tiny,base_url={url},num_concurrent=1,max_retries=1",
+        "poise_gen",
+        monkeypatch,
+        apply_chat_template=True,
+        limit=4,
+    )
     samples = out["samples"]["poise_gen"]
     assert len(samples) == 4 and all(isinstance(s["resps"][0][0], str) for s in samples)
     assert "exact_match,none" in out["results"]["poise_gen"]

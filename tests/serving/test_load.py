@@ -44,8 +44,12 @@ def _overload(
     statuses, the TTFTs (s) of those served and the Retry-After headers of those refused."""
 
     async def one(client: httpx.AsyncClient, i: int) -> tuple[int, float | None, str | None]:
-        body = {"prompt": [5, 6, i % 500 + 10], "max_tokens": 20, "ignore_eos": True,
-                "stream": True}  # fmt: skip
+        body = {
+            "prompt": [5, 6, i % 500 + 10],
+            "max_tokens": 20,
+            "ignore_eos": True,
+            "stream": True,
+        }
         sent = time.monotonic()
         try:
             async with client.stream("POST", server.base_url + "/v1/completions", json=body) as r:
@@ -70,8 +74,11 @@ def _overload(
             return list(await asyncio.gather(*tasks))
 
     results = asyncio.run(run())
-    return ([s for s, _, _ in results], [t for _, t, _ in results if t is not None],
-            [h for _, _, h in results if h is not None])  # fmt: skip
+    return (
+        [s for s, _, _ in results],
+        [t for _, t, _ in results if t is not None],
+        [h for _, _, h in results if h is not None],
+    )
 
 
 def _p95(values: list[float]) -> float:
@@ -87,10 +94,16 @@ def test_overload_at_ten_times_capacity_is_refused_with_retry_after(smol_tokeniz
     classes = f"chat:ttft_p95_ms={TTFT_TARGET_MS:g}"
     # Connections beyond the cap would be refused with 503 (a limit of its own, tested
     # elsewhere); this measures admission alone.
-    server, executor = fake_server(smol_tokenizer, ServerSettings(max_connections=20_000),
-                               max_num_seqs=8, traffic_classes=classes,
-                               admission_control="predictive", admission_margin=MARGIN,
-                               step_cost_const_s=0.012, step_cost_per_token_s=1e-5)  # fmt: skip
+    server, executor = fake_server(
+        smol_tokenizer,
+        ServerSettings(max_connections=20_000),
+        max_num_seqs=8,
+        traffic_classes=classes,
+        admission_control="predictive",
+        admission_margin=MARGIN,
+        step_cost_const_s=0.012,
+        step_cost_per_token_s=1e-5,
+    )
     executor.delay_s = 0.01
     core = server.state.engine.core
     first_tokens = _record_first_tokens(core)
@@ -156,13 +169,20 @@ def test_overload_against_a_real_server(tmp_path: Path) -> None:
     of what the engine can serve accepted, and the server's memory bounded."""
     out = tmp_path / "overload.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overload.py"), "--json", str(out)],
-                   cwd=ROOT, env=env, check=True, timeout=840)  # fmt: skip
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "overload.py"), "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=840,
+    )
     result = json.loads(out.read_text())
     over, bound = result["overload"], result["bound_s"]
     p95 = over["engine_ttft_s"]["95"]
-    print(f"overload against poise serve: {over['accepted']} accepted, {over['refused_429']} "
-          f"refused, engine TTFT p95 {p95 * 1000:.0f} ms (bound {bound * 1000:.0f})")  # fmt: skip
+    print(
+        f"overload against poise serve: {over['accepted']} accepted, {over['refused_429']} "
+        f"refused, engine TTFT p95 {p95 * 1000:.0f} ms (bound {bound * 1000:.0f})"
+    )
     assert set(over["statuses"]) == {"200", "429"}, over["statuses"]
     assert over["refused_with_retry_after"] == over["refused_429"]
     assert over["num_engine_ttft"] == over["accepted"]
@@ -191,8 +211,11 @@ def test_a_soak_at_saturation(smol_tokenizer: Any) -> None:
     async def client(c: httpx.AsyncClient, seed: int, end: float) -> None:
         rng = random.Random(seed)
         while time.monotonic() < end:
-            body = {"prompt": [rng.randrange(10, 40000) for _ in range(rng.randint(1, 60))],
-                    "max_tokens": rng.randint(1, 80), "stream": rng.random() < 0.5}  # fmt: skip
+            body = {
+                "prompt": [rng.randrange(10, 40000) for _ in range(rng.randint(1, 60))],
+                "max_tokens": rng.randint(1, 80),
+                "stream": rng.random() < 0.5,
+            }
             url = server.base_url + "/v1/completions"
             if body["stream"]:
                 async with c.stream("POST", url, json=body) as r:
@@ -227,6 +250,8 @@ def test_a_soak_at_saturation(smol_tokenizer: Any) -> None:
     first, second = sum(warm[:half]) / half, sum(warm[half:]) / (len(warm) - half)
     quarters = [warm[i * len(warm) // 4 : (i + 1) * len(warm) // 4] for i in range(4)]
     trend = " -> ".join(f"{sum(q) / len(q) / 2**20:.0f}" for q in quarters if q)
-    print(f"soak {duration:g} s: {statuses}, RSS {first / 2**20:.0f} -> {second / 2**20:.0f} MiB"
-          f" (quarters after warm-up: {trend} MiB)")  # fmt: skip
+    print(
+        f"soak {duration:g} s: {statuses}, RSS {first / 2**20:.0f} -> {second / 2**20:.0f} MiB"
+        f" (quarters after warm-up: {trend} MiB)"
+    )
     assert second - first < 32 * 2**20, (first, second)  # no growth trend between the halves

@@ -44,8 +44,12 @@ class PoisonLogits:
             sampled = [s for s in out.scheduled if s.sample]
             requests = self.engine.scheduler.requests
             self.num_sampled = len(sampled)
-            self.rows = [i for i, s in enumerate(sampled) if s.output_index == self.at
-                         and requests[s.request_id].prompt_token_ids == self.prompt]  # fmt: skip
+            self.rows = [
+                i
+                for i, s in enumerate(sampled)
+                if s.output_index == self.at
+                and requests[s.request_id].prompt_token_ids == self.prompt
+            ]
             return execute(out)  # type: ignore[no-any-return]
 
         def poisoned_logits(hidden: Any) -> Any:
@@ -76,10 +80,12 @@ def _params() -> list[SamplingParams]:
 
 @pytest.mark.parametrize(
     ("at", "value", "target"),
-    [(3, math.nan, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)),
-     # the prefill's row, sampled: torch.multinomial would raise on it and fail the whole step
-     (0, math.inf, SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))],
-)  # fmt: skip
+    [
+        (3, math.nan, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)),
+        # the prefill's row, sampled: torch.multinomial would raise on it and fail the whole step
+        (0, math.inf, SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)),
+    ],
+)
 def test_offline_only_the_poisoned_request_fails(
     llm: LLM, at: int, value: float, target: SamplingParams
 ) -> None:
@@ -104,8 +110,9 @@ def test_offline_only_the_poisoned_request_fails(
 def test_over_http_the_poisoned_request_gets_a_500_and_the_others_are_served(llm: LLM) -> None:
     import concurrent.futures
 
-    clean = llm.generate([{"prompt_token_ids": p} for p in NEIGHBOURS], _params()[0],
-                         use_tqdm=False)  # fmt: skip
+    clean = llm.generate(
+        [{"prompt_token_ids": p} for p in NEIGHBOURS], _params()[0], use_tqdm=False
+    )
     vocab = llm.model_info.vocab_size
     state = build_state(llm.engine, llm.tokenizer, model_name="tiny", vocab_size=vocab)
     base = {"model": "tiny", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
@@ -115,8 +122,7 @@ def test_over_http_the_poisoned_request_gets_a_500_and_the_others_are_served(llm
         if not stream:
             r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
             return r.status_code, r.json()
-        with httpx.stream("POST", server.base_url + "/v1/completions", json=body,
-                          timeout=60) as r:  # fmt: skip
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as r:
             lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
         return r.status_code, lines
 
@@ -151,8 +157,9 @@ def test_a_fault_inside_the_model_fails_only_its_rows(tiny_model_dir: Path, back
     rows it is, all n of its samples, ends with the error; the rest of the batch is token for
     token a clean run's; and later requests, on the blocks the failed one freed, are clean."""
     # 10 blocks: the second wave below (12 requests of one block each) uses every one of them.
-    llm = LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=10,
-              attention_backend=backend)  # fmt: skip
+    llm = LLM(
+        model=str(tiny_model_dir), dtype="float32", num_kv_blocks=10, attention_backend=backend
+    )
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     three = SamplingParams(temperature=1.0, seed=4, n=3, max_tokens=8, ignore_eos=True)
     prompts: list[Any] = [{"prompt_token_ids": p} for p in [*NEIGHBOURS, TARGET * 7]]

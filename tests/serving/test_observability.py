@@ -56,9 +56,14 @@ def slow_server(
 ) -> InProcessServer:
     vocab = len(tokenizer)
     cfg = EngineConfig.from_kwargs(block_size=16, **engine_kwargs)
-    core = EngineCore(cfg, SlowExecutor(vocab, 16, delay_s), num_kv_blocks=256,
-                      max_model_len=1024, vocab_size=vocab,
-                      eos_token_ids=eos_token_ids(tokenizer))  # fmt: skip
+    core = EngineCore(
+        cfg,
+        SlowExecutor(vocab, 16, delay_s),
+        num_kv_blocks=256,
+        max_model_len=1024,
+        vocab_size=vocab,
+        eos_token_ids=eos_token_ids(tokenizer),
+    )
     settings = ServerSettings(enable_log_requests=log_requests)
     state = build_state(core, tokenizer, model_name="fake", vocab_size=vocab, settings=settings)
     return InProcessServer(state)
@@ -103,8 +108,14 @@ def test_an_aborted_request_with_a_first_token_is_in_the_ttft_histogram(
             for line in resp.iter_lines():
                 if line.startswith("data: {"):
                     break  # leave after the first token: the server aborts the request
-        wait_for(lambda: metric_value(
-            metrics(server), "poise:request_success_total", finished_reason="abort") == 1)  # fmt: skip
+        wait_for(
+            lambda: (
+                metric_value(
+                    metrics(server), "poise:request_success_total", finished_reason="abort"
+                )
+                == 1
+            )
+        )
         text = metrics(server)
         assert metric_value(text, "poise:time_to_first_token_seconds_count") == 1
         assert metric_value(text, "poise:e2e_request_latency_seconds_count") == 0  # not served
@@ -114,14 +125,20 @@ def test_ttft_parts_add_up_for_every_request() -> None:
     """ingress + queue + prefill compute + first-token scheduling == TTFT, per request, with
     chunked prefills that wait behind each other and arrivals before the engine takes them."""
     clock = VirtualClock()
-    cfg = EngineConfig.from_kwargs(block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
-                                   enable_chunked_prefill=True)  # fmt: skip
-    core = EngineCore(cfg, ClockedExecutor(clock), num_kv_blocks=256, max_model_len=512,
-                      clock=clock)  # fmt: skip
+    cfg = EngineConfig.from_kwargs(
+        block_size=4, max_num_batched_tokens=16, max_num_seqs=4, enable_chunked_prefill=True
+    )
+    core = EngineCore(
+        cfg, ClockedExecutor(clock), num_kv_blocks=256, max_model_len=512, clock=clock
+    )
     for i in range(6):
         clock.advance(0.5)
-        core.add_request(f"r{i}", list(range(1, 20 + 7 * i)), SamplingParams(max_tokens=3),
-                         arrival_time=clock.now() - 0.1 * i)  # fmt: skip
+        core.add_request(
+            f"r{i}",
+            list(range(1, 20 + 7 * i)),
+            SamplingParams(max_tokens=3),
+            arrival_time=clock.now() - 0.1 * i,
+        )
     seen = {}
     while core.has_unfinished_requests():
         clock.advance(0.25)  # between steps: the gaps a chunked prompt waits through
@@ -131,8 +148,13 @@ def test_ttft_parts_add_up_for_every_request() -> None:
                 seen[d.request_id] = derive(d.times)
     assert len(seen) == 6
     for rid, m in seen.items():
-        assert None not in (m.ttft, m.ingress_time, m.queue_time, m.prefill_compute,
-                            m.first_token_sched), rid  # fmt: skip
+        assert None not in (
+            m.ttft,
+            m.ingress_time,
+            m.queue_time,
+            m.prefill_compute,
+            m.first_token_sched,
+        ), rid
         parts = m.ingress_time + m.queue_time + m.prefill_compute + m.first_token_sched  # type: ignore[operator]
         assert parts == pytest.approx(m.ttft, abs=1e-9), rid
     assert all(m.prefill_compute > 0 for m in seen.values())  # type: ignore[operator]
@@ -146,9 +168,15 @@ def test_ttft_part_histograms_sum_to_the_ttft_histogram(smol_tokenizer: Any) -> 
             body = {"model": "fake", "prompt": list(range(100, 100 + n)), "max_tokens": 2}
             assert httpx.post(server.base_url + "/v1/completions", json=body).status_code == 200
         text = metrics(server)
-        parts = sum(metric_value(text, f"poise:{name}_sum") for name in (
-            "request_ingress_time_seconds", "request_queue_time_seconds",
-            "request_prefill_compute_seconds", "request_first_token_scheduling_seconds"))  # fmt: skip
+        parts = sum(
+            metric_value(text, f"poise:{name}_sum")
+            for name in (
+                "request_ingress_time_seconds",
+                "request_queue_time_seconds",
+                "request_prefill_compute_seconds",
+                "request_first_token_scheduling_seconds",
+            )
+        )
         ttft = metric_value(text, "poise:time_to_first_token_seconds_sum")
         assert ttft > 0 and parts == pytest.approx(ttft, rel=1e-6)
         assert metric_value(text, "poise:step_prefill_requests_count") > 0

@@ -91,8 +91,14 @@ def receiver() -> Iterator[Receiver]:
 def server(smol_tokenizer: Any, receiver: Receiver) -> Iterator[InProcessServer]:
     vocab = len(smol_tokenizer)
     cfg = EngineConfig.from_kwargs(block_size=16, scheduling_policy="priority")
-    core = EngineCore(cfg, SlowExecutor(vocab, 16, 0.01), num_kv_blocks=256, max_model_len=1024,
-                      vocab_size=vocab, eos_token_ids=eos_token_ids(smol_tokenizer))  # fmt: skip
+    core = EngineCore(
+        cfg,
+        SlowExecutor(vocab, 16, 0.01),
+        num_kv_blocks=256,
+        max_model_len=1024,
+        vocab_size=vocab,
+        eos_token_ids=eos_token_ids(smol_tokenizer),
+    )
     settings = ServerSettings(enable_per_request_metrics=True, otlp_traces_endpoint=receiver.url)
     state = build_state(
         core, smol_tokenizer, model_name="fake", vocab_size=vocab, settings=settings
@@ -107,9 +113,11 @@ def _attrs(span: trace_pb2.Span) -> dict[str, Any]:
     for kv in span.attributes:
         v = kv.value
         kind = v.WhichOneof("value")
-        out[kv.key] = [getattr(x, x.WhichOneof("value")) for x in v.array_value.values] if (
-            kind == "array_value"
-        ) else getattr(v, kind)  # fmt: skip
+        out[kv.key] = (
+            [getattr(x, x.WhichOneof("value")) for x in v.array_value.values]
+            if (kind == "array_value")
+            else getattr(v, kind)
+        )
     return out
 
 
@@ -129,8 +137,15 @@ def _ms(span: trace_pb2.Span) -> float:
 
 
 def test_a_request_is_one_span_tree_in_the_clients_trace(server: Any, receiver: Receiver) -> None:
-    body = {"model": "fake", "prompt": "one two three four five", "max_tokens": 6,
-            "ignore_eos": True, "include_metrics": True, "priority": 2, "class": "long"}  # fmt: skip
+    body = {
+        "model": "fake",
+        "prompt": "one two three four five",
+        "max_tokens": 6,
+        "ignore_eos": True,
+        "include_metrics": True,
+        "priority": 2,
+        "class": "long",
+    }
     headers = {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}
     resp = httpx.post(server.base_url + "/v1/completions", json=body, headers=headers)
     assert resp.status_code == 200, resp.text
@@ -148,7 +163,10 @@ def test_a_request_is_one_span_tree_in_the_clients_trace(server: Any, receiver: 
     assert attrs["gen_ai.usage.output_tokens"] == out["usage"]["completion_tokens"] == 6
     assert attrs["gen_ai.response.finish_reasons"] == ["length"]
     assert (attrs["poise.class"], attrs["poise.priority"], attrs["poise.policy"]) == (
-        "long", 2, "priority")  # fmt: skip
+        "long",
+        2,
+        "priority",
+    )
     children = {s.name: s for s in spans if s.parent_span_id == root.span_id}
     assert sorted(children) == sorted([*PARTS, "decode"])
     ttft_ms = out["metrics"]["time_to_first_token_ms"]
@@ -168,12 +186,23 @@ def test_without_traceparent_a_trace_of_its_own_and_refusals_are_errors(
     server: Any, receiver: Receiver
 ) -> None:
     before = {s.trace_id for s in receiver.spans}
-    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json={
-            "model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-            "n": 2, "stream": True, "ignore_eos": True}) as r:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        server.base_url + "/v1/chat/completions",
+        json={
+            "model": "fake",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "n": 2,
+            "stream": True,
+            "ignore_eos": True,
+        },
+    ) as r:
         assert r.status_code == 200 and list(r.iter_lines())[-2:] == ["data: [DONE]", ""]
-    bad = httpx.post(server.base_url + "/v1/completions",
-                     json={"model": "fake", "prompt": "x", "max_tokens": 100_000})  # fmt: skip
+    bad = httpx.post(
+        server.base_url + "/v1/completions",
+        json={"model": "fake", "prompt": "x", "max_tokens": 100_000},
+    )
     assert bad.status_code == 400
     assert server.state.tracer.flush()
     deadline = time.monotonic() + 10

@@ -33,18 +33,29 @@ def _scrape(server: InProcessServer) -> dict[str, float]:
     return out
 
 
-KEYS = ("poise:request_success_total", "poise:generation_tokens_total",
-        "poise:prompt_tokens_total", "poise:time_to_first_token_seconds_count",
-        "poise:e2e_request_latency_seconds_count", "poise:request_queue_time_seconds_count")  # fmt: skip
+KEYS = (
+    "poise:request_success_total",
+    "poise:generation_tokens_total",
+    "poise:prompt_tokens_total",
+    "poise:time_to_first_token_seconds_count",
+    "poise:e2e_request_latency_seconds_count",
+    "poise:request_queue_time_seconds_count",
+)
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_n3_is_one_request_with_three_samples_tokens(server: InProcessServer, stream: bool) -> None:
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
     before = _scrape(server)
-    kw: dict[str, Any] = {"model": "fake", "prompt": "one two three four", "n": 3,
-                          "max_tokens": 5, "temperature": 1.0, "seed": 3,
-                          "extra_body": {"ignore_eos": True}}  # fmt: skip
+    kw: dict[str, Any] = {
+        "model": "fake",
+        "prompt": "one two three four",
+        "n": 3,
+        "max_tokens": 5,
+        "temperature": 1.0,
+        "seed": 3,
+        "extra_body": {"ignore_eos": True},
+    }
     if stream:
         chunks = list(
             client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
@@ -103,8 +114,14 @@ def test_no_group_outlives_its_request(server: InProcessServer) -> None:
     """Cancelled n > 1 streams and finished ones alike leave nothing in the sample groups."""
     import time
 
-    body = {"model": "fake", "prompt": "a b c", "n": 3, "max_tokens": 40, "stream": True,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "fake",
+        "prompt": "a b c",
+        "n": 3,
+        "max_tokens": 40,
+        "stream": True,
+        "ignore_eos": True,
+    }
     for _ in range(3):
         with httpx.stream("POST", server.base_url + "/v1/completions", json=body) as r:
             for i, _line in enumerate(r.iter_lines()):

@@ -26,8 +26,9 @@ SYSTEM = "You are a careful assistant. " * 12  # several KV blocks of a shared s
 def _engine_config(model_dir: Path) -> Any:
     from poise.config import EngineConfig
 
-    return EngineConfig.from_kwargs(model=str(model_dir), num_threads=1, max_num_seqs=8,
-                                    max_num_batched_tokens=512)  # fmt: skip
+    return EngineConfig.from_kwargs(
+        model=str(model_dir), num_threads=1, max_num_seqs=8, max_num_batched_tokens=512
+    )
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,12 @@ def cluster(tiny_model_dir: Path) -> Iterator[str]:
     from poise.serving.server import free_port
 
     config = _engine_config(tiny_model_dir)
-    spec = DeploySpec(config, 2, RouterConfig(policy="prefix_affinity",
-                                              block_size=config.cache.block_size),
-                      served_model_names=["m"])  # fmt: skip
+    spec = DeploySpec(
+        config,
+        2,
+        RouterConfig(policy="prefix_affinity", block_size=config.cache.block_size),
+        served_model_names=["m"],
+    )
     port = free_port()
     try:
         start_local(spec, "127.0.0.1", port, num_cpus=2)
@@ -55,22 +59,32 @@ def reference(tiny_model_dir: Path) -> Iterator[str]:
     from poise.serving.server import ServerSettings, build_state_from_config
     from tests.serving.conftest import InProcessServer
 
-    state = build_state_from_config(_engine_config(tiny_model_dir),
-                                    ServerSettings(served_model_names=["m"]))  # fmt: skip
+    state = build_state_from_config(
+        _engine_config(tiny_model_dir), ServerSettings(served_model_names=["m"])
+    )
     with InProcessServer(state) as server:
         yield server.base_url
 
 
 def _chat(base: str, question: str, **kw: Any) -> httpx.Response:
-    body = {"model": "m", "messages": [{"role": "system", "content": SYSTEM},
-                                       {"role": "user", "content": question}],
-            "max_tokens": 12, "temperature": 0, **kw}  # fmt: skip
+    body = {
+        "model": "m",
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "max_tokens": 12,
+        "temperature": 0,
+        **kw,
+    }
     return httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
 
 
 def _user(base: str, content: str) -> httpx.Response:
-    body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 200,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     return httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
 
 
@@ -94,10 +108,18 @@ def test_outputs_equal_one_engine_and_prefixes_stick_to_one_replica(
     # One after another with a shared system prompt: every request on the same replica.
     assert len({r.headers["x-poise-replica"] for r in got}) == 1
     # Streaming passes through: the same text, chunk by chunk.
-    with httpx.stream("POST", cluster + "/v1/chat/completions", timeout=120, json={
-        "model": "m", "messages": [{"role": "user", "content": questions[0]}],
-        "max_tokens": 12, "temperature": 0, "stream": True,
-    }) as resp:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        cluster + "/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": "m",
+            "messages": [{"role": "user", "content": questions[0]}],
+            "max_tokens": 12,
+            "temperature": 0,
+            "stream": True,
+        },
+    ) as resp:
         lines = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and len(lines) > 3
     # A bad request gets the replica's OpenAI error, not a router failure.
@@ -122,8 +144,14 @@ def _replica_pid(name: str) -> int:
 def test_a_killed_replica_loses_no_unstarted_request_and_hangs_no_stream(cluster: str) -> None:
     # The others share the stream's opening blocks: prefix affinity sends them to its replica.
     story = "Tell me a long story about the sea and the ships on it. " * 8
-    body = {"model": "m", "messages": [{"role": "user", "content": story}], "max_tokens": 400,
-            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": story}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", cluster + "/v1/chat/completions", json=body, timeout=120) as resp:
         victim = resp.headers["x-poise-replica"]
         lines = resp.iter_lines()

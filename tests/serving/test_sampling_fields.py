@@ -78,8 +78,13 @@ def test_min_tokens_over_http(client: openai.OpenAI, hf: Any, smol_tokenizer: An
     plain = _reference(hf, PROMPT, N)
     stop = plain[1]
     extra = {"stop_token_ids": [stop], "min_tokens": 5}
-    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, temperature=0,
-                                    extra_body={"ignore_eos": True} | extra)  # fmt: skip
+    got = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=N,
+        temperature=0,
+        extra_body={"ignore_eos": True} | extra,
+    )
     want = _reference(hf, PROMPT, N, min_tokens=5, stops=(stop,))
     cut = want.index(stop, 5) + 1 if stop in want[5:] else N
     assert got.choices[0].text == smol_tokenizer.decode(want[:cut], skip_special_tokens=True)
@@ -87,9 +92,15 @@ def test_min_tokens_over_http(client: openai.OpenAI, hf: Any, smol_tokenizer: An
 
 
 def test_n_chat_distinct_reproducible_and_streamed_by_index(client: openai.OpenAI) -> None:
-    kw: dict[str, Any] = {"model": "tiny", "messages": MSG, "max_completion_tokens": 8,
-                          "temperature": 1.0, "seed": 99, "n": 3,
-                          "extra_body": {"ignore_eos": True}}  # fmt: skip
+    kw: dict[str, Any] = {
+        "model": "tiny",
+        "messages": MSG,
+        "max_completion_tokens": 8,
+        "temperature": 1.0,
+        "seed": 99,
+        "n": 3,
+        "extra_body": {"ignore_eos": True},
+    }
     first = client.chat.completions.create(**kw)
     texts = [c.message.content for c in first.choices]
     assert [c.index for c in first.choices] == [0, 1, 2]
@@ -116,8 +127,15 @@ def test_n_chat_distinct_reproducible_and_streamed_by_index(client: openai.OpenA
 
 
 def test_n_completions_stream_and_not_agree(client: openai.OpenAI) -> None:
-    kw: dict[str, Any] = {"model": "tiny", "prompt": "Once upon", "max_tokens": 6,
-                          "temperature": 0.9, "seed": 5, "n": 2, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    kw: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": "Once upon",
+        "max_tokens": 6,
+        "temperature": 0.9,
+        "seed": 5,
+        "n": 2,
+        "extra_body": {"ignore_eos": True},
+    }
     full = client.completions.create(**kw)
     got = ["", ""]
     last_usage = None
@@ -147,8 +165,14 @@ def test_leaving_an_n_stream_aborts_every_sample_and_frees_the_kv(
         return metric_value(httpx.get(server.base_url + "/metrics").text, name, **labels)
 
     aborts = metric("poise:request_success_total", finished_reason="abort")
-    body = {"model": "tiny", "prompt": "a long tale " * 20, "max_tokens": 300, "n": 4,
-            "stream": True, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": "a long tale " * 20,
+        "max_tokens": 300,
+        "n": 4,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as r:
         seen = 0
         for line in r.iter_lines():
@@ -157,8 +181,11 @@ def test_leaving_an_n_stream_aborts_every_sample_and_frees_the_kv(
                 break  # leaving closes the connection mid-generation
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if (metric("poise:num_requests_running") == 0 and metric("poise:kv_cache_usage_perc") == 0
-                and metric("poise:request_success_total", finished_reason="abort") >= aborts + 1):  # fmt: skip
+        if (
+            metric("poise:num_requests_running") == 0
+            and metric("poise:kv_cache_usage_perc") == 0
+            and metric("poise:request_success_total", finished_reason="abort") >= aborts + 1
+        ):
             break
         time.sleep(0.1)
     # Every sample aborted (nothing runs, no block held), counted as the one request it is.

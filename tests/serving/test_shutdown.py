@@ -43,8 +43,12 @@ class _InFlight:
         return metric_value(text, "poise:num_requests_running")
 
     def _stream(self) -> None:
-        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1900,
-                "ignore_eos": True, "stream": True}  # fmt: skip
+        body = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1900,
+            "ignore_eos": True,
+            "stream": True,
+        }
         url = self.server.base_url + "/v1/chat/completions"
         with httpx.stream("POST", url, json=body, timeout=60) as r:
             self.lines.extend(line for line in r.iter_lines() if line.startswith("data: "))
@@ -75,8 +79,7 @@ def test_a_fractional_grace_period_ends_with_visible_cuts(smol_tokenizer: Any) -
     vocab = len(smol_tokenizer)
     cfg = EngineConfig.from_kwargs(block_size=16)
     executor = FakeExecutor(vocab, 16)
-    core = EngineCore(cfg, _Slow(executor), num_kv_blocks=512, max_model_len=2048,
-                      vocab_size=vocab)  # fmt: skip
+    core = EngineCore(cfg, _Slow(executor), num_kv_blocks=512, max_model_len=2048, vocab_size=vocab)
     state = build_state(core, smol_tokenizer, model_name="fake", vocab_size=vocab)
     server = InProcessServer(state, ServerSettings(shutdown_grace_s=0.5))
     with server:
@@ -102,8 +105,17 @@ class _Slow:
 
 
 def test_a_second_sigterm_cuts_at_once(tiny_model_dir: Path, tmp_path: Path) -> None:
-    args = [str(tiny_model_dir), "--dtype", "float32", "--max-model-len", "2048",
-            "--kv-cache-memory-bytes", "8MiB", "--shutdown-grace-period", "600"]  # fmt: skip
+    args = [
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "2048",
+        "--kv-cache-memory-bytes",
+        "8MiB",
+        "--shutdown-grace-period",
+        "600",
+    ]
     server = ServerProcess(args, tmp_path / "server.log").wait_ready()
     try:
         flight = _InFlight(server)

@@ -42,9 +42,13 @@ def test_priority_class_and_slo_fields(smol_tokenizer: Any) -> None:
 
 def test_predictive_admission_answers_429_with_a_computed_retry_after(smol_tokenizer: Any) -> None:
     server, executor = _server(
-        smol_tokenizer, traffic_classes=CLASSES, admission_control="predictive",
-        admission_margin=0.0, max_num_batched_tokens=32, max_num_seqs=4,
-    )  # fmt: skip
+        smol_tokenizer,
+        traffic_classes=CLASSES,
+        admission_control="predictive",
+        admission_margin=0.0,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+    )
     executor.delay_s = 0.02
     with server:
         bodies = [
@@ -99,8 +103,10 @@ def test_dynamic_batching_serves_after_its_delay_without_spinning(smol_tokenizer
     server, _ = _server(smol_tokenizer, scheduling_policy="dynamic", max_batch_delay_ms=1000.0)
     with server:
         t0 = time.perf_counter()
-        r = httpx.post(server.base_url + "/v1/completions",
-                       json={"prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True})  # fmt: skip
+        r = httpx.post(
+            server.base_url + "/v1/completions",
+            json={"prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True},
+        )
         waited = time.perf_counter() - t0
         assert r.status_code == 200, r.text
         assert waited >= 1.0  # held for company first

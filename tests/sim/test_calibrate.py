@@ -128,11 +128,29 @@ def test_simulate_cli_calibrates_from_records(tmp_path: Path) -> None:
             shutil.copy(f, tmp_path / f.name)
     out = tmp_path / "sim.yaml"
     rc = main(
-        ["simulate", "--profile", str(tmp_path / "profile.json"), "--calibrate-from",
-         str(tmp_path / "round0.yaml"), str(tmp_path / "round1.yaml"), "--way-in-workers", "1",
-         "--concurrency", "2", "--num-requests", "4", "--max-tokens", "4",
-         "--class", "c:1:20:4", "--num-kv-blocks", "64", "-o", str(out)]
-    )  # fmt: skip
+        [
+            "simulate",
+            "--profile",
+            str(tmp_path / "profile.json"),
+            "--calibrate-from",
+            str(tmp_path / "round0.yaml"),
+            str(tmp_path / "round1.yaml"),
+            "--way-in-workers",
+            "1",
+            "--concurrency",
+            "2",
+            "--num-requests",
+            "4",
+            "--max-tokens",
+            "4",
+            "--class",
+            "c:1:20:4",
+            "--num-kv-blocks",
+            "64",
+            "-o",
+            str(out),
+        ]
+    )
     assert rc == 0
     prov = yaml.safe_load(out.read_text())["provenance"]
     assert prov["calibration"]["time_scale"] == pytest.approx(1.25)
@@ -141,6 +159,15 @@ def test_simulate_cli_calibrates_from_records(tmp_path: Path) -> None:
     assert arrival["request_overhead_s"] == pytest.approx(0.018)
     assert arrival["way_in_s_per_token"] == round(50e-6, 4)  # records keep 4 decimals
     assert arrival["way_in_workers"] == 1 and arrival["request_overhead_cv"] == 0
-    rc = main(["simulate", "--profile", str(tmp_path / "profile.json"), "--calibrate-from",
-               str(tmp_path / "nope.yaml"), "-o", str(tmp_path / "x.yaml")])  # fmt: skip
+    rc = main(
+        [
+            "simulate",
+            "--profile",
+            str(tmp_path / "profile.json"),
+            "--calibrate-from",
+            str(tmp_path / "nope.yaml"),
+            "-o",
+            str(tmp_path / "x.yaml"),
+        ]
+    )
     assert rc == 2

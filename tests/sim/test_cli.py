@@ -37,12 +37,27 @@ def test_simulate_cli_writes_a_simulated_record(tmp_path: Path) -> None:
     out = tmp_path / "sim.yaml"
     rc = main(
         [
-            "simulate", "--accelerator", "a10", "--model-shape", "SmolLM2-135M-Instruct",
-            "--concurrency", "4,8", "--long-ratio", "0.25", "--max-tokens", "16",
-            "--num-requests", "24", "--max-num-seqs", "8", "--request-overhead-ms", "2",
-            "-o", str(out),
+            "simulate",
+            "--accelerator",
+            "a10",
+            "--model-shape",
+            "SmolLM2-135M-Instruct",
+            "--concurrency",
+            "4,8",
+            "--long-ratio",
+            "0.25",
+            "--max-tokens",
+            "16",
+            "--num-requests",
+            "24",
+            "--max-num-seqs",
+            "8",
+            "--request-overhead-ms",
+            "2",
+            "-o",
+            str(out),
         ]
-    )  # fmt: skip
+    )
     assert rc == 0
     rec = yaml.safe_load(out.read_text())
     assert rec["kind"] == "simulated"
@@ -75,10 +90,27 @@ def test_profile_cli_fits_and_simulate_uses_it(tmp_path: Path) -> None:
     model = build_tiny_checkpoint("llama", tmp_path / "tiny")
     prof = tmp_path / "p.json"
     rc = main(
-        ["profile", str(model), "--grid", "quick", "--repeats", "1", "--warmup", "0",
-         "--threads", "1", "--clock", "cpu", "--num-kv-blocks", "128", "--dtype", "float32",
-         "-o", str(prof)]
-    )  # fmt: skip
+        [
+            "profile",
+            str(model),
+            "--grid",
+            "quick",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--threads",
+            "1",
+            "--clock",
+            "cpu",
+            "--num-kv-blocks",
+            "128",
+            "--dtype",
+            "float32",
+            "-o",
+            str(prof),
+        ]
+    )
     assert rc == 0
     from poise.sim.fit import load_profile
 
@@ -97,9 +129,24 @@ def test_profile_cli_fits_and_simulate_uses_it(tmp_path: Path) -> None:
     assert again.coefficients == pytest.approx(cost.coefficients)
     out = tmp_path / "s.yaml"
     rc = main(
-        ["simulate", "--profile", str(prof), "--concurrency", "2", "--max-tokens", "8",
-         "--num-requests", "6", "--class", "c:1:20:8", "--num-kv-blocks", "128", "-o", str(out)]
-    )  # fmt: skip
+        [
+            "simulate",
+            "--profile",
+            str(prof),
+            "--concurrency",
+            "2",
+            "--max-tokens",
+            "8",
+            "--num-requests",
+            "6",
+            "--class",
+            "c:1:20:8",
+            "--num-kv-blocks",
+            "128",
+            "-o",
+            str(out),
+        ]
+    )
     assert rc == 0
     rec = yaml.safe_load(out.read_text())
     assert rec["results"][0]["metrics"]["overall"]["num_ok"] == 6

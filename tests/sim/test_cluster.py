@@ -34,16 +34,18 @@ def _shared_prompts(n: int, systems: int = 4, rate: float = 40.0) -> list[SimReq
 def test_one_replica_is_the_single_engine_simulator() -> None:
     cell = SimCell(_shared_prompts(30), open_loop=True)
     one = simulate_cell(_config(), COST, cell, seed=1)
-    cluster = simulate_cluster(_config(), COST, cell, replicas=1, seed=1,
-                               router_config=RouterConfig(policy="round_robin"))  # fmt: skip
+    cluster = simulate_cluster(
+        _config(), COST, cell, replicas=1, seed=1, router_config=RouterConfig(policy="round_robin")
+    )
     assert [r.token_times for r in cluster.requests] == [r.token_times for r in one.requests]
     assert cluster.num_steps == one.num_steps
 
 
 def test_requests_split_over_replicas_and_all_finish() -> None:
     cell = SimCell(_shared_prompts(40, rate=200.0), open_loop=True)
-    res = simulate_cluster(_config(), COST, cell, replicas=2,
-                           router_config=RouterConfig(policy="round_robin"))  # fmt: skip
+    res = simulate_cluster(
+        _config(), COST, cell, replicas=2, router_config=RouterConfig(policy="round_robin")
+    )
     assert all(r.ok for r in res.requests) and len(res.requests) == 40
     assert res.router["requests_per_replica"] == {"replica-0": 20, "replica-1": 20}
     # Two replicas in parallel: the same load finishes sooner than on one.
@@ -54,10 +56,12 @@ def test_requests_split_over_replicas_and_all_finish() -> None:
 def test_prefix_affinity_keeps_each_system_prompt_on_one_replica_and_hits_the_cache() -> None:
     # 5 system prompts over 4 replicas: round robin sends each to every replica.
     cell = SimCell(_shared_prompts(40, systems=5, rate=20.0), open_loop=True)
-    rr = simulate_cluster(_config(), COST, cell, replicas=4,
-                          router_config=RouterConfig(policy="round_robin"))  # fmt: skip
-    pa = simulate_cluster(_config(), COST, cell, replicas=4,
-                          router_config=RouterConfig(policy="prefix_affinity"))  # fmt: skip
+    rr = simulate_cluster(
+        _config(), COST, cell, replicas=4, router_config=RouterConfig(policy="round_robin")
+    )
+    pa = simulate_cluster(
+        _config(), COST, cell, replicas=4, router_config=RouterConfig(policy="prefix_affinity")
+    )
     by_key: dict[str, set[str]] = {}
     for req in cell.requests:
         by_key.setdefault(req.prompt_key, set()).add(pa.replica_of[f"sim-{req.index}"])
@@ -77,8 +81,9 @@ def test_load_aware_policies_beat_round_robin_on_a_long_short_mix(policy: str) -
     cell = SimCell(reqs, open_loop=True)
 
     def ttft_p95(p: str) -> float:
-        res = simulate_cluster(_config(), COST, cell, replicas=2,
-                               router_config=RouterConfig(policy=p))  # fmt: skip
+        res = simulate_cluster(
+            _config(), COST, cell, replicas=2, router_config=RouterConfig(policy=p)
+        )
         ttfts = sorted(r.ttft or 0.0 for r in res.requests)
         return ttfts[int(0.95 * (len(ttfts) - 1))]
 
@@ -89,10 +94,22 @@ def test_pools_and_closed_loop_run_and_are_deterministic() -> None:
     reqs = [SimRequest(i, 1500 if i % 3 == 0 else 40, 8, prompt_key=f"k{i}") for i in range(30)]
     cell = SimCell(reqs, concurrency=4)
     cfg = RouterConfig(policy="least_loaded", long_prompt_tokens=1000)
-    a = simulate_cluster(_config(), COST, cell, replicas=3, router_config=cfg,
-                         pools=["long", "interactive", "interactive"])  # fmt: skip
-    b = simulate_cluster(_config(), COST, cell, replicas=3, router_config=cfg,
-                         pools=["long", "interactive", "interactive"])  # fmt: skip
+    a = simulate_cluster(
+        _config(),
+        COST,
+        cell,
+        replicas=3,
+        router_config=cfg,
+        pools=["long", "interactive", "interactive"],
+    )
+    b = simulate_cluster(
+        _config(),
+        COST,
+        cell,
+        replicas=3,
+        router_config=cfg,
+        pools=["long", "interactive", "interactive"],
+    )
     assert [r.token_times for r in a.requests] == [r.token_times for r in b.requests]
     assert all(r.ok for r in a.requests)
     short_on_long_pool = [
@@ -115,10 +132,26 @@ def test_bad_replica_counts_are_refused() -> None:
 def test_simulate_cli_runs_replicas_behind_a_router(tmp_path: Path) -> None:
     out = tmp_path / "sim.yaml"
     args = [
-        "simulate", "--accelerator", "a10", "--model-shape", "SmolLM2-135M-Instruct",
-        "--concurrency", "8", "--num-requests", "24", "--max-tokens", "8", "--long-ratio", "0.25",
-        "--replicas", "2", "--router", "least_loaded", "-o", str(out),
-    ]  # fmt: skip
+        "simulate",
+        "--accelerator",
+        "a10",
+        "--model-shape",
+        "SmolLM2-135M-Instruct",
+        "--concurrency",
+        "8",
+        "--num-requests",
+        "24",
+        "--max-tokens",
+        "8",
+        "--long-ratio",
+        "0.25",
+        "--replicas",
+        "2",
+        "--router",
+        "least_loaded",
+        "-o",
+        str(out),
+    ]
     assert main(args) == 0
     rec = yaml.safe_load(out.read_text())
     assert rec["experiment"]["replicas"] == 2 and rec["experiment"]["router"] == "least_loaded"
@@ -131,8 +164,17 @@ def test_simulate_cli_runs_replicas_behind_a_router(tmp_path: Path) -> None:
 def test_simulate_cli_refuses_pools_that_do_not_match_the_replicas(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    args = ["simulate", "--accelerator", "a10", "--concurrency", "2", "--replicas", "2",
-            "--router-pools", "long"]  # fmt: skip
+    args = [
+        "simulate",
+        "--accelerator",
+        "a10",
+        "--concurrency",
+        "2",
+        "--replicas",
+        "2",
+        "--router-pools",
+        "long",
+    ]
     assert main(args) == 2
     assert "--router-pools" in capsys.readouterr().err
 

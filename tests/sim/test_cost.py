@@ -200,7 +200,7 @@ def test_cached_chunk_rule_matches_the_cpu_kernel() -> None:
 @pytest.mark.parametrize(
     "field_value",
     [("step_overhead_s", -0.001), ("step_jitter_cv", -0.1), ("time_scale", 0.0)],
-)  # fmt: skip
+)
 def test_cost_model_refuses_negative_step_terms(field_value: tuple[str, float]) -> None:
     name, value = field_value
     with pytest.raises(ValueError, match=name):
@@ -209,9 +209,13 @@ def test_cost_model_refuses_negative_step_terms(field_value: tuple[str, float]) 
 
 @pytest.mark.parametrize(
     "field_value",
-    [("request_overhead_s", -0.001), ("request_overhead_cv", -1.0), ("way_in_workers", -1),
-     ("way_in_s_per_token", -1e-6)],
-)  # fmt: skip
+    [
+        ("request_overhead_s", -0.001),
+        ("request_overhead_cv", -1.0),
+        ("way_in_workers", -1),
+        ("way_in_s_per_token", -1e-6),
+    ],
+)
 def test_arrival_model_refuses_negative_client_terms(field_value: tuple[str, float]) -> None:
     from poise.sim.arrival import ArrivalModel
 
@@ -223,7 +227,20 @@ def test_arrival_model_refuses_negative_client_terms(field_value: tuple[str, flo
 def test_simulate_cli_rejects_a_negative_way_in(capsys: pytest.CaptureFixture[str]) -> None:
     from poise.cli import main
 
-    rc = main(["simulate", "--accelerator", "h100", "--model-shape", "Qwen2.5-7B-Instruct",
-               "--concurrency", "2", "--num-requests", "2", "--way-in-us-per-token", "-5"])  # fmt: skip
+    rc = main(
+        [
+            "simulate",
+            "--accelerator",
+            "h100",
+            "--model-shape",
+            "Qwen2.5-7B-Instruct",
+            "--concurrency",
+            "2",
+            "--num-requests",
+            "2",
+            "--way-in-us-per-token",
+            "-5",
+        ]
+    )
     assert rc == 2
     assert "way_in_s_per_token must be >= 0" in capsys.readouterr().err

@@ -15,8 +15,9 @@ COST = FixedCostModel(step_s=0.01, per_token_s=1e-4, vocab_size=1000, model_max_
 
 
 def test_engine_share_is_what_the_relay_leaves_split_evenly() -> None:
-    cpu = SharedCpu(cores=2, background_cores=0.1, relay_s_per_request=0.01,
-                    relay_s_per_token=0.002)  # fmt: skip
+    cpu = SharedCpu(
+        cores=2, background_cores=0.1, relay_s_per_request=0.01, relay_s_per_token=0.002
+    )
     assert cpu.relay_cores(10, 200) == pytest.approx(0.1 + 0.1 + 0.4)
     assert cpu.engine_share(1, 10, 200) == 1.0  # one engine: a core is free
     assert cpu.engine_share(2, 10, 200) == pytest.approx(1.4 / 2)
@@ -59,19 +60,27 @@ def test_replicas_on_shared_cores_step_slower_when_the_relay_takes_a_core() -> N
     config = EngineConfig.from_kwargs(max_num_seqs=8, max_num_batched_tokens=256)
     rr = RouterConfig(policy="round_robin")
     own = simulate_cluster(config, COST, _cell(40, 100.0), replicas=2, router_config=rr)
-    roomy = simulate_cluster(config, COST, _cell(40, 100.0), replicas=2, router_config=rr,
-                             shared_cpu=SharedCpu(cores=2))  # fmt: skip
+    roomy = simulate_cluster(
+        config, COST, _cell(40, 100.0), replicas=2, router_config=rr, shared_cpu=SharedCpu(cores=2)
+    )
     # Two cores, two engines, a free relay: as if each had its own device.
     assert [r.token_times for r in roomy.requests] == [r.token_times for r in own.requests]
     assert own.mean_engine_share == roomy.mean_engine_share == 1.0
     tight = SharedCpu(cores=2, background_cores=0.5, relay_s_per_token=0.001)
-    shared = simulate_cluster(config, COST, _cell(40, 100.0), replicas=2, router_config=rr,
-                              shared_cpu=tight)  # fmt: skip
+    shared = simulate_cluster(
+        config, COST, _cell(40, 100.0), replicas=2, router_config=rr, shared_cpu=tight
+    )
     assert all(r.ok for r in shared.requests)
     assert 0.3 < shared.mean_engine_share < 0.8
     assert shared.busy_s > 1.2 * own.busy_s
     assert shared.duration_s > own.duration_s
     # One replica alone keeps a whole core while 1.5 are free.
-    one = simulate_cluster(config, COST, _cell(20, 50.0), replicas=1, router_config=rr,
-                           shared_cpu=SharedCpu(cores=2, background_cores=0.5))  # fmt: skip
+    one = simulate_cluster(
+        config,
+        COST,
+        _cell(20, 50.0),
+        replicas=1,
+        router_config=rr,
+        shared_cpu=SharedCpu(cores=2, background_cores=0.5),
+    )
     assert one.mean_engine_share == 1.0

@@ -185,9 +185,15 @@ def test_profile_file_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-d
 def _record(samples: list[tuple[StepShape, float]], created: str) -> dict[str, object]:
     coef, q = fit_step_costs(samples)
     return profile_record(
-        model="tiny", coefficients=coef, fit=q, samples=samples, vocab_size=1000,
-        max_model_len=2048, kv_bytes_per_token=4096, provenance={"created": created},
-    )  # fmt: skip
+        model="tiny",
+        coefficients=coef,
+        fit=q,
+        samples=samples,
+        vocab_size=1000,
+        max_model_len=2048,
+        kv_bytes_per_token=4096,
+        provenance={"created": created},
+    )
 
 
 def test_merge_takes_the_median_time_of_each_shape_and_refits() -> None:
@@ -229,10 +235,17 @@ def test_serve_profile_seeds_the_step_cost_estimate(tmp_path) -> None:  # type: 
     samples = [(s, _truth(s)) for s in _grid()]
     coef, q = fit_step_costs(samples)
     rec = profile_record(
-        model="tiny", coefficients=coef, fit=q, samples=samples, vocab_size=1000,
-        max_model_len=2048, kv_bytes_per_token=4096, eos_token_ids=[2],
-        kv_budget_bytes=1 << 24, provenance={},
-    )  # fmt: skip
+        model="tiny",
+        coefficients=coef,
+        fit=q,
+        samples=samples,
+        vocab_size=1000,
+        max_model_len=2048,
+        kv_bytes_per_token=4096,
+        eos_token_ids=[2],
+        kv_budget_bytes=1 << 24,
+        provenance={},
+    )
     prior = step_cost_prior(str(save_profile(rec, tmp_path / "p.json")))
     assert prior["step_cost_per_token_s"] == pytest.approx(coef["tokens"])
     kv = KVCacheManager(64, 16, True)

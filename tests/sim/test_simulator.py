@@ -114,9 +114,14 @@ def test_same_decisions_as_a_context_reading_executor() -> None:
     clock = VirtualClock()
     fake = DecisionRecorder()
     engine = EngineCore(
-        cfg, FakeExecutor(vocab_size=1000, block_size=4), num_kv_blocks=36, max_model_len=2048,
-        vocab_size=1000, clock=clock, observers=[fake],
-    )  # fmt: skip
+        cfg,
+        FakeExecutor(vocab_size=1000, block_size=4),
+        num_kv_blocks=36,
+        max_model_len=2048,
+        vocab_size=1000,
+        clock=clock,
+        observers=[fake],
+    )
     results, _, _ = drive(engine, clock, cell)
     assert sim.decisions == fake.decisions
     assert any(d.preempted for d in sim.decisions)
@@ -215,18 +220,31 @@ def test_every_policy_runs_in_the_simulator_and_slo_protects_short_ttft() -> Non
         return "long" if i % 4 == 3 else "short"
 
     reqs = [
-        SimRequest(i, 3000 if kind(i) == "long" else 30, 16, arrival=0.1 * i, prompt_key=f"k{i}",
-                   class_name=kind(i), traffic_class=kind(i), priority=int(kind(i) == "long"))
+        SimRequest(
+            i,
+            3000 if kind(i) == "long" else 30,
+            16,
+            arrival=0.1 * i,
+            prompt_key=f"k{i}",
+            class_name=kind(i),
+            traffic_class=kind(i),
+            priority=int(kind(i) == "long"),
+        )
         for i in range(120)
-    ]  # fmt: skip
+    ]
     classes = "short:ttft_p95_ms=300,share=0.7;long:ttft_p95_ms=20000,share=0.3"
     cost = FixedCostModel(step_s=0.01, per_token_s=2e-4, vocab_size=1000, model_max_len=8192)
     p95 = {}
     for policy in ("fifo", "prefill_first", "priority", "slo"):
         # fifo / prefill_first as before (no targets, no shares); the others with classes.
         spec = "short;long" if policy in ("fifo", "prefill_first") else classes
-        cfg = _config(scheduling_policy=policy, traffic_classes=spec, num_kv_blocks=2000,
-                      max_num_batched_tokens=1024, max_num_seqs=16)  # fmt: skip
+        cfg = _config(
+            scheduling_policy=policy,
+            traffic_classes=spec,
+            num_kv_blocks=2000,
+            max_num_batched_tokens=1024,
+            max_num_seqs=16,
+        )
         res = simulate_cell(cfg, cost, SimCell(reqs, open_loop=True))
         assert all(r.ok for r in res.requests), policy
         short = [r.ttft for r in res.requests if r.class_name == "short" and r.ttft is not None]
@@ -243,20 +261,25 @@ def test_batching_modes_run_in_the_simulator(replicas: int) -> None:
     from poise.router import RouterConfig
     from poise.sim.cluster import simulate_cluster
 
-    reqs = [SimRequest(i, 40, 8 + 24 * (i % 3), arrival=0.03 * i, prompt_key=f"k{i}")
-            for i in range(40)]  # fmt: skip
+    reqs = [
+        SimRequest(i, 40, 8 + 24 * (i % 3), arrival=0.03 * i, prompt_key=f"k{i}") for i in range(40)
+    ]
     ttft = {}
     for policy in ("fifo", "static", "dynamic"):
         cfg = _config(scheduling_policy=policy, max_batch_delay_ms=50.0)
         cell = SimCell(reqs, open_loop=True)
-        res = simulate_cluster(cfg, COST, cell, replicas=replicas,
-                               router_config=RouterConfig(policy="round_robin"))  # fmt: skip
+        res = simulate_cluster(
+            cfg, COST, cell, replicas=replicas, router_config=RouterConfig(policy="round_robin")
+        )
         assert all(r.ok for r in res.requests) and len(res.requests) == 40, policy
         ttft[policy] = sum(r.ttft or 0.0 for r in res.requests) / len(res.requests)
     assert ttft["fifo"] < ttft["static"] and ttft["fifo"] < ttft["dynamic"], ttft
     # A lone request in an idle dynamic engine waits exactly the delay.
-    res = simulate_cell(_config(scheduling_policy="dynamic", max_batch_delay_ms=50.0), COST,
-                        SimCell([SimRequest(0, 10, 2)], concurrency=1))  # fmt: skip
+    res = simulate_cell(
+        _config(scheduling_policy="dynamic", max_batch_delay_ms=50.0),
+        COST,
+        SimCell([SimRequest(0, 10, 2)], concurrency=1),
+    )
     assert res.requests[0].first_scheduled == pytest.approx(0.05)
 
 

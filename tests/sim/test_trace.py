@@ -42,9 +42,14 @@ def _traced_run(path: Path) -> DecisionRecorder:
     writer = StepTraceWriter(path, source="test")
     tracer = StepTracer(writer, clock=clock.now, cpu_clock=None)
     engine = EngineCore(
-        _config(), SimExecutor(COST, clock), num_kv_blocks=64, max_model_len=256,
-        vocab_size=100, eos_token_ids=(), observers=[recorder, tracer],
-    )  # fmt: skip
+        _config(),
+        SimExecutor(COST, clock),
+        num_kv_blocks=64,
+        max_model_len=256,
+        vocab_size=100,
+        eos_token_ids=(),
+        observers=[recorder, tracer],
+    )
     drive(engine, clock, _cell())
     writer.close()
     return recorder

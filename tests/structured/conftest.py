@@ -10,8 +10,18 @@ from tests.serving.conftest import ServerProcess, smol_tokenizer_dir, tiny_model
 
 def serve(args: list[str], log: Path) -> Iterator[ServerProcess]:
     """``poise serve ARGS`` (float32, the served name ``m``) for a module; stopped after it."""
-    proc = ServerProcess([*args, "--dtype", "float32", "--kv-cache-memory-bytes", "32MiB",
-                          "--served-model-name", "m"], log).wait_ready()  # fmt: skip
+    proc = ServerProcess(
+        [
+            *args,
+            "--dtype",
+            "float32",
+            "--kv-cache-memory-bytes",
+            "32MiB",
+            "--served-model-name",
+            "m",
+        ],
+        log,
+    ).wait_ready()
     yield proc
     assert proc.stop() == 0, log.read_text()[-3000:]
 

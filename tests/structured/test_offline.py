@@ -23,13 +23,19 @@ def llm(tiny_model_dir: Path) -> LLM:
 
 
 def _json(schema: object, **kw: object) -> SamplingParams:
-    return SamplingParams(max_tokens=96, structured_outputs=StructuredOutputsParams(json=schema),
-                          **kw)  # type: ignore[arg-type]  # fmt: skip
+    return SamplingParams(
+        max_tokens=96, structured_outputs=StructuredOutputsParams(json=schema), **kw
+    )  # type: ignore[arg-type]
 
 
 def test_random_model_writes_no_json_by_itself(llm: LLM) -> None:
-    text = llm.generate("Give me a JSON object:", SamplingParams(temperature=0.0, max_tokens=24),
-                        use_tqdm=False)[0].outputs[0].text  # fmt: skip
+    text = (
+        llm.generate(
+            "Give me a JSON object:", SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .text
+    )
     with pytest.raises(ValueError):
         json.loads(text)
 
@@ -71,8 +77,9 @@ def test_regex_choice_grammar_and_vllm_dict_form(llm: LLM) -> None:
         GuidedDecodingParams(grammar='start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]/'),
         {"json_object": True},  # vLLM's dict form
     ]
-    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=3, structured_outputs=s)
-              for s in specs]  # type: ignore[arg-type]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=40, temperature=1.0, seed=3, structured_outputs=s) for s in specs
+    ]  # type: ignore[arg-type]
     outs = [o.outputs[0] for o in llm.generate(["a"] * 4, params, use_tqdm=False)]
     assert re.fullmatch(r"[a-z]{3}-\d{2}", outs[0].text) and outs[0].finish_reason == "stop"
     assert outs[1].text in ("alpha", "beta", "gamma")
@@ -85,20 +92,29 @@ def test_regex_choice_grammar_and_vllm_dict_form(llm: LLM) -> None:
 
 @pytest.mark.parametrize(
     "spec, match",
-    [({"json": {"type": "objec"}}, "objec"), ({"regex": "[a-z"}, "unclosed"),
-     ({"grammar": "start: nope"}, "nope"), ({"json": "{not json"}, "not valid JSON"),
-     ({"choice": []}, "choice"), ({"regex": "a", "choice": ["b"]}, "exactly one"),
-     ({"structural_tag": "x"}, "structural_tag"), ({"jsn": {}}, "unknown field"),
-     # No token of SmolLM2's vocabulary spells byte 0x04 or the lead byte of U+534D8: such a
-     # choice cannot be generated (it used to fail mid-generation: llguidance issue 366).
-     ({"choice": ["yes", "a\x04b"]}, "choice 1 holds bytes"),
-     ({"choice": ["N-\U000534d8"]}, "choice 0 holds bytes"),
-     ({"regex": "\U00090fd0x"}, "requires byte 0xf2")],
-)  # fmt: skip
+    [
+        ({"json": {"type": "objec"}}, "objec"),
+        ({"regex": "[a-z"}, "unclosed"),
+        ({"grammar": "start: nope"}, "nope"),
+        ({"json": "{not json"}, "not valid JSON"),
+        ({"choice": []}, "choice"),
+        ({"regex": "a", "choice": ["b"]}, "exactly one"),
+        ({"structural_tag": "x"}, "structural_tag"),
+        ({"jsn": {}}, "unknown field"),
+        # No token of SmolLM2's vocabulary spells byte 0x04 or the lead byte of U+534D8: such a
+        # choice cannot be generated (it used to fail mid-generation: llguidance issue 366).
+        ({"choice": ["yes", "a\x04b"]}, "choice 1 holds bytes"),
+        ({"choice": ["N-\U000534d8"]}, "choice 0 holds bytes"),
+        ({"regex": "\U00090fd0x"}, "requires byte 0xf2"),
+    ],
+)
 def test_invalid_specs_are_refused_naming_the_field(llm: LLM, spec: dict, match: str) -> None:
     with pytest.raises(InvalidRequestError, match=match) as info:
-        llm.generate("a", SamplingParams(max_tokens=4, structured_outputs=spec),  # type: ignore[arg-type]
-                     use_tqdm=False)  # fmt: skip
+        llm.generate(
+            "a",
+            SamplingParams(max_tokens=4, structured_outputs=spec),  # type: ignore[arg-type]
+            use_tqdm=False,
+        )
     assert info.value.param == "structured_outputs"
     assert not llm.engine.has_unfinished_requests()
 
@@ -132,9 +148,14 @@ def test_compiled_grammars_are_cached_by_spec(llm: LLM) -> None:
 
 def test_chat_with_tools_renders_them_for_a_template_without_tools(llm: LLM) -> None:
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
-    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1),
-                   use_tqdm=False, tools=tools)[0]  # fmt: skip
+    out = llm.chat(
+        [{"role": "user", "content": "hi"}],
+        SamplingParams(max_tokens=1),
+        use_tqdm=False,
+        tools=tools,
+    )[0]
     assert out.prompt is not None and "# Tools" in out.prompt and '"name": "lookup"' in out.prompt
-    plain = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1),
-                     use_tqdm=False)[0]  # fmt: skip
+    plain = llm.chat(
+        [{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), use_tqdm=False
+    )[0]
     assert plain.prompt is not None and "# Tools" not in plain.prompt

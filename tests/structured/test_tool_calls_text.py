@@ -21,12 +21,29 @@ from poise.text.tool_calls import (
 )
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
-    {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-        "required": ["a", "b"]}}},
-]  # fmt: skip
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    },
+]
 REPLY = (
     'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
     '</tool_call>\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
@@ -77,26 +94,42 @@ def test_forced_schemas_and_calls() -> None:
     named = forced_schema(TOOLS, "add")
     assert named == TOOLS[1]["function"]["parameters"]
     required = forced_schema(TOOLS, None)
-    good = [{"name": "add", "parameters": {"a": 1, "b": 2}},
-            {"name": "get_weather", "parameters": {"city": "Oslo"}}]  # fmt: skip
+    good = [
+        {"name": "add", "parameters": {"a": 1, "b": 2}},
+        {"name": "get_weather", "parameters": {"city": "Oslo"}},
+    ]
     jsonschema.validate(good, required)
-    for bad in ([], [{"name": "add", "parameters": {"city": "x"}}],
-                [{"name": "nope", "parameters": {}}]):  # fmt: skip
+    for bad in (
+        [],
+        [{"name": "add", "parameters": {"city": "x"}}],
+        [{"name": "nope", "parameters": {}}],
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, required)
     assert forced_schema(TOOLS, None, parallel=False)["maxItems"] == 1
     assert _names_args(forced_calls(json.dumps(good), None)) == [
-        ("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo"})]  # fmt: skip
+        ("add", {"a": 1, "b": 2}),
+        ("get_weather", {"city": "Oslo"}),
+    ]
     assert forced_calls('[{"name": "add", "param', None) == []  # cut by max_tokens
     assert _names_args(forced_calls('{"a": 3, "b": 4}', "add")) == [("add", {"a": 3, "b": 4})]
 
 
 CONVERSATION = [
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
-     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
-]  # fmt: skip
+]
 
 
 def test_a_template_without_tools_gets_them_as_text() -> None:
@@ -108,8 +141,9 @@ def test_a_template_without_tools_gets_them_as_text() -> None:
     assert '{"city": "Paris"}' in text
     assert "<|im_start|>tool\n18 C, sunny<|im_end|>" in text
     # A system message keeps its text; the tool block follows it.
-    with_system = render_chat(tok, [{"role": "system", "content": "Be brief."}, *CONVERSATION],
-                              tools=TOOLS)  # fmt: skip
+    with_system = render_chat(
+        tok, [{"role": "system", "content": "Be brief."}, *CONVERSATION], tools=TOOLS
+    )
     assert "<|im_start|>system\nBe brief.\n\n# Tools" in with_system
 
 
@@ -123,12 +157,16 @@ TOOL_TEMPLATE = (
 
 def test_a_template_with_tools_gets_the_fields_with_arguments_as_objects() -> None:
     tok = load_tokenizer(None)
-    text = render_chat(tok, CONVERSATION, tools=TOOLS, chat_template=TOOL_TEMPLATE,
-                       add_generation_prompt=False)  # fmt: skip
-    assert text == ("[tool get_weather][tool add][user]Weather in Paris?[assistant]"
-                    "(call get_weather Paris)[tool]18 C, sunny(for call_1)")  # fmt: skip
+    text = render_chat(
+        tok, CONVERSATION, tools=TOOLS, chat_template=TOOL_TEMPLATE, add_generation_prompt=False
+    )
+    assert text == (
+        "[tool get_weather][tool add][user]Weather in Paris?[assistant]"
+        "(call get_weather Paris)[tool]18 C, sunny(for call_1)"
+    )
     assert for_template(TOOL_TEMPLATE, [{"role": "user", "content": "x"}], TOOLS) == [
-        {"role": "user", "content": "x"}]  # fmt: skip
+        {"role": "user", "content": "x"}
+    ]
 
 
 @pytest.mark.parametrize("arguments", [7, [1, 2], True, None])
@@ -137,8 +175,11 @@ def test_tool_call_arguments_other_than_an_object_or_json_text_are_refused(
 ) -> None:
     # The published schema says object or string; an integer was rendered as it came (the large
     # API fuzz run found /tokenize accepting it).
-    message = {"role": "assistant", "content": None,
-               "tool_calls": [{"function": {"name": "add", "arguments": arguments}}]}  # fmt: skip
+    message = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"function": {"name": "add", "arguments": arguments}}],
+    }
     with pytest.raises(InvalidRequestError, match="arguments must be an object or JSON text"):
         tool_fields(message, 0)
     ok = {**message, "tool_calls": [{"function": {"name": "add", "arguments": '{"a": 1}'}}]}

@@ -23,10 +23,11 @@ def batches(out: dict[str, Result]) -> list[list[str]]:
 def random_arrivals(n: int, seed: int, span_s: float) -> list[Arrival]:
     rng = random.Random(seed)
     return [
-        Arrival(rng.uniform(0, span_s), f"r{i}", toks(rng.randint(4, 80), i),
-                params(rng.randint(1, 30)))
+        Arrival(
+            rng.uniform(0, span_s), f"r{i}", toks(rng.randint(4, 80), i), params(rng.randint(1, 30))
+        )
         for i in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def overlaps(out: dict[str, Result]) -> int:
@@ -75,16 +76,18 @@ def test_dynamic_waits_at_most_its_limit() -> None:
     out = drive(engine, [Arrival(0.2, "alone", toks(8, 0), params(3))])
     assert out["alone"].times.first_scheduled == pytest.approx(0.2 + delay)  # type: ignore[union-attr]
     # A full batch (max_num_seqs requests) goes at once.
-    engine, _, _ = make_engine(scheduling_policy="dynamic", max_num_seqs=4,
-                               max_batch_delay_ms=delay * 1000)  # fmt: skip
+    engine, _, _ = make_engine(
+        scheduling_policy="dynamic", max_num_seqs=4, max_batch_delay_ms=delay * 1000
+    )
     out = drive(engine, [Arrival(0.2, f"f{i}", toks(8, i), params(3)) for i in range(4)])
     assert {r.times.first_scheduled for r in out.values()} == {0.2}  # type: ignore[union-attr]
     # Random traffic: every batch starts by the later of the previous batch's end and its own
     # oldest member's arrival + delay, and batches do not overlap.
     arrivals = random_arrivals(40, 2, span_s=2.0)
     at = {a.rid: a.t for a in arrivals}
-    engine, _, _ = make_engine(scheduling_policy="dynamic", max_num_seqs=6,
-                               max_batch_delay_ms=delay * 1000)  # fmt: skip
+    engine, _, _ = make_engine(
+        scheduling_policy="dynamic", max_num_seqs=6, max_batch_delay_ms=delay * 1000
+    )
     out = drive(engine, arrivals)
     assert overlaps(out) == 0
     prev_end, waited = 0.0, 0
@@ -120,16 +123,19 @@ def test_lpm_admits_the_longest_cached_prefix_first() -> None:
 
 def test_lpm_aging_bounds_the_wait_of_a_request_without_a_cached_prefix() -> None:
     engine, executor, clock = make_engine(
-        scheduling_policy="lpm", max_num_seqs=1, enable_prefix_caching=True,
+        scheduling_policy="lpm",
+        max_num_seqs=1,
+        enable_prefix_caching=True,
         priority_aging_s=0.05,
-    )  # fmt: skip
+    )
     shared = toks(32, 1)
     drive(engine, [Arrival(0.0, "seed", shared + [7], params(1))])
     t = clock.now()
     # "old" has no cached prefix but has waited past one aging period when the slot frees.
-    arrivals = [Arrival(t, "busy", shared + [5], params(20)), Arrival(t, "old", toks(33, 2),
-                params(2))] + [Arrival(t + 0.01, f"hit{i}", shared + [i], params(2))
-                               for i in range(3)]  # fmt: skip
+    arrivals = [
+        Arrival(t, "busy", shared + [5], params(20)),
+        Arrival(t, "old", toks(33, 2), params(2)),
+    ] + [Arrival(t + 0.01, f"hit{i}", shared + [i], params(2)) for i in range(3)]
     drive(engine, arrivals)
     order = [o for o in admitted_order(executor) if o != "seed"]
     assert order[:2] == ["busy", "old"]
@@ -143,9 +149,13 @@ def test_batching_modes_keep_outputs_under_preemption(policy: str) -> None:
     reference, _, _ = make_engine(num_kv_blocks=4096)
     expected = {k: v.tokens for k, v in drive(reference, arrivals).items()}
     engine, _, _ = make_engine(
-        scheduling_policy=policy, num_kv_blocks=48, safety_margin=0.0,
-        max_num_batched_tokens=1024, max_batch_delay_ms=20.0, enable_prefix_caching=True,
-    )  # fmt: skip
+        scheduling_policy=policy,
+        num_kv_blocks=48,
+        safety_margin=0.0,
+        max_num_batched_tokens=1024,
+        max_batch_delay_ms=20.0,
+        enable_prefix_caching=True,
+    )
     out = drive(engine, arrivals)
     assert {k: v.tokens for k, v in out.items()} == expected
     assert engine.scheduler.num_preemptions_total > 0

@@ -91,18 +91,40 @@ class EngineMachine(RuleBasedStateMachine):
         queue=st.sampled_from([None, 2, 6]),
         spec=st.sampled_from([None, '{"num_speculative_tokens": 3, "adaptive": false}']),
     )
-    def build(self, policy: str, classes: str | None, caching: bool, chunked: bool, blocks: int,
-              seqs: int, budget: int, cap: int, queue: int | None,
-              spec: str | None) -> None:  # fmt: skip
+    def build(
+        self,
+        policy: str,
+        classes: str | None,
+        caching: bool,
+        chunked: bool,
+        blocks: int,
+        seqs: int,
+        budget: int,
+        cap: int,
+        queue: int | None,
+        spec: str | None,
+    ) -> None:
         config = EngineConfig.from_kwargs(
-            block_size=BLOCK, scheduling_policy=policy, traffic_classes=classes,
-            enable_prefix_caching=caching, enable_chunked_prefill=chunked,
-            max_num_seqs=seqs, max_num_batched_tokens=budget, long_prefill_token_threshold=cap,
-            max_num_queued_requests=queue, speculative_config=spec,
-        )  # fmt: skip
+            block_size=BLOCK,
+            scheduling_policy=policy,
+            traffic_classes=classes,
+            enable_prefix_caching=caching,
+            enable_chunked_prefill=chunked,
+            max_num_seqs=seqs,
+            max_num_batched_tokens=budget,
+            long_prefill_token_threshold=cap,
+            max_num_queued_requests=queue,
+            speculative_config=spec,
+        )
         self.executor = FlakyExecutor(VOCAB, BLOCK)
-        self.engine = EngineCore(config, self.executor, num_kv_blocks=blocks,
-                                 max_model_len=64, vocab_size=VOCAB, clock=VirtualClock())  # fmt: skip
+        self.engine = EngineCore(
+            config,
+            self.executor,
+            num_kv_blocks=blocks,
+            max_model_len=64,
+            vocab_size=VOCAB,
+            clock=VirtualClock(),
+        )
 
     # ---- rules ----------------------------------------------------------------------------
 
@@ -114,17 +136,26 @@ class EngineMachine(RuleBasedStateMachine):
         traffic_class=st.sampled_from([None, "chat", "bulk"]),
         stop_token=st.sampled_from([None, *range(0, VOCAB, 97)]),
     )
-    def add(self, prefix: list[int], tail: list[int], max_tokens: int, priority: int,
-            traffic_class: str | None, stop_token: int | None) -> None:  # fmt: skip
+    def add(
+        self,
+        prefix: list[int],
+        tail: list[int],
+        max_tokens: int,
+        priority: int,
+        traffic_class: str | None,
+        stop_token: int | None,
+    ) -> None:
         rid = f"r{self.next_id}"
         self.next_id += 1
         prompt = prefix + tail
         known = self.engine.classes.names
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, priority=priority,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            priority=priority,
             traffic_class=traffic_class if traffic_class in known else None,
             stop_token_ids=[] if stop_token is None else [stop_token],
-        )  # fmt: skip
+        )
         try:
             self.engine.add_request(rid, prompt, params)
         except (InvalidRequestError, OverloadedError):
@@ -203,7 +234,9 @@ class EngineMachine(RuleBasedStateMachine):
             # Exact between steps: no block past the computed tokens (rejected speculative
             # drafts' slots are rolled back in the step's update).
             assert len(kv.get_block_ids(r.request_id)) == kv.blocks_for(r.num_computed_tokens), (
-                r.request_id, "holds blocks past its computed tokens")  # fmt: skip
+                r.request_id,
+                "holds blocks past its computed tokens",
+            )
         if not self.live:
             assert kv.pool.num_used_blocks == 0, "blocks in use with no request alive"
 
@@ -242,11 +275,22 @@ class EngineMachine(RuleBasedStateMachine):
             self.blocks_are_accounted_for()
             self.queues_hold_exactly_the_live_requests()
         sched = self.engine.scheduler
-        stuck = [(r.request_id, r.status.value, r.num_prompt_tokens, r.num_computed_tokens,
-                  r.num_tokens, r.slo.class_name if r.slo else None)
-                 for r in [*sched.running, *sched.waiting]]  # fmt: skip
-        last = [[(x.request_id, x.start_position, x.num_tokens) for x in o.scheduled]
-                + [("preempted", *o.preempted_request_ids)] for o in self.executor.steps[-6:]]  # fmt: skip
+        stuck = [
+            (
+                r.request_id,
+                r.status.value,
+                r.num_prompt_tokens,
+                r.num_computed_tokens,
+                r.num_tokens,
+                r.slo.class_name if r.slo else None,
+            )
+            for r in [*sched.running, *sched.waiting]
+        ]
+        last = [
+            [(x.request_id, x.start_position, x.num_tokens) for x in o.scheduled]
+            + [("preempted", *o.preempted_request_ids)]
+            for o in self.executor.steps[-6:]
+        ]
         assert not self.live, f"never finished: {stuck}, {self.engine.config.scheduler}, {last}"
         assert set(self.finished) == set(self.prompts)
         assert self.engine.kv.pool.num_used_blocks == 0
@@ -262,8 +306,12 @@ class EngineMachine(RuleBasedStateMachine):
 
 TOTALS: dict[str, int] = {}
 # No shrinking in the default run (a failure prints its program as found, at once).
-_SETTINGS = dict(deadline=None, stateful_step_count=60, suppress_health_check=list(HealthCheck),
-                 phases=[Phase.explicit, Phase.reuse, Phase.generate])  # fmt: skip
+_SETTINGS = dict(
+    deadline=None,
+    stateful_step_count=60,
+    suppress_health_check=list(HealthCheck),
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)
 
 
 def test_engine_core_stateful_small() -> None:
@@ -310,12 +358,26 @@ def test_a_prompt_that_fits_the_step_but_not_its_class_allowance_does_not_block_
     """Without chunked prefill, a 17-token bulk prompt at the queue's head fits the 31-token
     step but not the 13 tokens chat's reservation leaves it; FIFO blocked the queue behind it,
     so the chat requests never used their reservation and nothing ever ran."""
-    config = EngineConfig.from_kwargs(block_size=BLOCK, traffic_classes=CLASSES, max_num_seqs=1,
-                                      max_num_batched_tokens=31, enable_chunked_prefill=False)  # fmt: skip
-    engine = EngineCore(config, FakeExecutor(VOCAB, BLOCK), num_kv_blocks=22, max_model_len=64,
-                        vocab_size=VOCAB, clock=VirtualClock())  # fmt: skip
-    engine.add_request("bulk", list(range(1, 18)), SamplingParams(max_tokens=2, temperature=0.0,
-                                                                  traffic_class="bulk"))  # fmt: skip
+    config = EngineConfig.from_kwargs(
+        block_size=BLOCK,
+        traffic_classes=CLASSES,
+        max_num_seqs=1,
+        max_num_batched_tokens=31,
+        enable_chunked_prefill=False,
+    )
+    engine = EngineCore(
+        config,
+        FakeExecutor(VOCAB, BLOCK),
+        num_kv_blocks=22,
+        max_model_len=64,
+        vocab_size=VOCAB,
+        clock=VirtualClock(),
+    )
+    engine.add_request(
+        "bulk",
+        list(range(1, 18)),
+        SamplingParams(max_tokens=2, temperature=0.0, traffic_class="bulk"),
+    )
     for i in range(3):
         params = SamplingParams(max_tokens=2, temperature=0.0, traffic_class="chat")
         engine.add_request(f"chat{i}", [5, 6, 7, 8, 9, 10, 11, i], params)
@@ -328,15 +390,27 @@ def test_a_request_that_cannot_go_in_displaces_nobody() -> None:
     request, then did not fit what bulk's reservation leaves it; the bulk request, readmitted,
     was displaced again the next step. Here that cost 4 preemptions for nothing; in the
     stateful run's program, two requests displaced each other for ever and none finished."""
-    config = EngineConfig.from_kwargs(block_size=BLOCK, traffic_classes=CLASSES, max_num_seqs=1,
-                                      max_num_batched_tokens=13, enable_chunked_prefill=False,
-                                      scheduling_policy="priority")  # fmt: skip
-    engine = EngineCore(config, FakeExecutor(VOCAB, BLOCK), num_kv_blocks=21, max_model_len=64,
-                        vocab_size=VOCAB, clock=VirtualClock())  # fmt: skip
+    config = EngineConfig.from_kwargs(
+        block_size=BLOCK,
+        traffic_classes=CLASSES,
+        max_num_seqs=1,
+        max_num_batched_tokens=13,
+        enable_chunked_prefill=False,
+        scheduling_policy="priority",
+    )
+    engine = EngineCore(
+        config,
+        FakeExecutor(VOCAB, BLOCK),
+        num_kv_blocks=21,
+        max_model_len=64,
+        vocab_size=VOCAB,
+        clock=VirtualClock(),
+    )
 
     def params(priority: int, cls: str, max_tokens: int) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, temperature=0.0, priority=priority,
-                              traffic_class=cls)  # fmt: skip
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, priority=priority, traffic_class=cls
+        )
 
     engine.add_request("bulk", [1, 2, 3, 4], params(1, "bulk", 8))
     engine.step()

@@ -42,9 +42,14 @@ class _Failing(FakeExecutor):
 def _engine_with(executor: FakeExecutor, observers: list[EngineObserver]) -> EngineCore:
     base, _ = make_engine(max_num_batched_tokens=16)
     return EngineCore(
-        base.config, executor, num_kv_blocks=256, max_model_len=4096, vocab_size=1000,
-        clock=base.clock, observers=observers,
-    )  # fmt: skip
+        base.config,
+        executor,
+        num_kv_blocks=256,
+        max_model_len=4096,
+        vocab_size=1000,
+        clock=base.clock,
+        observers=observers,
+    )
 
 
 def test_observers_run_in_order_around_each_executed_step_and_change_nothing() -> None:

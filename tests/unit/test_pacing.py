@@ -47,9 +47,13 @@ def run(
     if not paced:
         monkeypatch.setattr(scheduler, "pacing_for", lambda *args: None)
     engine, _, clock = make_engine(
-        a=a, b=0.0005, num_kv_blocks=8192, scheduling_policy="slo",
-        traffic_classes=SPEC.format(long=long_ms), max_num_batched_tokens=2048,
-    )  # fmt: skip
+        a=a,
+        b=0.0005,
+        num_kv_blocks=8192,
+        scheduling_policy="slo",
+        traffic_classes=SPEC.format(long=long_ms),
+        max_num_batched_tokens=2048,
+    )
     out = drive(engine, open_loop(seconds))
     ttft = {k: v.metrics.ttft for k, v in out.items()}
     assert all(v is not None for v in ttft.values())
@@ -79,9 +83,13 @@ def test_pacing_gives_way_to_a_long_deadline(monkeypatch: pytest.MonkeyPatch) ->
     lifted = run(monkeypatch, paced=True, long_ms=2500, a=0.2, seconds=8.0)
     monkeypatch.setattr(pacing, "lift_cap", lambda paced, cap, *args: cap)  # never lifts
     engine, _, _ = make_engine(
-        a=0.2, b=0.0005, num_kv_blocks=8192, scheduling_policy="slo",
-        traffic_classes=SPEC.format(long=2500), max_num_batched_tokens=2048,
-    )  # fmt: skip
+        a=0.2,
+        b=0.0005,
+        num_kv_blocks=8192,
+        scheduling_policy="slo",
+        traffic_classes=SPEC.format(long=2500),
+        max_num_batched_tokens=2048,
+    )
     out = drive(engine, open_loop(8.0))
     never = percentile([v.metrics.ttft for k, v in out.items() if k[0] == "l"], 95)  # type: ignore[misc]
     assert never > 2.5 * 1.5
@@ -105,9 +113,13 @@ def test_pacing_only_where_targets_differ() -> None:
 def test_the_engine_reports_its_pacing() -> None:
     """The gauge's source: a paced class's cap while it holds, the whole budget when lifted."""
     engine, _, _ = make_engine(
-        a=0.02, b=0.0005, num_kv_blocks=8192, scheduling_policy="slo",
-        traffic_classes=SPEC.format(long=15000), max_num_batched_tokens=2048,
-    )  # fmt: skip
+        a=0.02,
+        b=0.0005,
+        num_kv_blocks=8192,
+        scheduling_policy="slo",
+        traffic_classes=SPEC.format(long=15000),
+        max_num_batched_tokens=2048,
+    )
     seen = []
     for i, (rid, n) in enumerate([("d", 8), ("l", 3000)]):
         engine.add_request(rid, toks(n, i), params(50))
@@ -156,9 +168,13 @@ def test_admission_reserves_the_rest_of_admitted_prompts(reserves: bool) -> None
     pool together (preemptions); reserving the rest of every admitted prompt, the second waits
     for the first to finish, and nothing is preempted."""
     engine, _, _ = make_engine(
-        a=0.02, b=0.0005, num_kv_blocks=1200, scheduling_policy="slo",
-        traffic_classes=SPEC.format(long=15000), max_num_batched_tokens=2048,
-    )  # fmt: skip
+        a=0.02,
+        b=0.0005,
+        num_kv_blocks=1200,
+        scheduling_policy="slo",
+        traffic_classes=SPEC.format(long=15000),
+        max_num_batched_tokens=2048,
+    )
     sched = engine.scheduler
     if not reserves:  # the slo policy without its prompt reservation
         margin = int(engine.config.scheduler.safety_margin * sched.kv.num_blocks)

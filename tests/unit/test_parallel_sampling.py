@@ -29,8 +29,9 @@ def _prefill_tokens(n: int, caching: bool) -> tuple[int, list[int]]:
     engine, _ = make_engine(block_size=4, enable_prefix_caching=caching)
     params = SamplingParams(n=n, max_tokens=4, ignore_eos=True)
     for child in fan_out("r", params):
-        engine.add_request(child.request_id, PROMPT, child.params,
-                           prompt_leader=child.prompt_leader)  # fmt: skip
+        engine.add_request(
+            child.request_id, PROMPT, child.params, prompt_leader=child.prompt_leader
+        )
     total, cached = 0, []
     while engine.has_unfinished_requests():
         deltas, stats = engine.step()

@@ -42,13 +42,15 @@ def test_repetition_penalty_equals_transformers() -> None:
     logits = _logits(1)
     ids = torch.tensor([PROMPT + OUTPUT])
     want = RepetitionPenaltyLogitsProcessor(1.7)(ids, logits.clone())
-    got = adjust(logits, [SamplingParams(repetition_penalty=1.7)], [len(OUTPUT)],
-                 [(PROMPT, OUTPUT)])  # fmt: skip
+    got = adjust(
+        logits, [SamplingParams(repetition_penalty=1.7)], [len(OUTPUT)], [(PROMPT, OUTPUT)]
+    )
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     # Below 1 it encourages the same tokens, the same way.
     want = RepetitionPenaltyLogitsProcessor(0.6)(ids, logits.clone())
-    got = adjust(logits, [SamplingParams(repetition_penalty=0.6)], [len(OUTPUT)],
-                 [(PROMPT, OUTPUT)])  # fmt: skip
+    got = adjust(
+        logits, [SamplingParams(repetition_penalty=0.6)], [len(OUTPUT)], [(PROMPT, OUTPUT)]
+    )
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -57,8 +59,9 @@ def test_a_huge_repetition_penalty_gives_no_nan() -> None:
     # API fuzzer's large run warned of the overflow).
     logits = _logits(1)
     logits[0, PROMPT[0]] = 0.0
-    got = adjust(logits, [SamplingParams(repetition_penalty=1e300)], [len(OUTPUT)],
-                 [(PROMPT, OUTPUT)])  # fmt: skip
+    got = adjust(
+        logits, [SamplingParams(repetition_penalty=1e300)], [len(OUTPUT)], [(PROMPT, OUTPUT)]
+    )
     assert not got.isnan().any()
     assert got[0, PROMPT[0]] == 0.0
 
@@ -90,8 +93,9 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
     logits = _logits(3, seed=3)
     eos = frozenset({2})
     p = SamplingParams(min_tokens=3, stop_token_ids=[11])
-    got = adjust(logits, [p, p, SamplingParams(min_tokens=3, ignore_eos=True)], [0, 3, 1],
-                 [None] * 3, eos)  # fmt: skip
+    got = adjust(
+        logits, [p, p, SamplingParams(min_tokens=3, ignore_eos=True)], [0, 3, 1], [None] * 3, eos
+    )
     # transformers' rule for EOS: -inf while fewer than min_new_tokens were generated.
     ref = MinNewTokensLengthLogitsProcessor(len(PROMPT), 3, eos_token_id=[2, 11])
     want0 = ref(torch.tensor([PROMPT]), logits[:1].clone())
@@ -124,11 +128,17 @@ def test_writable_logits_give_the_same_result_without_a_copy() -> None:
     # place, with exactly the values and tokens of the copying path.
     params = [
         SamplingParams(temperature=0.0, repetition_penalty=1.3),
-        SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1,
-                       frequency_penalty=0.2, presence_penalty=0.2, seed=3),
+        SamplingParams(
+            temperature=0.8,
+            top_p=0.9,
+            repetition_penalty=1.1,
+            frequency_penalty=0.2,
+            presence_penalty=0.2,
+            seed=3,
+        ),
         SamplingParams(temperature=1.2, top_k=50, logit_bias={7: 3.0}, min_tokens=9, seed=4),
         SamplingParams(temperature=0.7, seed=5),
-    ]  # fmt: skip
+    ]
     hist = [(PROMPT, OUTPUT), (PROMPT, OUTPUT), None, None]
     logits = _logits(4, seed=6)
     copied = adjust(logits, params, [6, 6, 2, 0], hist, frozenset({0}))
@@ -137,8 +147,14 @@ def test_writable_logits_give_the_same_result_without_a_copy() -> None:
     torch.testing.assert_close(own, copied, rtol=0, atol=0)
     for index in range(5):
         want = sample(logits, params, [index] * 4, histories=hist, eos_token_ids=frozenset({0}))
-        got = sample(logits.clone(), params, [index] * 4, histories=hist,
-                     eos_token_ids=frozenset({0}), logits_writable=True)  # fmt: skip
+        got = sample(
+            logits.clone(),
+            params,
+            [index] * 4,
+            histories=hist,
+            eos_token_ids=frozenset({0}),
+            logits_writable=True,
+        )
         assert got == want
 
 
@@ -155,11 +171,19 @@ def test_greedy_rows_take_the_argmax_of_the_penalised_logits() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
-     ("repetition_penalty", float("nan")), ("min_tokens", 17), ("min_tokens", -1),
-     ("logit_bias", {5: 101.0}), ("logit_bias", {V: 1.0}), ("logit_bias", {-1: 1.0}),
-     ("n", 0)],
-)  # fmt: skip
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", float("nan")),
+        ("min_tokens", 17),
+        ("min_tokens", -1),
+        ("logit_bias", {5: 101.0}),
+        ("logit_bias", {V: 1.0}),
+        ("logit_bias", {-1: 1.0}),
+        ("n", 0),
+    ],
+)
 def test_out_of_range_values_are_refused(field: str, value: object) -> None:
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(max_tokens=16, **{field: value}).validate(vocab_size=V)  # type: ignore[arg-type]

@@ -97,9 +97,11 @@ def test_no_head_of_line_blocking_under_slo_and_priority() -> None:
     for policy, blocked in (("fifo", True), ("priority", False), ("slo", False)):
         # 40 blocks of 4 tokens; "big" (120 tokens) needs 30 blocks while "run" holds 16.
         engine, executor, _ = make_engine(
-            num_kv_blocks=40, scheduling_policy=policy, safety_margin=0.0,
+            num_kv_blocks=40,
+            scheduling_policy=policy,
+            safety_margin=0.0,
             max_num_batched_tokens=256,
-        )  # fmt: skip
+        )
         arrivals = [
             Arrival(0.0, "run", toks(60, 1), params(20)),
             Arrival(0.001, "big", toks(120, 2), params(2)),
@@ -147,10 +149,14 @@ def test_controller_holds_tpot_target() -> None:
     tpots = {}
     for on in (False, True):
         engine, _, _ = make_engine(
-            a=0.02, b=0.0005, token_budget_controller=on, target_tpot_ms=target * 1000,
+            a=0.02,
+            b=0.0005,
+            token_budget_controller=on,
+            target_tpot_ms=target * 1000,
             traffic_classes="none",
-            max_num_batched_tokens=2048, min_num_batched_tokens=16,
-        )  # fmt: skip
+            max_num_batched_tokens=2048,
+            min_num_batched_tokens=16,
+        )
         out = drive(engine, [*decoders, *floods])
         gaps = [g for i in range(4) for g in out[f"d{i}"].metrics.itl[10:40]]
         tpots[on] = percentile(gaps, 50)
@@ -161,9 +167,13 @@ def test_controller_holds_tpot_target() -> None:
 @pytest.mark.parametrize("policy, classes", [("fifo", None), ("slo", CLASSES)])
 def test_predicted_ttft_within_20_percent(policy: str, classes: str | None) -> None:
     engine, executor, clock = make_engine(
-        a=0.02, b=0.0005, scheduling_policy=policy, traffic_classes=classes,
-        max_num_batched_tokens=256, max_num_seqs=16,
-    )  # fmt: skip
+        a=0.02,
+        b=0.0005,
+        scheduling_policy=policy,
+        traffic_classes=classes,
+        max_num_batched_tokens=256,
+        max_num_seqs=16,
+    )
     warm_up(engine)
     # A backlog: decodes running and long prompts queued, then the request to predict.
     t0 = clock.now()
@@ -181,9 +191,13 @@ def test_predicted_ttft_within_20_percent(policy: str, classes: str | None) -> N
 
 def test_refused_request_meets_its_slo_after_retry_after() -> None:
     engine, _, clock = make_engine(
-        a=0.02, b=0.0005, traffic_classes=CLASSES, admission_control="predictive",
-        admission_margin=0.0, max_num_batched_tokens=128,
-    )  # fmt: skip
+        a=0.02,
+        b=0.0005,
+        traffic_classes=CLASSES,
+        admission_control="predictive",
+        admission_margin=0.0,
+        max_num_batched_tokens=128,
+    )
     warm_up(engine)
     for i in range(12):  # queued work with a lax per-request target: admitted
         engine.add_request(f"q{i}", toks(100, i), params(4, ttft_slo_ms=10_000))
@@ -202,8 +216,7 @@ def test_refused_request_meets_its_slo_after_retry_after() -> None:
 
 
 def test_queue_bound_retry_after_is_a_prediction() -> None:
-    engine, _, _ = make_engine(max_num_seqs=1, max_num_queued_requests=2,
-                               max_num_batched_tokens=64)  # fmt: skip
+    engine, _, _ = make_engine(max_num_seqs=1, max_num_queued_requests=2, max_num_batched_tokens=64)
     for i in range(3):  # one for the free sequence slot, two queued beyond it
         engine.add_request(f"q{i}", toks(200, i), params(4), arrival_time=0.0)
     with pytest.raises(OverloadedError) as info:
@@ -250,10 +263,15 @@ def test_outputs_identical_under_every_policy(config: dict[str, object]) -> None
         arrivals.append(Arrival(rng.uniform(0, 0.5), f"r{i}", prompt, p))
     reference, _, _ = make_engine(num_kv_blocks=4096)
     expected = {k: v.tokens for k, v in drive(reference, arrivals).items()}
-    engine, _, _ = make_engine(**{
-        "num_kv_blocks": 160, "safety_margin": 0.0, "max_num_batched_tokens": 96,
-        "enable_prefix_caching": True, **config,
-    })  # fmt: skip
+    engine, _, _ = make_engine(
+        **{
+            "num_kv_blocks": 160,
+            "safety_margin": 0.0,
+            "max_num_batched_tokens": 96,
+            "enable_prefix_caching": True,
+            **config,
+        }
+    )
     out = drive(engine, arrivals)
     admitted = {k: v.tokens for k, v in out.items() if v.retry_after_s is None}
     assert admitted == {k: expected[k] for k in admitted}
@@ -301,9 +319,14 @@ def test_controller_gives_way_to_ttft_deadlines(monkeypatch: pytest.MonkeyPatch)
         else:
             monkeypatch.undo()
         engine, _, _ = make_engine(
-            a=0.02, b=0.0005, scheduling_policy="slo", traffic_classes=spec,
-            token_budget_controller=True, max_num_batched_tokens=2048, min_num_batched_tokens=16,
-        )  # fmt: skip
+            a=0.02,
+            b=0.0005,
+            scheduling_policy="slo",
+            traffic_classes=spec,
+            token_budget_controller=True,
+            max_num_batched_tokens=2048,
+            min_num_batched_tokens=16,
+        )
         out = drive(engine, [*decoders, *longs])
         ttft[lift] = percentile([out[f"p{i}"].metrics.ttft for i in range(100)], 95)
         tpot[lift] = percentile([g for i in range(4) for g in out[f"d{i}"].metrics.itl[10:]], 50)

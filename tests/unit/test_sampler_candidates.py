@@ -122,8 +122,9 @@ def test_draws_follow_the_nucleus_distribution() -> None:
     p = SamplingParams(top_p=0.6)
     kept, _ = _reference(row, p, [])
     n = 2000
-    out = sample(row.unsqueeze(0).expand(n, -1), [p] * n, [0] * n,
-                 generator=torch.Generator().manual_seed(5))  # fmt: skip
+    out = sample(
+        row.unsqueeze(0).expand(n, -1), [p] * n, [0] * n, generator=torch.Generator().manual_seed(5)
+    )
     assert set(out) <= kept
     probs = torch.softmax(row, dim=0)[sorted(kept)]
     mean = float((probs / probs.sum() * torch.tensor(sorted(kept), dtype=torch.float32)).sum())

@@ -107,9 +107,14 @@ def test_forecast_replays_decodes_slots_and_classes() -> None:
 
     def backlog(**kw: object) -> Backlog:
         base: dict[str, object] = dict(
-            budget=100, max_num_seqs=64, share=1.0, decodes=[], ahead=[], own_tokens=50,
+            budget=100,
+            max_num_seqs=64,
+            share=1.0,
+            decodes=[],
+            ahead=[],
+            own_tokens=50,
             other_prefill=0,
-        )  # fmt: skip
+        )
         base.update(kw)
         return Backlog(**base)  # type: ignore[arg-type]
 
@@ -140,8 +145,14 @@ def test_cost_aware_victim_and_thrash_guard() -> None:
     from poise.sched.view import PolicyParams, PolicyView
 
     def req(rid: str, prio: int, computed: int, preempted: int = 0, ttft: float = 1.0) -> Request:
-        r = Request(rid, list(range(100)), SamplingParams(), 0.0, priority=prio,
-                    slo=SloTargets("c", ttft_s=ttft))  # fmt: skip
+        r = Request(
+            rid,
+            list(range(100)),
+            SamplingParams(),
+            0.0,
+            priority=prio,
+            slo=SloTargets("c", ttft_s=ttft),
+        )
         r.num_computed_tokens, r.num_preemptions = computed, preempted
         return r
 

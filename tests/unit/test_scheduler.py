@@ -245,16 +245,22 @@ def test_prefix_caching_under_preemption_keeps_outputs() -> None:
     rng = random.Random(11)
     bases = [[rng.randrange(1000) for _ in range(24)] for _ in range(3)]
     work = [
-        (rng.choice(bases)[: rng.randint(4, 24)] + [rng.randrange(1000) for _ in range(rng.randint(1, 16))],
-         rng.randint(1, 20))
+        (
+            rng.choice(bases)[: rng.randint(4, 24)]
+            + [rng.randrange(1000) for _ in range(rng.randint(1, 16))],
+            rng.randint(1, 20),
+        )
         for _ in range(60)
-    ]  # fmt: skip
+    ]
     outs = []
     for caching in (False, True):
         engine, executor = make_engine(
-            num_kv_blocks=40, max_num_batched_tokens=32, max_num_seqs=8,
-            enable_prefix_caching=caching, safety_margin=0.0,
-        )  # fmt: skip
+            num_kv_blocks=40,
+            max_num_batched_tokens=32,
+            max_num_seqs=8,
+            enable_prefix_caching=caching,
+            safety_margin=0.0,
+        )
         for i, (prompt, n) in enumerate(work):
             engine.add_request(str(i), prompt, greedy(n))
         outs.append(run_all(engine))
@@ -313,13 +319,21 @@ def test_requests_never_preempt_each_other_for_ever(
 ) -> None:
     blocks, budget, cap, requests = case
     engine, executor = make_engine(
-        num_kv_blocks=blocks, max_model_len=4 * blocks, scheduling_policy=policy,
-        enable_chunked_prefill=True, enable_prefix_caching=False, max_num_seqs=4,
-        max_num_batched_tokens=budget, long_prefill_token_threshold=cap,
-    )  # fmt: skip
+        num_kv_blocks=blocks,
+        max_model_len=4 * blocks,
+        scheduling_policy=policy,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=False,
+        max_num_seqs=4,
+        max_num_batched_tokens=budget,
+        long_prefill_token_threshold=cap,
+    )
     for i, (prompt, max_tokens) in enumerate(requests):
-        engine.add_request(f"r{i}", [(i * 31 + k) % 997 + 1 for k in range(prompt)],
-                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))  # fmt: skip
+        engine.add_request(
+            f"r{i}",
+            [(i * 31 + k) % 997 + 1 for k in range(prompt)],
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        )
     clock = engine.clock
     assert isinstance(clock, VirtualClock)
     preempting_steps = 0

@@ -25,8 +25,9 @@ class Fit:
 FIT = Fit()
 
 
-def _steps(slowdown: Slowdown, taken: list[float], gap: float = 0.0, busy: bool = True,
-           t: float = 0.0) -> float:  # fmt: skip
+def _steps(
+    slowdown: Slowdown, taken: list[float], gap: float = 0.0, busy: bool = True, t: float = 0.0
+) -> float:
     """Steps that computed for ``taken[i]``, ``gap`` apart; returns the time."""
     for d in taken:
         t += gap
@@ -89,9 +90,13 @@ def _loop_step(engine: EngineCore, clock: VirtualClock, overhead: float) -> None
 def _backlogged(admission: str, overhead: float) -> tuple[EngineCore, VirtualClock]:
     """An engine that learned the step cost and the loop's slowdown, with a backlog queued."""
     engine, _, clock = make_engine(
-        a=0.02, b=0.0005, admission_control=admission, admission_margin=0.0,
-        max_num_batched_tokens=128, traffic_classes="none",
-    )  # fmt: skip
+        a=0.02,
+        b=0.0005,
+        admission_control=admission,
+        admission_margin=0.0,
+        max_num_batched_tokens=128,
+        traffic_classes="none",
+    )
     # Warm-up prompts with distinct first blocks (a shared prefix would make them in-flight
     # followers of one another, and the fit would learn from a handful of steps): 24 of them,
     # enough steps for the step-cost fit to leave its prior.
@@ -186,9 +191,14 @@ def _admitted_until_refused(margin: float, late: float | None = None) -> int:
     target 1 s) admits at once before the first refusal; ``late``: its first tokens have
     lately come that many times the forecast."""
     engine, _, _ = make_engine(
-        a=0.01, b=0.0005, admission_control="predictive", admission_margin=margin,
-        max_num_seqs=1, max_num_batched_tokens=64, traffic_classes="none",
-    )  # fmt: skip
+        a=0.01,
+        b=0.0005,
+        admission_control="predictive",
+        admission_margin=margin,
+        max_num_seqs=1,
+        max_num_batched_tokens=64,
+        traffic_classes="none",
+    )
     if late is not None:
         for _ in range(sd.TAIL_MIN):
             engine.scheduler.forecaster.tail.observe(late, 1.0)
@@ -220,9 +230,14 @@ def _overload(pause_every: int, tail: bool) -> tuple[list[float], int]:
     enough to land inside one first token in seven. Returns the admitted requests' TTFT and
     how many were refused."""
     engine, _, clock = make_engine(
-        a=0.01, b=0.0005, admission_control="predictive", admission_margin=0.0, max_num_seqs=4,
-        max_num_batched_tokens=64, traffic_classes="none",
-    )  # fmt: skip
+        a=0.01,
+        b=0.0005,
+        admission_control="predictive",
+        admission_margin=0.0,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        traffic_classes="none",
+    )
     if not tail:
         engine.scheduler.forecaster.tail.factor = lambda: 1.0  # type: ignore[method-assign]
     rng = random.Random(0)
@@ -237,17 +252,22 @@ def _overload(pause_every: int, tail: bool) -> tuple[list[float], int]:
         while arrivals and arrivals[-1] <= clock.now():
             at = arrivals.pop()
             try:
-                engine.add_request(f"r{len(arrivals)}", [7] * 8, params(8, ttft_slo_ms=400),
-                                   arrival_time=at)  # fmt: skip
+                engine.add_request(
+                    f"r{len(arrivals)}", [7] * 8, params(8, ttft_slo_ms=400), arrival_time=at
+                )
             except OverloadedError:
                 refused += 1
         if not engine.has_unfinished_requests():
             clock.advance_to(arrivals[-1])
             continue
         deltas, _ = engine.step()
-        ttft += [d.times.first_token - d.times.arrival for d in deltas
-                 if d.times is not None and d.times.first_token == clock.now()
-                 and len(d.times.token_times) == 1]  # fmt: skip
+        ttft += [
+            d.times.first_token - d.times.arrival
+            for d in deltas
+            if d.times is not None
+            and d.times.first_token == clock.now()
+            and len(d.times.token_times) == 1
+        ]
         steps += 1
         if steps % pause_every == 0:
             clock.advance(0.15)

@@ -41,11 +41,21 @@ def request(
     for g in GAPS:
         times.append(times[-1] + g)
     return RequestRecord(
-        i, "short", start, intended=start, header=start + header, events=times,
-        event_tokens=[1] * len(times), event_chars=[4] * len(times), end=times[-1],
-        usage_completion_tokens=len(times), usage_prompt_tokens=prompt, max_tokens=len(times),
-        warmup=warmup, finish_reason="length",
-    )  # fmt: skip
+        i,
+        "short",
+        start,
+        intended=start,
+        header=start + header,
+        events=times,
+        event_tokens=[1] * len(times),
+        event_chars=[4] * len(times),
+        end=times[-1],
+        usage_completion_tokens=len(times),
+        usage_prompt_tokens=prompt,
+        max_tokens=len(times),
+        warmup=warmup,
+        finish_reason="length",
+    )
 
 
 def c1_cell() -> object:
@@ -54,15 +64,29 @@ def c1_cell() -> object:
     for i, prompt in enumerate(PROMPTS, start=1):
         recs.append(request(i, t, prompt, 0.015 + 50e-6 * prompt))
         t += 1.0
-    load = {"label": "c1", "mode": "closed", "concurrency": 1, "request_rate": None,
-            "burstiness": None, "long_prompt_ratio": 0.0, "salt": "fixture-0"}  # fmt: skip
+    load = {
+        "label": "c1",
+        "mode": "closed",
+        "concurrency": 1,
+        "request_rate": None,
+        "burstiness": None,
+        "long_prompt_ratio": 0.0,
+        "salt": "fixture-0",
+    }
     return build_cell(load, recs)
 
 
 def c4_cell() -> object:
     recs = [request(i, 0.1 * i, 300, 2.0) for i in range(4)]
-    load = {"label": "c4", "mode": "closed", "concurrency": 4, "request_rate": None,
-            "burstiness": None, "long_prompt_ratio": 0.0, "salt": "fixture-1"}  # fmt: skip
+    load = {
+        "label": "c4",
+        "mode": "closed",
+        "concurrency": 4,
+        "request_rate": None,
+        "burstiness": None,
+        "long_prompt_ratio": 0.0,
+        "salt": "fixture-1",
+    }
     return build_cell(load, recs)
 
 
@@ -75,7 +99,7 @@ def record(cells: list[object]) -> ExperimentRecord:
             "version": "0",
             "workload": {},
             "server_args": {},
-        },  # fmt: skip
+        },
         cells=cells,  # type: ignore[arg-type]
         provenance={"tool_version": "fixture", "complete": True},
     )
@@ -98,12 +122,23 @@ def main() -> None:
     r0.save(HERE / "round0.yaml")
     record([c1_cell()]).save(HERE / "round1.yaml")
     profile = {
-        "kind": "poise-step-profile", "version": 1, "model": "fixture", "vocab_size": 1000,
-        "max_model_len": 4096, "kv_bytes_per_token": 1024, "kv_budget_bytes": 1 << 24,
-        "eos_token_ids": [], "features": ["const"], "coefficients": {"const": 0.010},
-        "decode_padded_knee": None, "fit": {"n": 0}, "request_overhead_s": 0.0,
-        "step_overhead_s": 0.0, "provenance": {"fixture": True}, "samples": [],
-    }  # fmt: skip
+        "kind": "poise-step-profile",
+        "version": 1,
+        "model": "fixture",
+        "vocab_size": 1000,
+        "max_model_len": 4096,
+        "kv_bytes_per_token": 1024,
+        "kv_budget_bytes": 1 << 24,
+        "eos_token_ids": [],
+        "features": ["const"],
+        "coefficients": {"const": 0.010},
+        "decode_padded_knee": None,
+        "fit": {"n": 0},
+        "request_overhead_s": 0.0,
+        "step_overhead_s": 0.0,
+        "provenance": {"fixture": True},
+        "samples": [],
+    }
     (HERE / "profile.json").write_text(json.dumps(profile, indent=1) + "\n")
 
 
