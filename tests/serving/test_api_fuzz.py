@@ -81,6 +81,7 @@ _WINDOW = (
     "only allowed when stream is true",
     "min_tokens must be in [0, max_tokens",
     "only allowed with echo",
+    "echo with logprobs needs n = 1",
     "top_logprobs needs logprobs",
     "tool_choice needs tools",
     "exactly one of",
