@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cpu_linear_bf16.h"
+#include "cpu_linear_bf16_amx.h"
 #include "cpu_linear_common.h"
 #include "cpu_linear_int4.h"
 #include "cpu_linear_int8.h"
@@ -131,6 +132,45 @@ extern "C" int poise_linear_bf16_rows(const uint16_t* x, int64_t m, int64_t k, c
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
   for (int64_t b = 0; b < blocks; ++b) dot_bf16_block(x, m, k, w, n, b * kBf16Channels, y);
   return 0;
+}
+
+// y = x . W^T for bf16 W packed by pack_bf16 (cpu_linear_bf16_amx.h): t tiles (1 or 2) per
+// group, k % 32 == 0, n % (16 t) == 0; every row count through the same tiles. Returns nonzero,
+// writing nothing, when the shape does not fit or the library has no AMX.
+extern "C" int poise_linear_bf16_amx(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w,
+                                     int t, int64_t n, uint16_t* y, int threads) {
+#if defined(PLK_AMX)
+  if (k % kGroup || (t != 1 && t != 2) || n % (kTile * t)) return 1;
+  const int64_t groups = n / (kTile * t), m_pad = (m + 15) / 16 * 16;
+  const int64_t group_elems = k * kTile * t;
+  // A tiles read 16 rows at a time: the rows past m from a zero-padded copy.
+  static thread_local std::vector<uint16_t> padded;
+  const uint16_t* xs = x;
+  if (m_pad != m) {
+    padded.assign(m_pad * k, 0);
+    std::memcpy(padded.data(), x, m * k * 2);
+    xs = padded.data();
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    configure_tiles();
+    alignas(64) float cbuf[32 * 32];
+    for (int64_t c0 = 0; c0 < m_pad; c0 += kAmxRowChunk) {
+      const int64_t c1 = c0 + kAmxRowChunk < m_pad ? c0 + kAmxRowChunk : m_pad;
+#pragma omp for schedule(dynamic)
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint16_t* wg = w + g * group_elems;
+        if (t == 2) amx_bf16_group<2>(xs, k, wg, n, g, m, c0, c1, y, cbuf);
+        else amx_bf16_group<1>(xs, k, wg, n, g, m, c0, c1, y, cbuf);
+      }
+    }
+    _tile_release();
+  }
+  return 0;
+#else
+  (void)x; (void)m; (void)k; (void)w; (void)t; (void)n; (void)y; (void)threads;
+  return 1;
+#endif
 }
 
 // Asks the OS for the AMX tile state once per process; 1 when the tiled path may run.

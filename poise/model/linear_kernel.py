@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 SOURCE = _DIR / "cpu_linear.cpp"
-HEADERS = [_DIR / f"cpu_linear_{part}.h" for part in ("common", "bf16", "int8", "int4")]
+HEADERS = [_DIR / f"cpu_linear_{part}.h" for part in ("common", "bf16", "bf16_amx", "int8", "int4")]
 _FALLBACK = "linear layers use torch's kernels"
 TILE = 16  # output channels per vector
 GROUP = 32  # int4 inputs per scale group (and the bf16 AMX K block)
@@ -89,7 +89,9 @@ def load_linear_kernel() -> Any:
         c_int,  # n, y [m, n] bf16, tiled, threads
     ]
     lib.poise_linear_bf16_rows.argtypes = [ptr, i64, i64, ptr, i64, ptr, c_int]
-    for fn in (lib.poise_linear, lib.poise_linear_bf16_rows, lib.poise_linear_init):
+    lib.poise_linear_bf16_amx.argtypes = [ptr, i64, i64, ptr, c_int, i64, ptr, c_int]
+    fns = (lib.poise_linear, lib.poise_linear_bf16_rows, lib.poise_linear_bf16_amx)
+    for fn in (*fns, lib.poise_linear_init):
         fn.restype = c_int
     return lib
 
@@ -115,6 +117,64 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         x.data_ptr(), m, k, weight.data_ptr(), n, y.data_ptr(), torch.get_num_threads()
     )
     return y if bias is None else y + bias
+
+
+@dataclass
+class PackedBf16:
+    """bf16 weights [N, K] packed for the AMX kernel (cpu_linear_bf16_amx.h), which runs every
+    row count: a row's output is the same bits whatever the batch, chunk or verify rows
+    around it (the reason to pack; see the header)."""
+
+    packed: torch.Tensor  # [N / 16t, K / 32, t, 16, 16, 2] bf16: groups, K blocks, B tiles
+    tiles: int
+    out_features: int
+    in_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] bf16 -> y [M, N] bf16."""
+        lib = load_linear_kernel()
+        x = x.contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, self.out_features, dtype=torch.bfloat16)
+        rc = lib.poise_linear_bf16_amx(
+            x.data_ptr(),
+            m,
+            self.in_features,
+            self.packed.data_ptr(),
+            self.tiles,
+            self.out_features,
+            y.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise ValueError(
+                f"linear kernel: bf16 [{m}, {self.in_features}] x [{self.out_features}, "
+                f"{self.in_features}] does not fit its packing"
+            )
+        return y
+
+
+def bf16_packs(weight: torch.Tensor) -> bool:
+    """Whether this bf16 CPU weight [N, K] runs on the AMX kernel for every row count."""
+    n, k = weight.shape
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and n % TILE == 0
+        and k % GROUP == 0
+        and amx_available()
+    )
+
+
+def pack_bf16(weight: torch.Tensor) -> PackedBf16:
+    """[N, K] bf16 -> the AMX kernel's layout: channel groups of 2 tiles (1 where N is not a
+    multiple of 32), each group's K blocks in order, each block's B tiles in VNNI order
+    [16 input pairs][16 channels][2]."""
+    n, k = weight.shape
+    t = 2 if n % (2 * TILE) == 0 else 1
+    w = weight.reshape(n // (TILE * t), t, TILE, k // GROUP, GROUP // 2, 2)
+    packed = w.permute(0, 3, 1, 4, 2, 5).contiguous()
+    return PackedBf16(packed, t, n, k)
 
 
 def tiles_per_group(out_features: int) -> int | None:

@@ -28,8 +28,8 @@ from torch import nn
 from poise.checkpoint.arch import ArchConfig
 from poise.model import elementwise
 from poise.model.attention import AttentionBackend, AttentionMetadata
-from poise.model.linear_kernel import bf16_linear
-from poise.model.quant import QUANT_LINEARS, Int8Linear, QuantLinear
+from poise.model.linear_kernel import PackedBf16, bf16_linear, bf16_packs, pack_bf16
+from poise.model.quant import QUANT_LINEARS, Int8Linear, QuantLinear, finalize_quantized
 from poise.model.rope import RotaryEmbedding, apply_rope
 
 # Per layer: [num_blocks, block_size, 2 * Hkv, hd], K heads then V heads per token slot.
@@ -49,15 +49,29 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 class Linear(nn.Module):
     """y = x W^T (+ b). Like nn.Linear without its random init: weights always come from a
     checkpoint (or the dummy loader), and skipping init keeps meta-device construction free
-    (nn.Linear's init on meta tensors drags sympy in, ~1 s of cold start)."""
+    (nn.Linear's init on meta tensors drags sympy in, ~1 s of cold start).
+
+    bf16 on a CPU with AMX: ``finalize`` packs the weight for the AMX kernel, which then runs
+    every row count, so a row's output does not depend on the batch (linear_kernel.PackedBf16);
+    ``weight`` then holds the packed values (held once)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: PackedBf16 | None = None
+
+    def finalize(self) -> None:
+        """Once loaded: pack for the AMX kernel where it runs this layer."""
+        if self.packed is None and bf16_packs(self.weight):
+            self.packed = pack_bf16(self.weight.data)
+            self.weight = nn.Parameter(self.packed.packed, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.bias)
+        if self.packed is None:
+            return project(x, self.weight, self.bias)
+        y = self.packed(x)
+        return y if self.bias is None else y + self.bias
 
 
 class Embedding(nn.Module):
@@ -212,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
         # head (Q8_0 / Q6_K): 4-bit heads cost more quality than they save.
         head: LinearClass = Linear if quantization is None else Int8Linear
         # Tied: compute_logits reuses embed_tokens.weight (no second Parameter to keep tied),
-        # or, quantized, an int8 copy made from it once loaded (tie_quantized_head); the
+        # or a quantized or AMX-packed copy made from it once loaded (finalize); the
         # embedding lookup keeps the dtype weights.
         tied = arch.tie_word_embeddings
         self.lm_head = None if tied else head(arch.hidden_size, arch.vocab_size, False)
@@ -255,11 +269,24 @@ class LlamaForCausalLM(nn.Module):
             return head(hidden).float()
         return project(hidden, self.model.embed_tokens.weight, None).float()
 
-    def tie_quantized_head(self) -> None:
-        """Quantize the tied head from the loaded embedding (once the checkpoint is in)."""
+    def finalize(self) -> None:
+        """Once the checkpoint is in: the tied head quantized (or, bf16 on AMX, packed) from
+        the loaded embedding, quantized layers packed, bf16 layers packed for AMX."""
+        embedding = self.model.embed_tokens.weight
         if isinstance(self.tied_head, QuantLinear):
             with torch.no_grad():
-                self.tied_head.load_rows(0, self.model.embed_tokens.weight)
+                self.tied_head.load_rows(0, embedding)
+        elif self.arch.tie_word_embeddings and bf16_packs(embedding):
+            # A packed copy for the head (the lookup keeps the rows): the head's rows are then
+            # batch-invariant like every other layer's.
+            head = Linear(self.arch.hidden_size, self.arch.vocab_size, False)
+            head.weight = nn.Parameter(embedding.data, requires_grad=False)
+            head.finalize()
+            self.tied_head = head
+        finalize_quantized(self)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.finalize()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into our (possibly fused) parameters; returns HF names used."""

@@ -17,7 +17,6 @@ import torch
 from poise.checkpoint.arch import ArchConfig
 from poise.checkpoint.source import ModelSource, resolve_model
 from poise.model.llama import LlamaForCausalLM
-from poise.model.quant import finalize
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +95,5 @@ def load_model(
         from poise.model.loader_hf import load_hf_dir
 
         loaded = load_hf_dir(source, dtype, device, quantization)
-    loaded.model.tie_quantized_head()
-    finalize(loaded.model)
+    loaded.model.finalize()
     return loaded

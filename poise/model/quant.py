@@ -184,7 +184,7 @@ class Int4Linear(QuantLinear):
 QUANT_LINEARS: dict[str, type[QuantLinear]] = {"int8": Int8Linear, "int4": Int4Linear}
 
 
-def finalize(model: nn.Module) -> None:
+def finalize_quantized(model: nn.Module) -> None:
     """Finish every quantized layer once the checkpoint is loaded (packs int4 nibbles)."""
     for module in model.modules():
         if isinstance(module, QuantLinear):

@@ -1,7 +1,8 @@
 """Shared-prefix (cascade) decode attention in the C++ kernel (cpu_decode_cascade.h): on
 random block tables with 1 to 8 groups of rows that begin with the same blocks, the kernel's
-output with cascade equals per-row attention (the same kernel, cascade off) and a float64
-reference within bf16 / float32 rounding, and the groups it forms are the ones built."""
+output with cascade is bit-identical to per-row attention (the same kernel, cascade off: groups
+share whole partitions, so a row's sums are the same), within float32 / bf16 rounding of a
+float64 reference, and the groups it forms are the ones built."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from poise.model.attention.cpu_kernel import load_cpu_kernel, use_decode_cascade
 pytestmark = pytest.mark.skipif(load_cpu_kernel() is None, reason="no C++ compiler")
 
 BLOCK = 16
-NUM_BLOCKS = 1300  # the most 8 groups and 3 lone rows of _tables can use: 8 * 135 + 3 * 38
+NUM_BLOCKS = 1700  # the most 8 groups and 3 lone rows of _tables can use: 8 * 143 + 3 * 38
+PART = CpuPagedAttentionBackend.PARTITION_SIZE  # groups share whole partitions of keys
 
 
 @pytest.fixture(autouse=True)
@@ -30,7 +32,7 @@ def _tables(
 ) -> tuple[list[torch.Tensor], list[int], list[int]]:
     """Rows' block tables, contexts and the keys each shares with its group (0: alone).
 
-    Groups of 1-5 rows share a prefix of 1-40 blocks (up to 2.5 partitions of 256 keys); then
+    Groups of 2-5 rows share a prefix of 8-48 blocks (0-3 whole partitions of 256 keys); then
     each row has 0-300 keys of its own blocks. With ``short_rows`` some rows end inside the
     shared prefix (their group then shares at most what its shortest row sees; the kernel may
     rather leave that row alone), and a few rows share nothing.
@@ -45,12 +47,12 @@ def _tables(
 
     tables, contexts, shared = [], [], []
     for _ in range(num_groups):
-        prefix = fresh(rand(1, 40))
+        prefix = fresh(rand(8, 48))
         size = rand(2, 5)
         ctxs = [len(prefix) * BLOCK + rand(0, 300) for _ in range(size)]
         if short_rows and rand(0, 3) == 0:  # one row stops inside the prefix, at any key
             ctxs[0] = rand(BLOCK, len(prefix) * BLOCK)
-        group_shared = min(min(ctxs), len(prefix) * BLOCK)
+        group_shared = min(min(ctxs), len(prefix) * BLOCK) // PART * PART
         for c in ctxs:
             own = -(-c // BLOCK) - len(prefix)
             tables.append(torch.tensor(prefix[: -(-c // BLOCK)] + fresh(max(own, 0))))
@@ -127,6 +129,7 @@ def _groups(tables: list[torch.Tensor], contexts: list[int]) -> tuple[int, list[
         ctx.data_ptr(),
         len(tables),
         BLOCK,
+        PART,
         shared.data_ptr(),
     )
     return int(n), shared.tolist()
@@ -137,7 +140,8 @@ def test_groups_found_are_the_built_ones(num_groups: int) -> None:
     gen = torch.Generator().manual_seed(num_groups)
     tables, contexts, shared = _tables(num_groups, gen, short_rows=False)
     n, got = _groups(tables, contexts)
-    assert n == num_groups
+    # The groups sharing at least one partition (a group's rows begin with its own blocks).
+    assert n == len({int(t[0]) for t, s in zip(tables, shared, strict=True) if s})
     assert got == shared
 
 
@@ -150,7 +154,7 @@ def test_nested_prefixes_keep_the_long_group() -> None:
     contexts = [211 * BLOCK + 5] * 8 + [3 * BLOCK - 2] * 24
     n, shared = _groups(tables, contexts)
     assert n == 1
-    assert shared == [210 * BLOCK] * 8 + [0] * 24
+    assert shared == [210 * BLOCK // PART * PART] * 8 + [0] * 24
 
 
 _SHAPES = [(9, 3, 64), (8, 8, 64), (28, 4, 128), (6, 2, 24)]  # GQA, MHA, hd 128, generic
@@ -185,8 +189,8 @@ def test_cascade_equals_per_row_attention(
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(cascade.double(), want, atol=tol, rtol=tol)
     torch.testing.assert_close(per_row.double(), want, atol=tol, rtol=tol)
-    # Against per-row: at most one rounding of the output apart (float sums in another order).
-    torch.testing.assert_close(cascade, per_row, atol=tol, rtol=tol)
+    # Against per-row: the same bits (the same partitions, summed and merged in the same order).
+    assert torch.equal(cascade, per_row)
 
 
 def test_backend_flag_reaches_the_kernel() -> None:

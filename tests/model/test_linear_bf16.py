@@ -1,6 +1,8 @@
-"""The bf16 rows kernel (model/cpu_linear_bf16.h through linear_kernel.bf16_linear): against a
-float reference for every row-block size and channel tail, and a row's bits alone equal to the
-same row inside a batch (a request's greedy tokens must not depend on its batch)."""
+"""The bf16 kernels: the rows kernel (model/cpu_linear_bf16.h through linear_kernel.bf16_linear)
+and, where the CPU has AMX, the packed one for every row count (cpu_linear_bf16_amx.h through
+linear_kernel.PackedBf16): against a float reference for every row-block size and channel tail,
+and a row's bits alone equal to the same row inside a batch (a request's greedy tokens must not
+depend on its batch)."""
 
 from __future__ import annotations
 
@@ -59,3 +61,49 @@ def test_bf16_linear_adds_bias_and_refuses_nothing() -> None:
         )
         want = torch.nn.functional.linear(x.float(), w.float(), b.float())
         torch.testing.assert_close(lk.bf16_linear(x, w, b).float(), want, atol=0.05, rtol=0.02)
+
+
+NO_AMX = "no AMX (the packed bf16 kernel runs where the CPU has AMX tiles)"
+
+
+@pytest.mark.skipif(not lk.amx_available(), reason=NO_AMX)
+@pytest.mark.parametrize(("n", "k"), [(64, 96), (48, 160), (16, 576), (96, 2048)])
+def test_packed_bf16_matches_float(n: int, k: int) -> None:
+    # n = 48, 16: groups of one tile (n not a multiple of 32); m past one and two row blocks.
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k).bfloat16()
+    packed = lk.pack_bf16(w)
+    assert packed.tiles == (2 if n % 32 == 0 else 1)
+    for m in (1, 5, 16, 17, 33, 130):
+        x = torch.randn(m, k).bfloat16()
+        want = x.float() @ w.float().T
+        # One bf16 rounding of a float32 sum: 2^-8 relative.
+        torch.testing.assert_close(packed(x).float(), want, atol=1e-4, rtol=2**-8)
+
+
+@pytest.mark.skipif(not lk.amx_available(), reason=NO_AMX)
+def test_packed_bf16_rows_do_not_depend_on_the_batch() -> None:
+    # Any row, in any batch (alone, 16-row tile blocks, past a 128-row chunk), the same bits.
+    torch.manual_seed(1)
+    w = torch.randn(96, 576).bfloat16()
+    x = torch.randn(300, 576).bfloat16()
+    packed = lk.pack_bf16(w)
+    together = packed(x)
+    for lo, hi in ((0, 1), (7, 8), (5, 21), (16, 48), (100, 229), (299, 300), (0, 300)):
+        assert torch.equal(packed(x[lo:hi]), together[lo:hi]), (lo, hi)
+
+
+@pytest.mark.skipif(not lk.amx_available(), reason=NO_AMX)
+def test_packed_bf16_refuses_a_shape_it_was_not_packed_for() -> None:
+    packed = lk.pack_bf16(torch.randn(32, 64).bfloat16())
+    packed.in_features = 48  # not a multiple of the 32-input K block
+    with pytest.raises(ValueError, match="does not fit its packing"):
+        packed(torch.randn(1, 48).bfloat16())
+
+
+def test_bf16_packs_only_what_the_kernel_runs() -> None:
+    w = torch.zeros(32, 64, dtype=torch.bfloat16)
+    assert lk.bf16_packs(w) == lk.amx_available()
+    assert not lk.bf16_packs(w.float())  # float32 models keep torch's GEMM
+    assert not lk.bf16_packs(torch.zeros(24, 64, dtype=torch.bfloat16))  # 24 % 16
+    assert not lk.bf16_packs(torch.zeros(32, 40, dtype=torch.bfloat16))  # 40 % 32

@@ -86,7 +86,8 @@ inline int64_t choose(const std::vector<int>& lcp, int a, int b, int min_shared,
 
 }  // namespace cascade_detail
 
-// Partitions of `part` keys (a multiple of block_size); cascade off: every row alone.
+// Partitions of `part` keys (a multiple of block_size), at multiples of `part` in every row;
+// cascade off: every row alone.
 inline DecodePlan plan_decode(const int64_t* tables, int64_t table_stride,
                               const int64_t* row_table, const int64_t* context_len, int num_rows,
                               int block_size, int part, bool cascade) {
@@ -111,11 +112,15 @@ inline DecodePlan plan_decode(const int64_t* tables, int64_t table_stride,
       }
       return a.context != b.context ? a.context < b.context : x < y;
     });
+    // Shared keys in whole partitions: a row's partitions then start at multiples of `part`
+    // whether it is grouped or alone, each computed by the same code, and its merge adds the
+    // same partials in the same order, so grouping changes no bit of a row's output (a row
+    // decoded alone and in a group of siblings gets the same tokens; speculative verify rows,
+    // one group, the same as plain decode).
     std::vector<int> lcp(order.size(), 0);
     for (size_t i = 0; i + 1 < order.size(); ++i)
-      lcp[i] = shared_keys(keys[order[i]], keys[order[i + 1]], block_size);
-    if (!order.empty())
-      choose(lcp, 0, static_cast<int>(order.size()) - 1, block_size, chosen);
+      lcp[i] = shared_keys(keys[order[i]], keys[order[i + 1]], block_size) / part * part;
+    if (!order.empty()) choose(lcp, 0, static_cast<int>(order.size()) - 1, part, chosen);
   }
   auto parts = [part](int keys) { return (keys + part - 1) / part; };
   // Group units first (each is a group's worth of work: the big items start first), then the

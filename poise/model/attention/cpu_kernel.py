@@ -109,7 +109,7 @@ def load_cpu_kernel() -> ctypes.CDLL | None:
     lib.poise_decode_use_cascade.restype = ctypes.c_int
     # tables, table stride, row_table, context_len, rows, block size, shared keys out
     lib.poise_decode_groups.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 2]
-    lib.poise_decode_groups.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.poise_decode_groups.argtypes += [ctypes.c_int] * 3 + [ctypes.c_void_p]
     lib.poise_decode_groups.restype = ctypes.c_int
     return lib
 

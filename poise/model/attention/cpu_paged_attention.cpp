@@ -263,12 +263,14 @@ int poise_decode_use_cascade(int enable) {
   return use_cascade.load(std::memory_order_relaxed) ? 1 : 0;
 }
 
-// The groups the kernel would form (tests): each row's shared keys into shared[R] (0: alone);
-// returns the number of groups.
+// The groups the kernel would form with this partition size (tests): each row's shared keys
+// into shared[R] (0: alone); returns the number of groups.
 int poise_decode_groups(const int64_t* tables, int64_t table_stride, const int64_t* row_table,
-                        const int64_t* context_len, int num_rows, int block_size, int64_t* shared) {
+                        const int64_t* context_len, int num_rows, int block_size,
+                        int partition_size, int64_t* shared) {
+  const int part = std::max(partition_size / block_size, 1) * block_size;
   const DecodePlan plan = plan_decode(tables, table_stride, row_table, context_len, num_rows,
-                                      block_size, block_size, true);
+                                      block_size, part, true);
   std::copy(plan.row_shared.begin(), plan.row_shared.end(), shared);
   return plan.num_groups;
 }
