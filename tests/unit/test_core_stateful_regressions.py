@@ -4,11 +4,32 @@ clock, with the machine's block size, vocabulary and traffic classes."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from poise.config import EngineConfig
 from poise.core import SamplingParams
 from poise.engine import EngineCore, VirtualClock
 from tests.unit.fake_executor import FakeExecutor
 from tests.unit.test_core_stateful import BLOCK, CLASSES, VOCAB
+
+
+def _engine(num_kv_blocks: int, **config: Any) -> EngineCore:
+    """The setting both programs were found in: the machine's blocks and classes, one running
+    request at a time, no chunked prefill; ``config`` on top."""
+    config = {
+        "block_size": BLOCK,
+        "traffic_classes": CLASSES,
+        "max_num_seqs": 1,
+        "enable_chunked_prefill": False,
+    } | config
+    return EngineCore(
+        EngineConfig.from_kwargs(**config),
+        FakeExecutor(VOCAB, BLOCK),
+        num_kv_blocks=num_kv_blocks,
+        max_model_len=64,
+        vocab_size=VOCAB,
+        clock=VirtualClock(),
+    )
 
 
 def _drain(engine: EngineCore, max_steps: int = 500) -> dict[str, str]:
@@ -26,21 +47,7 @@ def test_a_prompt_that_fits_the_step_but_not_its_class_allowance_does_not_block_
     """Without chunked prefill, a 17-token bulk prompt at the queue's head fits the 31-token
     step but not the 13 tokens chat's reservation leaves it; FIFO blocked the queue behind it,
     so the chat requests never used their reservation and nothing ever ran."""
-    config = EngineConfig.from_kwargs(
-        block_size=BLOCK,
-        traffic_classes=CLASSES,
-        max_num_seqs=1,
-        max_num_batched_tokens=31,
-        enable_chunked_prefill=False,
-    )
-    engine = EngineCore(
-        config,
-        FakeExecutor(VOCAB, BLOCK),
-        num_kv_blocks=22,
-        max_model_len=64,
-        vocab_size=VOCAB,
-        clock=VirtualClock(),
-    )
+    engine = _engine(22, max_num_batched_tokens=31)
     engine.add_request(
         "bulk",
         list(range(1, 18)),
@@ -58,22 +65,7 @@ def test_a_request_that_cannot_go_in_displaces_nobody() -> None:
     request, then did not fit what bulk's reservation leaves it; the bulk request, readmitted,
     was displaced again the next step. Here that cost 4 preemptions for nothing; in the
     stateful run's program, two requests displaced each other for ever and none finished."""
-    config = EngineConfig.from_kwargs(
-        block_size=BLOCK,
-        traffic_classes=CLASSES,
-        max_num_seqs=1,
-        max_num_batched_tokens=13,
-        enable_chunked_prefill=False,
-        scheduling_policy="priority",
-    )
-    engine = EngineCore(
-        config,
-        FakeExecutor(VOCAB, BLOCK),
-        num_kv_blocks=21,
-        max_model_len=64,
-        vocab_size=VOCAB,
-        clock=VirtualClock(),
-    )
+    engine = _engine(21, max_num_batched_tokens=13, scheduling_policy="priority")
 
     def params(priority: int, cls: str, max_tokens: int) -> SamplingParams:
         return SamplingParams(
