@@ -46,39 +46,21 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import functools  # noqa: E402
-import gc  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+from offline_throughput_peers import TORCH_DTYPES, run_peers  # noqa: E402
+from offline_throughput_report import RunResult, agreement, log_result, ratios  # noqa: E402
 
-from poise.checkpoint import embedded_gguf_path  # noqa: E402
 from poise.core.sampling_params import SamplingParams  # noqa: E402
 from poise.text import apply_chat_template, load_tokenizer  # noqa: E402
 from poise.workload import LONG_PROMPT, SHORT_PROMPT, long_positions  # noqa: E402
 
 ENGINES = ("poise", "generate_batch", "static")
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class RunResult:
-    engine: str
-    dtype: str
-    num_requests: int
-    output_tokens: int
-    seconds: float
-    # Generated ids per request, in prompt order (for the greedy agreement check).
-    outputs: list[list[int]] = field(default_factory=list, repr=False)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 def build_prompts(num_requests: int, long_ratio: float = 0.25) -> list[list[int]]:
@@ -89,119 +71,6 @@ def build_prompts(num_requests: int, long_ratio: float = 0.25) -> list[list[int]
     return [
         list(long if is_long else short) for is_long in long_positions(num_requests, long_ratio)
     ]
-
-
-def load_hf_model(dtype: str) -> Any:
-    """SmolLM2 from the embedded GGUF, dequantized by transformers, SDPA attention, eval mode.
-
-    ``from_pretrained(gguf_file=...)`` needs ``accelerate``, which we do not install, so this
-    does its steps by hand: config from the GGUF metadata, an empty model, then transformers'
-    own GGUF reader (which maps names and undoes llama.cpp's Q/K row permutation).
-    """
-    import transformers.modeling_gguf_pytorch_utils as gguf_utils
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    # Its per-tensor progress bar would flood the benchmark's output.
-    gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
-    load_gguf_checkpoint = gguf_utils.load_gguf_checkpoint
-
-    gguf = embedded_gguf_path()
-    config = AutoConfig.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, local_files_only=True
-    )
-    model = AutoModelForCausalLM.from_config(
-        config, dtype=TORCH_DTYPES[dtype], attn_implementation="sdpa"
-    )
-    tensors = load_gguf_checkpoint(
-        str(gguf), return_tensors=True, model_to_load=model, torch_dtype=TORCH_DTYPES[dtype]
-    )["tensors"]
-    missing, unexpected = model.load_state_dict(
-        {name: torch.as_tensor(t) for name, t in tensors.items()}, strict=False
-    )
-    # lm_head is tied to the embeddings (not stored in the GGUF).
-    if unexpected or set(missing) - {"lm_head.weight"}:
-        raise RuntimeError(f"GGUF load: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
-    return model.eval()
-
-
-def _greedy_config(model: Any, max_tokens: int, eos_disabled: bool) -> Any:
-    from transformers import GenerationConfig
-
-    eos = model.generation_config.eos_token_id
-    return GenerationConfig(
-        do_sample=False,
-        max_new_tokens=max_tokens,
-        # ignore_eos: CB stops only at max_new_tokens when EOS is -1; generate() suppresses EOS
-        # until min_new_tokens.
-        min_new_tokens=None if eos_disabled else max_tokens,
-        eos_token_id=-1 if eos_disabled else eos,
-        pad_token_id=eos if isinstance(eos, int) else 0,
-    )
-
-
-def run_transformers_generate_batch(
-    model: Any, prompts: list[list[int]], max_tokens: int, max_num_seqs: int, dtype: str = ""
-) -> RunResult:
-    """transformers continuous batching (``generate_batch``); returns output tokens and seconds."""
-    from transformers import ContinuousBatchingConfig
-
-    page = 256
-    # CPU: no GPU memory to infer sizes from, so size the paged cache for every request at once
-    # (no preemption) and give it poise's default token budget per step.
-    pages_per_request = -(-(max(map(len, prompts)) + max_tokens) // page)
-    cb_config = ContinuousBatchingConfig(
-        page_size=page,
-        num_blocks=len(prompts) * pages_per_request + 4,
-        max_batch_tokens=2048,
-        max_requests_per_batch=max_num_seqs,
-        allow_block_sharing=False,  # poise runs without prefix caching here too
-        auto_switch_to_flash=False,
-        use_cuda_graph=False,
-    )
-    gen_config = _greedy_config(model, max_tokens, eos_disabled=True)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        results = model.generate_batch(
-            inputs=prompts,
-            generation_config=gen_config,
-            continuous_batching_config=cb_config,
-            warmup=False,
-        )
-    seconds = time.perf_counter() - start
-    # Results come back in input order.
-    outputs = [list(r.generated_tokens) for r in results.values()]
-    if len(outputs) != len(prompts) or any(r.error for r in results.values()):
-        raise RuntimeError(f"generate_batch returned {len(outputs)}/{len(prompts)} results")
-    return RunResult(
-        "generate_batch", dtype, len(prompts), sum(map(len, outputs)), seconds, outputs
-    )
-
-
-def _left_padded(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, batch))
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, width]
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, prompt in enumerate(batch):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    return ids, mask
-
-
-def run_transformers_static_generate(
-    model: Any, prompts: list[list[int]], max_tokens: int, batch_size: int, dtype: str = ""
-) -> RunResult:
-    """transformers static ``generate`` in left-padded batches; returns output tokens, seconds."""
-    gen_config = _greedy_config(model, max_tokens, eos_disabled=False)
-    outputs: list[list[int]] = []
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for first in range(0, len(prompts), batch_size):
-            ids, mask = _left_padded(prompts[first : first + batch_size], gen_config.pad_token_id)
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)
-            outputs += out[:, ids.shape[1] :].tolist()  # out: [B, width + new]
-    seconds = time.perf_counter() - start
-    return RunResult("static", dtype, len(prompts), sum(map(len, outputs)), seconds, outputs)
 
 
 # ``--penalties``: what every request asks in the sampling-cost run (issue 13: penalties + top-p
@@ -277,40 +146,6 @@ def run_poise(
     return RunResult(name, dtype, len(prompts), sum(map(len, outputs)), seconds, outputs)
 
 
-def _run_peers(dtype: str, prompts: list[list[int]], args: argparse.Namespace) -> list[RunResult]:
-    """Both transformers engines on one model load (generate_batch restores the attention
-    implementation it switches to when it stops)."""
-    peers = [e for e in args.engines if e != "poise"]
-    if not peers:
-        return []
-    model = load_hf_model(dtype)
-    # Warm-up outside the timed region (first-call allocations, lazy inits).
-    run_transformers_static_generate(model, [prompts[0][:8]], 2, 1, dtype)
-    results = []
-    for engine in peers:
-        if engine == "generate_batch":
-            result = run_transformers_generate_batch(
-                model, prompts, args.max_tokens, args.max_num_seqs, dtype
-            )
-        else:
-            result = run_transformers_static_generate(
-                model, prompts, args.max_tokens, args.static_batch_size, dtype
-            )
-        _log_result(result)
-        results.append(result)
-    del model
-    gc.collect()
-    return results
-
-
-def _log_result(r: RunResult) -> None:
-    print(
-        f"{r.dtype:9s} {r.engine:15s} {r.output_tokens:6d} tok {r.seconds:8.1f} s "
-        f"{r.tokens_per_s:8.2f} tok/s",
-        flush=True,
-    )
-
-
 def run_all(args: argparse.Namespace) -> list[RunResult]:
     prompts = build_prompts(args.requests, args.long_ratio)
     print(
@@ -323,47 +158,14 @@ def run_all(args: argparse.Namespace) -> list[RunResult]:
     for dtype in args.dtypes:
         if "poise" in args.engines:
             results.append(run_poise(prompts, args.max_tokens, args.max_num_seqs, dtype))
-            _log_result(results[-1])
+            log_result(results[-1])
             if args.penalties:
                 results.append(
                     run_poise(prompts, args.max_tokens, args.max_num_seqs, dtype, PENALTIES)
                 )
-                _log_result(results[-1])
-        results += _run_peers(dtype, prompts, args)
+                log_result(results[-1])
+        results += run_peers(dtype, prompts, args)
     return results
-
-
-def ratios(results: list[RunResult]) -> dict[str, dict[str, float]]:
-    """dtype -> {peer: poise tok/s / peer tok/s}; ``poise+penalties`` is a peer too (its ratio
-    is greedy's speed over the penalties run's: within 1.1 is the issue's target)."""
-    out: dict[str, dict[str, float]] = {}
-    for dtype in dict.fromkeys(r.dtype for r in results):
-        by_engine = {r.engine: r for r in results if r.dtype == dtype}
-        ours = by_engine.get("poise")
-        if ours is None:
-            continue
-        out[dtype] = {
-            peer: ours.tokens_per_s / r.tokens_per_s
-            for peer, r in by_engine.items()
-            if peer != "poise" and r.tokens_per_s > 0
-        }
-    return out
-
-
-def agreement(results: list[RunResult]) -> dict[str, dict[str, float]]:
-    """dtype -> {peer: fraction of requests whose greedy output equals poise's}.
-
-    A sanity check that the engines did the same work; fp32 should agree almost everywhere,
-    bf16 rounding differences may make long greedy continuations diverge.
-    """
-    out: dict[str, dict[str, float]] = {}
-    for r in results:
-        ours = next((x for x in results if x.engine == "poise" and x.dtype == r.dtype), None)
-        if r.engine.startswith("poise") or ours is None or not r.outputs:
-            continue
-        same = sum(a == b for a, b in zip(ours.outputs, r.outputs, strict=True))
-        out.setdefault(r.dtype, {})[r.engine] = same / len(r.outputs)
-    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

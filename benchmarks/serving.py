@@ -28,43 +28,18 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-import httpx
+from serving_http import page_reader, run_http, scrape, start_server
+from serving_report import Cell, report
 
 from poise.core.sampling_params import SamplingParams
-from poise.core.timing import derive, percentile
+from poise.core.timing import derive
 from poise.workload import SHORT_PROMPT, long_positions, seed_classes
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-@dataclass
-class Cell:
-    mode: str  # "http" | "offline"
-    concurrency: int
-    num_requests: int
-    output_tokens: int
-    seconds: float
-    ttft: dict[str, list[float]] = field(default_factory=dict)  # class -> seconds
-    server_cpu: dict[str, float] = field(default_factory=dict)
-    kv_cache_dtype: str = "auto"
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.output_tokens / self.seconds
-
-    def ttft_ms(self, cls: str, q: float) -> float | None:
-        v = percentile(self.ttft.get(cls, []), q)
-        return None if v is None else 1000 * v
 
 
 def workload(
@@ -115,173 +90,6 @@ def run_offline(llm: Any, reqs: list[tuple[str, str]], c: int, max_tokens: int) 
                 if m is not None and m.ttft is not None:
                     ttft[cls].append(m.ttft)
     return Cell("offline", c, len(reqs), out_tokens, time.perf_counter() - start, ttft)
-
-
-# ---- HTTP ---------------------------------------------------------------------------------
-
-
-async def _one(
-    session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, model: str
-) -> tuple[float | None, int]:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-        "stream_options": {"include_usage": True},
-    }
-    sent = time.perf_counter()
-    first: float | None = None
-    tokens = 0
-    async with session.post(url, json=body) as resp:
-        resp.raise_for_status()
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            if first is None and any(c["delta"].get("content") for c in obj.get("choices", [])):
-                first = time.perf_counter() - sent
-            if obj.get("usage"):
-                tokens = obj["usage"]["completion_tokens"]
-    return first, tokens
-
-
-async def run_http(
-    base: str, model: str, reqs: list[tuple[str, str]], c: int, max_tokens: int
-) -> Cell:
-    url = base + "/v1/chat/completions"
-    queue = list(enumerate(reqs))
-    ttft: dict[str, list[float]] = {"short": [], "long": []}
-    total = 0
-    conn = aiohttp.TCPConnector(limit=c + 4)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(3600)) as s:
-
-        async def worker() -> None:
-            nonlocal total
-            while queue:
-                _, (cls, prompt) = queue.pop(0)
-                first, n = await _one(s, url, prompt, max_tokens, model)
-                total += n
-                if first is not None:
-                    ttft[cls].append(first)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(c)))
-        seconds = time.perf_counter() - start
-    return Cell("http", c, len(reqs), total, seconds, ttft)
-
-
-@contextlib.contextmanager
-def page_reader(base: str) -> Iterator[None]:
-    """A /dashboard/feed reader (what an open live page costs the server) while in the block."""
-    stop = threading.Event()
-
-    def read() -> None:
-        with httpx.stream("GET", base + "/dashboard/feed", timeout=None) as resp:
-            for _ in resp.iter_lines():
-                if stop.is_set():
-                    return
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(timeout=3)
-
-
-def scrape(base: str) -> dict[str, float]:
-    names = {
-        "engine_thread": "poise:engine_thread_cpu_seconds",
-        "loop_thread": "poise:event_loop_thread_cpu_seconds",
-        "process": "process_cpu_seconds_total",
-        "steps": "poise:step_duration_seconds_sum",
-    }
-    out = {}
-    text = httpx.get(base + "/metrics", timeout=30).text
-    for key, name in names.items():
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                out[key] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def start_server(
-    args: argparse.Namespace, port: int, kv_cache_dtype: str = "auto"
-) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "poise",
-        "serve",
-        *([args.model] if args.model else []),
-        "--kv-cache-dtype",
-        kv_cache_dtype,
-        "--port",
-        str(port),
-        "--dtype",
-        args.dtype,
-        "--served-model-name",
-        "bench",
-        "--max-num-seqs",
-        "64",
-        "--max-num-batched-tokens",
-        str(args.max_num_batched_tokens),
-        "--log-interval",
-        "0",
-        "--torch-threads",
-        str(args.torch_threads),
-    ]
-    log = open(args.server_log, "w")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited; see {args.server_log}")
-        time.sleep(0.25)
-    raise SystemExit("server did not come up")
-
-
-def report(cells: list[Cell]) -> str:
-    rows = [
-        "| conc | mode | req | out tok | s | tok/s | HTTP/offline | TTFT p50/p95 SHORT ms "
-        "| TTFT p50/p95 LONG ms | server CPU s (engine / loop / process) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    offline = {c.concurrency: c for c in cells if c.mode == "offline"}
-
-    def f(v: float | None) -> str:
-        return "-" if v is None else f"{v:.0f}"
-
-    for cell in cells:
-        ratio = ""
-        if cell.mode.startswith("http") and cell.concurrency in offline:
-            ratio = f"{cell.tokens_per_s / offline[cell.concurrency].tokens_per_s:.1%}"
-        cpu = cell.server_cpu
-        cpu_s = (
-            (
-                f"{cpu.get('engine_thread', 0):.1f} / {cpu.get('loop_thread', 0):.1f} / "
-                f"{cpu.get('process', 0):.1f}"
-            )
-            if cpu
-            else ""
-        )
-        rows.append(
-            f"| {cell.concurrency} | {cell.mode} kv={cell.kv_cache_dtype} | {cell.num_requests} | {cell.output_tokens} "
-            f"| {cell.seconds:.1f} | {cell.tokens_per_s:.1f} | {ratio} "
-            f"| {f(cell.ttft_ms('short', 50))} / {f(cell.ttft_ms('short', 95))} "
-            f"| {f(cell.ttft_ms('long', 50))} / {f(cell.ttft_ms('long', 95))} | {cpu_s} |"
-        )
-    return "\n".join(rows)
 
 
 def run_server_cells(

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import run_http, scrape  # noqa: E402 - sibling script
+from serving_http import run_http, scrape  # noqa: E402 - sibling script
 
 from poise.core.outputs import ModelRunnerOutput, SchedulerOutput  # noqa: E402
 from poise.workload import SHORT_PROMPT  # noqa: E402

@@ -52,6 +52,11 @@ _FILLER_WORDS = [
 ]
 
 
+def filler_text(n: int, rng: random.Random) -> str:
+    """``n`` filler words drawn with ``rng``: a synthetic prompt of about ``n`` tokens."""
+    return " ".join(rng.choice(_FILLER_WORDS) for _ in range(n))
+
+
 @dataclass(frozen=True)
 class LengthDist:
     """A distribution of lengths (tokens): fixed, uniform, normal or lognormal; clipped to
@@ -117,8 +122,7 @@ class RequestClass:
         if self.prompt is not None:
             return self.prompt
         assert self.prompt_tokens is not None
-        n = self.prompt_tokens.sample(rng)
-        return " ".join(rng.choice(_FILLER_WORDS) for _ in range(n))
+        return filler_text(self.prompt_tokens.sample(rng), rng)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,26 @@ from poise.bench.bench_config import WorkloadSpec
 from poise.cli import main
 from poise.lab.probe import Candidate
 
+# `poise tune --simulate` on the simulated H100 for the small workload both CLI tests run.
+SIM_TUNE = [
+    "tune",
+    "--simulate",
+    "--accelerator",
+    "h100",
+    "--model-shape",
+    "Qwen2.5-7B-Instruct",
+    "--device",
+    "cuda",
+    "--slo-ttft-p95-ms",
+    "5000",
+    "--concurrency",
+    "8",
+    "--max-tokens",
+    "32",
+    "--num-requests",
+    "16",
+]
+
 
 def test_sim_probe_queueing_shows_in_ttft() -> None:
     from poise.cli.simulate import cost_model_from_args, prompt_lengths
@@ -34,31 +54,8 @@ def test_sim_probe_queueing_shows_in_ttft() -> None:
 
 
 def test_tune_cli_simulate(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = [
-        "tune",
-        "--simulate",
-        "--accelerator",
-        "h100",
-        "--model-shape",
-        "Qwen2.5-7B-Instruct",
-        "--device",
-        "cuda",
-        "--slo-ttft-p95-ms",
-        "5000",
-        "--concurrency",
-        "8",
-        "--max-tokens",
-        "32",
-        "--num-requests",
-        "16",
-        "--budgets",
-        "1024,2048",
-        "--seqs",
-        "4,8",
-        "--no-latency-search",
-        "--out",
-        str(tmp_path),
-    ]
+    search = ["--budgets", "1024,2048", "--seqs", "4,8", "--no-latency-search"]
+    argv = [*SIM_TUNE, *search, "--out", str(tmp_path)]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "Throughput-first: budget" in out and "poise serve --device cuda" in out
@@ -70,36 +67,9 @@ def test_tune_cli_simulate_runs_the_slo_phase_on_the_real_scheduler(tmp_path: ob
     import json
     from pathlib import Path
 
-    argv = [
-        "tune",
-        "--simulate",
-        "--accelerator",
-        "h100",
-        "--model-shape",
-        "Qwen2.5-7B-Instruct",
-        "--device",
-        "cuda",
-        "--slo-ttft-p95-ms",
-        "5000",
-        "--slo-tpot-p50-ms",
-        "80",
-        "--concurrency",
-        "8",
-        "--long-ratio",
-        "0.5",
-        "--max-tokens",
-        "32",
-        "--num-requests",
-        "16",
-        "--budgets",
-        "1024,2048",
-        "--seqs",
-        "8",
-        "--no-latency-search",
-        "--no-policies",
-        "--out",
-        str(tmp_path),
-    ]
+    slo_flags = ["--slo-tpot-p50-ms", "80", "--long-ratio", "0.5", "--no-policies"]
+    search = ["--budgets", "1024,2048", "--seqs", "8", "--no-latency-search"]
+    argv = [*SIM_TUNE, *slo_flags, *search, "--out", str(tmp_path)]
     main(argv)
     record = json.loads((Path(str(tmp_path)) / "tune.json").read_text())
     slo = [e for e in record["evidence"] if e["phase"] == "slo"]

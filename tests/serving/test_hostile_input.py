@@ -2,78 +2,37 @@
 in OpenAI's error shape with the right status, before it costs the server anything.
 
 The real app, AsyncEngine and SmolLM2 tokenizer, with the scheduler tests' deterministic fake
-executor (no model), in this process; the memory test runs `poise serve` as a subprocess so
-that its peak RSS is its own.
+executor (no model), in this process (limits_server.py), one for the module; the tests that
+need a server of their own (memory, the tokenizer's time) are in test_hostile_input_cost.py.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
-import threading
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from poise.config import EngineConfig
-from poise.engine.core import EngineCore
-from poise.serving.server import build_state
-from poise.serving.settings import RequestLimitsConfig, ServerSettings
-from poise.text import apply_chat_template, eos_token_ids
+from poise.serving.settings import RequestLimitsConfig
+from poise.text import apply_chat_template
 from tests.serving.conftest import InProcessServer
-from tests.unit.fake_executor import FakeExecutor
-
-MAX_MODEL_LEN = 1024
-USER = [{"role": "user", "content": "hello"}]
-
-
-def _server(tokenizer: Any, **limits: Any) -> InProcessServer:
-    vocab = len(tokenizer)
-    cfg = EngineConfig.from_kwargs(block_size=16)
-    core = EngineCore(
-        cfg,
-        FakeExecutor(vocab, 16),
-        num_kv_blocks=256,
-        max_model_len=MAX_MODEL_LEN,
-        vocab_size=vocab,
-        eos_token_ids=eos_token_ids(tokenizer),
-    )
-    settings = ServerSettings(enable_api_docs=True, limits=RequestLimitsConfig(**limits))
-    state = build_state(core, tokenizer, model_name="fake", vocab_size=vocab, settings=settings)
-    return InProcessServer(state, settings)
+from tests.serving.limits_server import (
+    MAX_MODEL_LEN,
+    USER,
+    assert_healthy,
+    chat,
+    limits_server,
+    openai_error,
+    post_body,
+)
 
 
 @pytest.fixture(scope="module")
 def server(smol_tokenizer: Any) -> Iterator[InProcessServer]:
-    with _server(smol_tokenizer, max_request_body_bytes=256 * 1024) as s:
+    with limits_server(smol_tokenizer, max_request_body_bytes=256 * 1024) as s:
         yield s
-
-
-def _error(r: httpx.Response, status: int) -> dict[str, Any]:
-    """The OpenAI error object of ``r``, which must have ``status``."""
-    assert r.status_code == status, (r.status_code, r.text[:500])
-    body = r.json()
-    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
-    return body["error"]  # type: ignore[no-any-return]
-
-
-def _post(server: InProcessServer, path: str, content: bytes | str, **kw: Any) -> httpx.Response:
-    headers = {"content-type": "application/json"}
-    return httpx.post(server.base_url + path, content=content, headers=headers, timeout=30, **kw)
-
-
-def _chat(server: InProcessServer, **body: Any) -> httpx.Response:
-    payload = {"messages": USER, "max_tokens": 4, **body}
-    return httpx.post(server.base_url + "/v1/chat/completions", json=payload, timeout=30)
-
-
-def _health_is_fine(server: InProcessServer) -> None:
-    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
-    assert _chat(server).status_code == 200
 
 
 # ---- 1. request size ---------------------------------------------------------------------
@@ -81,117 +40,18 @@ def _health_is_fine(server: InProcessServer) -> None:
 
 def test_body_over_the_limit_is_413_whether_sized_or_chunked(server: InProcessServer) -> None:
     big = json.dumps({"prompt": "x" * 300_000, "max_tokens": 1}).encode()
-    err = _error(_post(server, "/v1/completions", big), 413)
+    err = openai_error(post_body(server, "/v1/completions", big), 413)
     assert "262144" in err["message"] and "--max-request-body-bytes" in err["message"]
 
     def chunks() -> Iterator[bytes]:  # no Content-Length: Transfer-Encoding chunked
         for i in range(0, len(big), 16_384):
             yield big[i : i + 16_384]
 
-    err = _error(_post(server, "/v1/completions", chunks()), 413)  # type: ignore[arg-type]
+    err = openai_error(post_body(server, "/v1/completions", chunks()), 413)  # type: ignore[arg-type]
     assert "more than 262144 bytes" in err["message"]
     small = json.dumps({"prompt": "x" * 1000, "max_tokens": 1}).encode()
-    assert _post(server, "/v1/completions", small).status_code == 200
-    _health_is_fine(server)
-
-
-def _status_bytes(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {key}")
-
-
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux /proc")
-def test_a_50_mb_body_is_refused_in_seconds_without_growing_memory(smol_tokenizer: Any) -> None:
-    """The default limit: 413 quickly, and this process's peak RSS (server and client) flat.
-
-    Writing 5 to /proc/self/clear_refs resets the peak (VmHWM) to the current RSS, so the peak
-    read afterwards is the peak of these two requests alone."""
-    messages = [{"role": "user", "content": "word " * 10_000_000}]  # 50 MB
-    body = json.dumps({"messages": messages, "max_tokens": 4}).encode()
-    mib = 1 << 20
-    with _server(smol_tokenizer) as server:
-        Path("/proc/self/clear_refs").write_text("5")
-        before = _status_bytes("VmHWM")
-        start = time.monotonic()
-        sized = _post(server, "/v1/chat/completions", body)
-        pieces = (body[i : i + mib] for i in range(0, len(body), mib))  # no Content-Length
-        chunked = _post(server, "/v1/chat/completions", pieces)  # type: ignore[arg-type]
-        elapsed = time.monotonic() - start
-        grown = _status_bytes("VmHWM") - before
-        for r in (sized, chunked):
-            assert "--max-request-body-bytes" in _error(r, 413)["message"]
-        assert grown < 300 * mib, f"peak RSS grew by {grown / mib:.0f} MiB"
-        assert elapsed < 20, elapsed  # today: 131 s; generous for a loaded 2-core machine
-        _health_is_fine(server)
-
-
-class _CountingTokenizer:
-    """The real tokenizer, counting (and optionally slowing) the calls that tokenize."""
-
-    def __init__(self, inner: Any, delay_s: float = 0.0) -> None:
-        self._inner = inner
-        self.delay_s = delay_s
-        self.calls = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def encode(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        time.sleep(self.delay_s)
-        return self._inner.encode(*args, **kwargs)
-
-
-def test_a_prompt_too_long_in_characters_is_refused_before_tokenizing(
-    smol_tokenizer: Any,
-) -> None:
-    with _server(smol_tokenizer) as server:
-        counting = _CountingTokenizer(smol_tokenizer)
-        server.state.generator.tokenizer = counting
-        bound = server.state.generator.prompt_bound.max_chars
-        assert bound == MAX_MODEL_LEN * 81  # SmolLM2's longest vocabulary entry
-        text = "é" * (bound + 1)
-        for r, param in (
-            (_chat(server, messages=[{"role": "user", "content": text}]), "messages"),
-            (
-                httpx.post(
-                    server.base_url + "/v1/completions",
-                    json={"prompt": text, "max_tokens": 1},
-                    timeout=30,
-                ),
-                "prompt",
-            ),
-        ):
-            err = _error(r, 400)
-            assert err["param"] == param and "characters" in err["message"]
-            assert str(MAX_MODEL_LEN) in err["message"]
-        assert counting.calls == 0
-        _health_is_fine(server)
-        assert counting.calls == 1
-
-
-def test_tokenizer_queue_bound_answers_429_instead_of_queueing(smol_tokenizer: Any) -> None:
-    with _server(smol_tokenizer, max_tokenizer_queue_chars=1500) as server:
-        slow = _CountingTokenizer(smol_tokenizer, delay_s=1.5)
-        server.state.generator.tokenizer = slow
-        queue = server.state.generator.tokenizer_queue
-        url = server.base_url + "/v1/completions"
-        body = {"prompt": "a b " * 250, "max_tokens": 1}  # 1000 characters each
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            first = pool.submit(httpx.post, url, json=body, timeout=30)
-            deadline = time.monotonic() + 10
-            while queue.pending_chars == 0 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            second = httpx.post(url, json=body, timeout=30)
-            err = _error(second, 429)
-            assert "max_tokenizer_queue_chars=1500" in err["message"]
-            assert err["code"] == "tokenizer_queue_full" and err["type"] == "rate_limit_error"
-            assert int(second.headers["Retry-After"]) >= 1
-            assert first.result().status_code == 200  # a request alone always gets in
-        assert queue.pending_chars == 0
-        assert httpx.post(url, json=body, timeout=30).status_code == 200
+    assert post_body(server, "/v1/completions", small).status_code == 200
+    assert_healthy(server)
 
 
 # ---- 2. stop strings ---------------------------------------------------------------------
@@ -208,13 +68,13 @@ def test_tokenizer_queue_bound_answers_429_instead_of_queueing(smol_tokenizer: A
 def test_stop_limits_are_400_naming_the_limit(
     server: InProcessServer, body: dict[str, Any], param: str, flag: str
 ) -> None:
-    err = _error(_chat(server, **body), 400)
+    err = openai_error(chat(server, **body), 400)
     assert err["param"] == param and flag in err["message"]
 
 
 def test_stop_strings_at_the_limits_are_served(server: InProcessServer) -> None:
     stops = ["q" * 255 + "!"] + [f"never{i}" for i in range(15)]
-    r = _chat(server, stop=stops, max_tokens=30, ignore_eos=True)
+    r = chat(server, stop=stops, max_tokens=30, ignore_eos=True)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 30
 
 
@@ -243,13 +103,13 @@ def test_stop_strings_at_the_limits_are_served(server: InProcessServer) -> None:
     ],
 )
 def test_a_lone_surrogate_is_400(server: InProcessServer, path: str, raw: str, param: str) -> None:
-    err = _error(_post(server, path, raw), 400)
+    err = openai_error(post_body(server, path, raw), 400)
     assert err["param"] == param and "surrogate" in err["message"]
 
 
 def test_a_surrogate_pair_is_text(server: InProcessServer) -> None:
     raw = '{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}], "max_tokens": 2}'
-    assert _post(server, "/v1/chat/completions", raw).status_code == 200
+    assert post_body(server, "/v1/chat/completions", raw).status_code == 200
 
 
 # ---- 6. values that must be refused ------------------------------------------------------
@@ -273,7 +133,7 @@ def test_sampling_values_that_cannot_be_honoured_are_400(
     server: InProcessServer, fragment: str, param: str
 ) -> None:
     raw = '{"messages": [{"role": "user", "content": "hi"}], ' + fragment + "}"
-    err = _error(_post(server, "/v1/chat/completions", raw), 400)
+    err = openai_error(post_body(server, "/v1/chat/completions", raw), 400)
     assert err["param"] == param
     if "max" in param:  # names the request, the prompt and the window
         assert str(MAX_MODEL_LEN) in err["message"] and "prompt has" in err["message"]
@@ -283,7 +143,7 @@ def test_temperature_at_the_documented_minimum_and_max_tokens_that_fit_are_serve
     server: InProcessServer, smol_tokenizer: Any
 ) -> None:
     n_prompt = len(apply_chat_template(smol_tokenizer, USER))
-    r = _chat(server, temperature=1e-5, max_tokens=MAX_MODEL_LEN - n_prompt, ignore_eos=True)
+    r = chat(server, temperature=1e-5, max_tokens=MAX_MODEL_LEN - n_prompt, ignore_eos=True)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["total_tokens"] == MAX_MODEL_LEN
 
@@ -291,9 +151,9 @@ def test_temperature_at_the_documented_minimum_and_max_tokens_that_fit_are_serve
 def test_roles_unknown_to_openai_are_400_and_developer_is_system(
     server: InProcessServer, smol_tokenizer: Any
 ) -> None:
-    err = _error(_chat(server, messages=[{"role": "wizard", "content": "hi"}]), 400)
+    err = openai_error(chat(server, messages=[{"role": "wizard", "content": "hi"}]), 400)
     assert err["param"] == "messages" and "developer" in err["message"]
-    developer = _chat(server, messages=[{"role": "developer", "content": "Be terse."}, *USER])
+    developer = chat(server, messages=[{"role": "developer", "content": "Be terse."}, *USER])
     as_system = [{"role": "system", "content": "Be terse."}, *USER]
     assert developer.status_code == 200
     n_prompt = len(apply_chat_template(smol_tokenizer, as_system))
@@ -315,29 +175,29 @@ def test_roles_unknown_to_openai_are_400_and_developer_is_system(
 def test_bodies_json_loads_chokes_on_are_400(
     server: InProcessServer, content: bytes, needle: str
 ) -> None:
-    assert needle in _error(_post(server, "/v1/completions", content), 400)["message"]
+    assert needle in openai_error(post_body(server, "/v1/completions", content), 400)["message"]
 
 
 def test_unknown_routes_and_wrong_methods_answer_in_openai_shape(server: InProcessServer) -> None:
-    err = _error(httpx.get(server.base_url + "/v1/nope"), 404)
+    err = openai_error(httpx.get(server.base_url + "/v1/nope"), 404)
     assert "/v1/nope" in err["message"]
     r = httpx.get(server.base_url + "/v1/chat/completions")
-    assert "POST" in _error(r, 405)["message"] and r.headers["allow"] == "POST"
-    _error(httpx.post(server.base_url + "/health"), 405)
+    assert "POST" in openai_error(r, 405)["message"] and r.headers["allow"] == "POST"
+    openai_error(httpx.post(server.base_url + "/health"), 405)
 
 
 def test_any_model_id_in_the_path_is_model_not_found(server: InProcessServer) -> None:
     # Starlette's :path stops at a newline: such an id was the unknown-route 404 (found by the
     # large API fuzz run); slashes are allowed (Hub ids).
     for model_id in ("nope", "org/nope", ",kZ%0Ap", "%0A"):
-        err = _error(httpx.get(server.base_url + "/v1/models/" + model_id), 404)
+        err = openai_error(httpx.get(server.base_url + "/v1/models/" + model_id), 404)
         assert err["code"] == "model_not_found", (model_id, err)
 
 
 def test_a_suffix_is_400_naming_it_and_the_schema_says_so(server: InProcessServer) -> None:
     body = {"prompt": "hi", "max_tokens": 2}
     r = httpx.post(server.base_url + "/v1/completions", json={**body, "suffix": "x"})
-    err = _error(r, 400)
+    err = openai_error(r, 400)
     assert err["param"] == "suffix" and "not supported" in err["message"], err
     ok = httpx.post(server.base_url + "/v1/completions", json={**body, "suffix": ""})
     assert ok.status_code == 200, ok.text
@@ -348,7 +208,7 @@ def test_a_suffix_is_400_naming_it_and_the_schema_says_so(server: InProcessServe
 
 def test_an_empty_guided_choice_is_400_naming_it(server: InProcessServer) -> None:
     # The schema allowed [] and the grammar compiler then refused it; now both say minItems 1.
-    err = _error(_chat(server, guided_choice=[]), 400)
+    err = openai_error(chat(server, guided_choice=[]), 400)
     assert err["param"] == "guided_choice", err
     schemas = httpx.get(server.base_url + "/openapi.json").json()["components"]["schemas"]
     choice = schemas["ChatCompletionRequest"]["properties"]["guided_choice"]["anyOf"][0]
@@ -410,20 +270,3 @@ def test_limit_flags_reach_the_config() -> None:
     assert limits.max_stop_sequence_chars == RequestLimitsConfig().max_stop_sequence_chars
     with pytest.raises(ValueError, match="max_stop_sequences"):
         config_from_args(RequestLimitsConfig, parser.parse_args(["--max-stop-sequences", "0"]))
-
-
-def test_event_loop_stays_responsive_while_a_long_prompt_tokenizes(smol_tokenizer: Any) -> None:
-    """Tokenizer work runs on its own thread: /health answers while it runs."""
-    with _server(smol_tokenizer) as server:
-        server.state.generator.tokenizer = _CountingTokenizer(smol_tokenizer, delay_s=2.0)
-        url = server.base_url + "/v1/completions"
-        result: list[httpx.Response] = []
-        worker = threading.Thread(
-            target=lambda: result.append(httpx.post(url, json={"prompt": "hi"}, timeout=30))
-        )
-        worker.start()
-        time.sleep(0.3)
-        assert worker.is_alive()
-        assert httpx.get(server.base_url + "/health", timeout=1.0).status_code == 200
-        worker.join()
-        assert result[0].status_code == 200
