@@ -139,7 +139,7 @@ def _projections(module: torch.nn.Module, sizes: list[int]) -> list[Callable[[to
     """The fused projection's matmuls as the checkpoint's separate layers (row slices of the
     same weights, bf16 Linear layers)."""
     if isinstance(module, Linear):
-        return [lambda x, w=w: project(x, w, None) for w in module.weight.split(sizes)]
+        return [lambda x, w=w: project(x, w, None) for w in module.dense_weight().split(sizes)]
     raise ValueError(f"no split form for {type(module).__name__} (bf16 layers only)")
 
 

@@ -71,14 +71,16 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
-// Eight tiles of 16 rows x 64 bytes: 0-3 accumulators, 4-5 A (rows of x), 6-7 B (weights).
-inline void configure_tiles() {
+// Eight tiles of 64 bytes per row: 0-3 accumulators, 4-5 A (rows of x), 6-7 B (weights), 16
+// rows each; `rows` < 16: the accumulators and A tiles that many (a call with fewer rows of x
+// loads and stores only those; each output row is computed from its own A row either way).
+inline void configure_tiles(int rows = 16) {
   TileConfig c;
   std::memset(&c, 0, sizeof c);
   c.palette = 1;
   for (int i = 0; i < 8; ++i) {
     c.colsb[i] = 64;
-    c.rows[i] = 16;
+    c.rows[i] = i < 6 ? rows : 16;
   }
   _tile_loadconfig(&c);
 }

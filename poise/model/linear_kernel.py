@@ -1,9 +1,12 @@
 """The C++ linear-layer kernels (cpu_linear.cpp): build, load, pack, and pick a path per call.
 
-- ``bf16_linear``: bf16 weights as stored, for decode-sized row counts (1-2 rows where torch's
-  GEMM has AMX, up to 32 without), where torch's GEMM reads the weights at a third to 2/3 of
-  the rate ours does; more rows go to torch (oneDNN), so the weights are held once, in torch's
-  layout.
+- ``PackedBf16`` (``pack_bf16``): where the CPU has AMX, bf16 weights packed once at load into
+  AMX tiles (cpu_linear_bf16_amx.h), one kernel for every row count, so that a row's output
+  does not depend on the batch around it (greedy answers alone = batched = speculated).
+- ``bf16_linear``: without AMX (or a layer that does not pack), bf16 weights as stored: ours
+  for decode-sized row counts (up to 32 rows), where torch's GEMM reads the weights at a third
+  of the rate ours does; more rows go to torch (oneDNN), so the weights are held once, in
+  torch's layout.
 - ``PackedWeight``: int8 or int4 weights packed once at load; the streamed path (weights read
   once and used by every row in registers) or the AMX-tiled one is chosen by the number of
   rows, from the crossovers measured by ``benchmarks/linear_kernels.py`` (``TILED_FROM_ROWS``).
@@ -130,6 +133,11 @@ class PackedBf16:
     out_features: int
     in_features: int
 
+    def unpack(self) -> torch.Tensor:
+        """The weights as [N, K] again (pack_bf16's inverse)."""
+        w = self.packed.permute(0, 2, 4, 1, 3, 5)  # [groups, t, 16 channels, K blocks, 16, 2]
+        return w.reshape(self.out_features, self.in_features).contiguous()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] bf16 -> y [M, N] bf16."""
         lib = load_linear_kernel()
@@ -170,6 +178,8 @@ def pack_bf16(weight: torch.Tensor) -> PackedBf16:
     """[N, K] bf16 -> the AMX kernel's layout: channel groups of 2 tiles (1 where N is not a
     multiple of 32), each group's K blocks in order, each block's B tiles in VNNI order
     [16 input pairs][16 channels][2]."""
+    if not amx_available():  # also asks the OS for the tile state, before any tile is used
+        raise RuntimeError("pack_bf16: this CPU or process cannot use AMX tiles")
     n, k = weight.shape
     t = 2 if n % (2 * TILE) == 0 else 1
     w = weight.reshape(n // (TILE * t), t, TILE, k // GROUP, GROUP // 2, 2)

@@ -57,9 +57,14 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: PackedBf16 | None = None
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as [out_features, in_features] (a copy when packed)."""
+        return self.weight if self.packed is None else self.packed.unpack()
 
     def finalize(self) -> None:
         """Once loaded: pack for the AMX kernel where it runs this layer."""

@@ -107,3 +107,10 @@ def test_bf16_packs_only_what_the_kernel_runs() -> None:
     assert not lk.bf16_packs(w.float())  # float32 models keep torch's GEMM
     assert not lk.bf16_packs(torch.zeros(24, 64, dtype=torch.bfloat16))  # 24 % 16
     assert not lk.bf16_packs(torch.zeros(32, 40, dtype=torch.bfloat16))  # 40 % 32
+
+
+@pytest.mark.skipif(not lk.amx_available(), reason=NO_AMX)
+def test_packed_bf16_unpacks_to_the_weights() -> None:
+    for n in (32, 48):
+        w = torch.randn(n, 96).bfloat16()
+        assert torch.equal(lk.pack_bf16(w).unpack(), w)
