@@ -44,22 +44,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from slo_scheduling_sim import Done, cost_model, sim_cell
+
 from poise.core.sampling_params import SamplingParams
 from poise.core.timing import derive, percentile
 from poise.errors import OverloadedError
 from poise.workload import long_positions, salted, seed_classes
 
 POLICIES = ("fifo", "prefill_first", "fifo+classes", "priority", "slo", "slo+controller")
-
-
-@dataclass
-class Done:
-    index: int  # the request's position in the sample (the first ``warmup`` are not counted)
-    cls: str
-    ttft: float | None
-    tpot: float | None
-    output_tokens: int
-    rejected: bool = False
+# Also runnable: "slo+predictive", "slo+controller+predictive" (predictive admission: a request
+# whose predicted TTFT misses its class target is refused with 429 at arrival).
 
 
 @dataclass
@@ -131,15 +125,17 @@ def engine_kwargs(policy: str, args: argparse.Namespace) -> dict[str, Any]:
         scheduling_policy=policy.split("+")[0],
         traffic_classes="none",
     )
-    if policy in ("fifo+classes", "priority", "slo", "slo+controller"):
+    if policy.split("+")[0] in ("priority", "slo") or policy == "fifo+classes":
         kw["traffic_classes"] = (
             f"short:ttft_p95_ms={args.short_ttft_ms},tpot_p50_ms={args.tpot_ms},share=0.7;"
             f"long:prompt_tokens>=1024,ttft_p95_ms={args.long_ttft_ms},"
             f"tpot_p50_ms={args.long_tpot_ms},share=0.3"
         )
-    if policy == "slo+controller":
+    if "+controller" in policy:
         # None: the tightest class TPOT target, the engine's own default.
         kw.update(token_budget_controller=True, target_tpot_ms=args.controller_tpot_ms)
+    if "+predictive" in policy:
+        kw["admission_control"] = "predictive"
     return kw
 
 
@@ -221,63 +217,32 @@ def run_cell(
     return done, clock.now() - start
 
 
-def sim_cell(
-    engine_config: Any,
-    cost: Any,
-    reqs: list[Any],
-    max_tokens: int,
-    *,
-    concurrency: int | None,
-    arrivals: list[float] | None,
-    use_priority: bool = False,
-) -> tuple[list[Done], float]:
-    from poise.sim.simulator import SimCell, SimRequest, simulate_cell
-
-    sims = [
-        SimRequest(
-            i,
-            len(ids),
-            max_tokens,
-            arrival=arrivals[i] if arrivals else 0.0,
-            class_name=cls,
-            prompt_key=f"p{i}",
-            priority=prio if use_priority else 0,
-        )
-        for i, (cls, ids, prio) in enumerate(reqs)
-    ]
-    cell = SimCell(sims, concurrency=concurrency, open_loop=arrivals is not None)
-    res = simulate_cell(engine_config, cost, cell)
-    done = []
-    for r in res.requests:
-        n = len(r.token_times)
-        tpot = (r.token_times[-1] - r.token_times[0]) / (n - 1) if n > 1 else None
-        done.append(Done(r.index, r.class_name, r.ttft, tpot, n, rejected=not r.ok))
-    return done, res.duration_s
-
-
-def cost_model(spec: str, dtype: str) -> Any:
-    kind, _, rest = spec.partition(":")
-    if kind == "profile":
-        from poise.sim.fit import load_profile
-
-        return load_profile(rest)
-    from poise.sim.roofline import RooflineCostModel
-
-    return RooflineCostModel.build(rest, kind, dtype=dtype)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--long-ratio", type=float, nargs="+", default=[0.25])
-    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[32],
+        help="Closed loops, one cell each (with several: each runs the first 2 x c requests, at "
+        "least 16).",
+    )
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--open-loop", action="store_true", help="Also the Poisson open loop.")
     p.add_argument("--closed-loop", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--load", type=float, default=0.8, help="Open-loop rate / measured capacity.")
+    p.add_argument(
+        "--load",
+        type=float,
+        nargs="+",
+        default=[0.8],
+        help="Open-loop rates / the capacity the first policy's closed loops measured (their best).",
+    )
+    p.add_argument("--burst", action="store_true", help="Also every request at once (t = 0), cold.")
     p.add_argument(
         "--open-rate",
         type=float,
@@ -320,28 +285,36 @@ def main() -> int:
                 tok, args.requests, lr, args.max_tokens, f"{time.time():.0f}-{rnd}"
             )
             capacity = None
-            modes: list[tuple[str, int | None, list[float] | None]] = []
+            modes: list[tuple[str, int | None, float | None]] = []
             if args.closed_loop:
-                modes.append((f"closed-{args.concurrency}", args.concurrency, None))
-            for mode, conc, _ in modes + ([("open", None, None)] if args.open_loop else []):
+                modes += [(f"closed-{c}", c, None) for c in args.concurrency]
+            if args.open_loop:
+                modes += [("open", None, load) for load in args.load]
+            if args.burst:
+                modes.append(("burst", None, None))
+            for mode, conc, load in modes:
+                cell_reqs = reqs
+                if conc is not None and len(args.concurrency) > 1:
+                    cell_reqs = reqs[: max(2 * conc, 16)]
+                arrivals: list[float] | None = None
                 if mode == "open":
                     assert capacity or args.open_rate, "the open loop needs a capacity first"
-                    rate = args.open_rate or args.load * (capacity or 0.0)
+                    rate = args.open_rate or (load or 0.0) * (capacity or 0.0)
                     rng = random.Random(args.seed)
                     t, arrivals = 0.0, []
                     for _ in reqs:
                         arrivals.append(t)
                         t += rng.expovariate(rate)
-                    mode = f"open-{rate:.2f}rps"
-                else:
-                    arrivals = None
+                    mode = f"open-{rate:.2f}rps" + (f"-{load:g}x" if load else "")
+                elif mode == "burst":
+                    arrivals = [0.0] * len(reqs)
                 for pol in policies:
                     steps: dict[str, float] = {}
                     if args.simulate:
                         done, secs = sim_cell(
                             configs[pol],
                             cost,
-                            reqs,
+                            cell_reqs,
                             args.max_tokens,
                             concurrency=conc,
                             arrivals=arrivals,
@@ -354,7 +327,7 @@ def main() -> int:
                         core = LLM(args.model, **engine_kwargs(pol, args)).engine
                         done, secs = run_cell(
                             core,
-                            reqs,
+                            cell_reqs,
                             args.max_tokens,
                             concurrency=conc,
                             arrivals=arrivals,
@@ -366,14 +339,16 @@ def main() -> int:
                         del core
                         gc.collect()
                     warm = (conc or 0) if arrivals is None else args.open_warmup
+                    if mode == "burst":
+                        warm = 0  # the burst is the measurement
                     cell = CellResult(pol, mode, lr, secs, os.getloadavg()[0], done, warm)
                     if steps:
                         cell.steps = {k: round(v, 1) for k, v in steps.items()}
                     row = cell.summary(targets)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                    if capacity is None and arrivals is None:
-                        capacity = len(reqs) / secs
+                    if arrivals is None and pol == policies[0]:
+                        capacity = max(capacity or 0.0, len(cell_reqs) / secs)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "targets": targets, "rows": rows}, f, indent=1)
