@@ -58,8 +58,9 @@ def timed(fn: object) -> tuple[float, float]:
 def linear_floor(llm: LLM, chunks: list[int]) -> tuple[float, float]:
     """(wall, cpu) seconds of every linear layer over the prompt, chunk by chunk."""
     model = llm.engine._executor.model  # type: ignore[attr-defined]
-    # torch's GEMM on the plain [N, K] weights (bf16 layers on AMX hold them packed).
-    weights = [m.dense_weight() for m in model.modules() if isinstance(m, Linear)]
+    # torch's GEMM on the plain [N, K] weights (bf16 layers on AMX hold them packed); the
+    # decoder's layers only: the head runs on the sampled row alone (the engine's one row).
+    weights = [m.dense_weight() for m in model.model.modules() if isinstance(m, Linear)]
     dtype = weights[0].dtype
     inputs = {
         (n, w.shape[1]): torch.randn(n, w.shape[1], dtype=dtype) for w in weights for n in chunks
