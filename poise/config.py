@@ -204,8 +204,9 @@ class SchedulerConfig:
         "slack to their TTFT deadline, ties to the longest cached prefix; cost-aware "
         "preemption), lpm (cache-aware: waiting requests by longest cached prefix). Teaching "
         "modes: static (a batch runs to completion before the next is admitted) and dynamic "
-        "(static, but an idle engine waits up to max_batch_delay_ms for a full batch). See "
-        "docs/scheduling.md.",
+        "(static, but an idle engine waits up to max_batch_delay_ms for a full batch). "
+        "Default: fifo with the default traffic classes, measured against slo with and without "
+        "the controller and predictive admission (docs/scheduling.md, 'The default').",
         default="fifo",
     )
     max_batch_delay_ms: float = _help(
