@@ -141,6 +141,7 @@ extern "C" int poise_linear_bf16_amx(const uint16_t* x, int64_t m, int64_t k, co
                                      int t, int64_t n, uint16_t* y, int threads) {
 #if defined(PLK_AMX)
   if (k % kGroup || (t != 1 && t != 2) || n % (kTile * t)) return 1;
+  if (m <= 0) return 0;  // no rows: nothing to write (and no 0-row tile configuration)
   const int64_t groups = n / (kTile * t), m_pad = (m + 15) / 16 * 16;
   const int64_t group_elems = k * kTile * t;
   // A tiles read 16 rows at a time: the rows of a last, partial block from a zero-padded copy;

@@ -94,6 +94,12 @@ def test_packed_bf16_rows_do_not_depend_on_the_batch() -> None:
 
 
 @pytest.mark.skipif(not lk.amx_available(), reason=NO_AMX)
+def test_packed_bf16_takes_no_rows() -> None:
+    y = lk.pack_bf16(torch.randn(32, 64).bfloat16())(torch.empty(0, 64, dtype=torch.bfloat16))
+    assert y.shape == (0, 32)
+
+
+@pytest.mark.skipif(not lk.amx_available(), reason=NO_AMX)
 def test_packed_bf16_refuses_a_shape_it_was_not_packed_for() -> None:
     packed = lk.pack_bf16(torch.randn(32, 64).bfloat16())
     packed.in_features = 48  # not a multiple of the 32-input K block
