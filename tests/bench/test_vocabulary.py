@@ -12,6 +12,7 @@ import yaml
 
 from poise.bench.bench_config import BenchConfig, WorkloadSpec, api_root, server_root
 from poise.cli import build_parser, main
+from tests.lab.test_sim_probe import SIM_H100_TUNE
 
 
 def bench_config(argv: list[str]) -> BenchConfig:
@@ -202,14 +203,7 @@ def test_simulate_takes_the_same_workload_and_refuses_what_it_cannot_model(
     assert main([*base, "--temperature", "0.7"]) == 2
     assert "need a live server" in capsys.readouterr().err
     tune = [
-        "tune",
-        "--simulate",
-        "--accelerator",
-        "h100",
-        "--model-shape",
-        "Qwen2.5-7B-Instruct",
-        "--device",
-        "cuda",
+        *SIM_H100_TUNE,
         "--slo-ttft-p95-ms",
         "500",
         "--no-ignore-eos",

@@ -10,7 +10,8 @@ from poise.cli import main
 from poise.lab.probe import Candidate
 
 # `poise tune --simulate` on the simulated H100 for the small workload both CLI tests run.
-SIM_TUNE = [
+# The simulated accelerator and model shape (also tests/bench/test_vocabulary.py's).
+SIM_H100_TUNE = [
     "tune",
     "--simulate",
     "--accelerator",
@@ -19,6 +20,9 @@ SIM_TUNE = [
     "Qwen2.5-7B-Instruct",
     "--device",
     "cuda",
+]
+SIM_TUNE = [
+    *SIM_H100_TUNE,
     "--slo-ttft-p95-ms",
     "5000",
     "--concurrency",
