@@ -16,7 +16,8 @@ prefill faster than that. The figure to quote is TTFT / floor.
     .venv/bin/python benchmarks/prefill.py [--model PATH] [--repeats 5] [--threads 1] [--profile]
 
 ``--profile`` adds one more cold prefill per backend under the torch profiler and splits its
-time: the linear layers (``aten::mm``, the lm_head's one row included), the attention backend
+time: the linear layers (``aten::mm`` and poise's linear kernels, the lm_head's one row
+included), the attention backend
 (its K/V write and kernel), the other ops of the model (norms, rope, SiLU, residual adds,
 embedding: torch's, or the fused bf16 kernels), and the rest (engine, Python, the profiler's
 own cost).
@@ -97,6 +98,10 @@ def profile_breakdown(llm: LLM, tokens: list[int], params: SamplingParams) -> di
     fused = {name: getattr(elementwise, name) for name in names}
     for name, fn in fused.items():
         setattr(elementwise, name, _labelled(fn, record_function))
+    # So are poise's linear kernels (bf16 as stored, bf16 packed for AMX, int8 / int4).
+    kernels = _linear_kernels()
+    for owner, name, fn in kernels:
+        setattr(owner, name, _labelled(fn, record_function, "linear kernel"))
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             wall, _ = timed(lambda: llm.generate(tokens, params))
@@ -104,16 +109,18 @@ def profile_breakdown(llm: LLM, tokens: list[int], params: SamplingParams) -> di
         del backend.forward  # back to the class's method
         for name, fn in fused.items():
             setattr(elementwise, name, fn)
+        for owner, name, fn in kernels:
+            setattr(owner, name, fn)
     parts = {"linear layers": 0.0, "attention": 0.0, "other model ops": 0.0}
     for event in prof.key_averages():
         if event.key == "attention":
             parts["attention"] += event.cpu_time_total / 1e6
-        elif event.key in ("aten::mm", "aten::addmm"):
+        elif event.key in ("aten::mm", "aten::addmm", "linear kernel"):
             parts["linear layers"] += event.self_cpu_time_total / 1e6
     ops = sum(
         e.self_cpu_time_total
         for e in prof.key_averages()
-        if e.key.startswith("aten::") or e.key == "fused elementwise"
+        if e.key.startswith("aten::") or e.key in ("fused elementwise", "linear kernel")
     )
     attention_ops = sum(
         e.self_cpu_time_total
@@ -126,12 +133,27 @@ def profile_breakdown(llm: LLM, tokens: list[int], params: SamplingParams) -> di
     return parts
 
 
-def _labelled(fn: Any, record_function: Any) -> Any:
+def _labelled(fn: Any, record_function: Any, label: str = "fused elementwise") -> Any:
     def call(*args: object, **kwargs: object) -> object:
-        with record_function("fused elementwise"):
+        with record_function(label):
             return fn(*args, **kwargs)
 
     return call
+
+
+def _linear_kernels() -> list[tuple[Any, str, Any]]:
+    """(owner, attribute, function) of each linear-kernel entry the model calls (none before
+    poise had them: older commits are measured too)."""
+    found: list[tuple[Any, str, Any]] = []
+    with contextlib.suppress(ImportError):
+        llama = importlib.import_module("poise.model.llama")
+        kernel = importlib.import_module("poise.model.linear_kernel")
+        if hasattr(llama, "bf16_linear"):
+            found.append((llama, "bf16_linear", llama.bf16_linear))
+        for cls in ("PackedBf16", "PackedWeight"):
+            if hasattr(kernel, cls):
+                found.append((getattr(kernel, cls), "__call__", getattr(kernel, cls).__call__))
+    return found
 
 
 def _inside(event: object, name: str) -> bool:

@@ -123,14 +123,36 @@ bool shape_fits(int64_t k, int64_t n, int fmt, int t, bool tiled) {
 
 using namespace plk;
 
-// y = x . W^T for bf16 W [n, k] as stored (cpu_linear_bf16.h), k % 32 == 0.
+// y = x . W^T for bf16 W [n, k] as stored (cpu_linear_bf16.h), k % 32 == 0, any row count.
+// Rows in chunks of kBf16RowChunk, chunk-major items of (chunk, run of 4 channel blocks): a
+// chunk's rows stay in L2 while the channels pass by (SmolLM2-1.7B's layers at 2,048 rows read
+// x from DRAM for every 4 channels without it: 2.05x torch's time; chunked 1.1x). Chunking
+// changes no sum (a row is in a block of 1-4 rows either way, summed in the same order), so a
+// row's output is the same bits at any row count.
 extern "C" int poise_linear_bf16_rows(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w,
                                       int64_t n, uint16_t* y, int threads) {
   if (k % 32) return 1;
   const int64_t blocks = (n + kBf16Channels - 1) / kBf16Channels;
-  // Runs of 4 blocks per thread, so that most prefetched next blocks are the same thread's.
+  if (m <= kBf16RowChunk) {
+    // Runs of 4 blocks per thread, so that most prefetched next blocks are the same thread's.
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
-  for (int64_t b = 0; b < blocks; ++b) dot_bf16_block(x, m, k, w, n, b * kBf16Channels, y);
+    for (int64_t b = 0; b < blocks; ++b) dot_bf16_block(x, m, k, w, n, b * kBf16Channels, y);
+    return 0;
+  }
+  constexpr int64_t kRun = 4;  // channel blocks per item
+  const int64_t runs = (blocks + kRun - 1) / kRun;
+  // Chunks of equal size (a multiple of the 4-row block): 65 rows as 36 + 29, not 64 + 1, whose
+  // 1-row pass would read all the weights again for one row.
+  const int64_t chunks = (m + kBf16RowChunk - 1) / kBf16RowChunk;
+  const int64_t chunk = ((m + chunks - 1) / chunks + kBf16Rows - 1) / kBf16Rows * kBf16Rows;
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
+  for (int64_t item = 0; item < chunks * runs; ++item) {
+    const int64_t r0 = item / runs * chunk, b0 = item % runs * kRun;
+    if (r0 >= m) continue;
+    const int64_t rows = m - r0 < chunk ? m - r0 : chunk;
+    for (int64_t b = b0; b < b0 + kRun && b < blocks; ++b)
+      dot_bf16_block(x + r0 * k, rows, k, w, n, b * kBf16Channels, y + r0 * n);
+  }
   return 0;
 }
 

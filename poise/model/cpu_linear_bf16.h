@@ -17,6 +17,7 @@ namespace plk {
 
 constexpr int kBf16Channels = 4;  // channels per block
 constexpr int kBf16Rows = 4;      // rows per block
+constexpr int64_t kBf16RowChunk = 64;  // rows per pass over the channels (cpu_linear.cpp)
 
 // Lane i = the sum of v[i]'s 16 floats: pairs within 128-bit lanes, then across lanes, about 45
 // instructions for 16 sums where 16 _mm512_reduce_add_ps take ~130 (a block's sums were ~30 %
@@ -96,8 +97,13 @@ void dot_bf16(const uint16_t* x, int64_t k, const uint16_t* w, int64_t n, int64_
   if constexpr (kSums == 4) sums = sum4(v);
   else sums = sum16(v);
   _mm256_store_si256(reinterpret_cast<__m256i*>(out), round_bf16(sums));
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[(r0 + r) * n + c0 + c] = out[r * C + c];
+  for (int r = 0; r < R; ++r) {
+    if constexpr (C == 4) {  // a row's 4 channels: one 8-byte store
+      std::memcpy(y + (r0 + r) * n + c0, out + r * 4, 8);
+    } else {
+      for (int c = 0; c < C; ++c) y[(r0 + r) * n + c0 + c] = out[r * C + c];
+    }
+  }
 }
 
 // Every row, in blocks of 4. Blocks of 1-3 rows prefetch into L1; 4-row blocks into L2: a

@@ -3,10 +3,12 @@
 - ``PackedBf16`` (``pack_bf16``): where the CPU has AMX, bf16 weights packed once at load into
   AMX tiles (cpu_linear_bf16_amx.h), one kernel for every row count, so that a row's output
   does not depend on the batch around it (greedy answers alone = batched = speculated).
-- ``bf16_linear``: without AMX (or a layer that does not pack), bf16 weights as stored: ours
-  for decode-sized row counts (up to 32 rows), where torch's GEMM reads the weights at a third
-  of the rate ours does; more rows go to torch (oneDNN), so the weights are held once, in
-  torch's layout.
+- ``bf16_linear``: without AMX (or a layer that does not pack), bf16 weights as stored, through
+  ours for every row count where the CPU has AVX512-BF16: a row's output is then the same bits
+  whatever the batch (the dot-product kernel sums each row alone, in one order), as on AMX. At
+  decode sizes it reads the weights at up to 3x the rate of torch's GEMM; from ~128 rows it is
+  1.0-1.2x torch's time (RESULTS.md "bf16 without AMX for every row count"), the price of
+  greedy answers that do not depend on the batch.
 - ``PackedWeight``: int8 or int4 weights packed once at load; the streamed path (weights read
   once and used by every row in registers) or the AMX-tiled one is chosen by the number of
   rows, from the crossovers measured by ``benchmarks/linear_kernels.py`` (``TILED_FROM_ROWS``).
@@ -44,12 +46,13 @@ INT8_BLOCK = 64  # int8 inputs per AMX K block
 # Rows from which the AMX-tiled path beats the streamed one (benchmarks/linear_kernels.py,
 # SmolLM2-1.7B's layers, RESULTS.md "Linear kernels").
 TILED_FROM_ROWS = {"int8": 4, "int4": 4}
-# bf16: our dot-product kernel up to this many rows, torch's GEMM from the next. Where the CPU
-# has AMX, torch's GEMM runs on it and wins from 3 rows (Sapphire Rapids); without AMX (Zen 4)
-# oneDNN's AVX512-BF16 GEMM on these skinny shapes reads the weights at a third of the rate ours
-# does up to 32 rows (RESULTS.md "bf16 rows kernel").
+# bf16 as stored: our dot-product kernel up to this many rows, torch's GEMM from the next. Where
+# the CPU has AMX every layer that packs runs the AMX kernel instead (PackedBf16), and a layer
+# that does not (a width not a multiple of 16) keeps torch's AMX GEMM from 3 rows (Sapphire
+# Rapids). Without AMX (Zen 4) ours runs every row count: batch-invariant, and 1.0-1.2x torch's
+# time at prefill sizes (SmolLM2-135M / 1.7B layers, 2,048 rows: 1.09x / 1.18x).
 BF16_ROWS = 2
-BF16_ROWS_NO_AMX = 32
+BF16_ROWS_NO_AMX = 1 << 62
 
 
 def bf16_rows() -> int:

@@ -39,8 +39,9 @@ LinearClass = Callable[[int, int, bool], nn.Module]
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T (+ b): bf16 on CPU through linear_kernel.bf16_linear (ours at decode-sized row
-    counts, where torch's GEMM reads the weights slower; torch's beyond), torch otherwise."""
+    """x W^T (+ b): bf16 on CPU through linear_kernel.bf16_linear (ours at every row count
+    without AMX; with AMX, for the layers that do not pack, ours at 1-2 rows and torch's AMX
+    GEMM beyond), torch otherwise."""
     if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu":
         return bf16_linear(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -26,7 +26,8 @@ def _ours(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.skipif(lk.load_linear_kernel() is None, reason=NO_KERNEL)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 33])
+# 65 and 150: more rows than one pass (kBf16RowChunk = 64): chunks of 36 + 29 and 52 x 2 + 46.
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 33, 65, 150])
 @pytest.mark.parametrize(("n", "k"), [(64, 96), (13, 160), (18, 576), (7, 32)])
 def test_bf16_rows_kernel_matches_float(m: int, n: int, k: int) -> None:
     # n = 13, 18, 7: channel tails past the 4-channel blocks (and no next block to prefetch).
@@ -43,9 +44,12 @@ def test_bf16_rows_kernel_matches_float(m: int, n: int, k: int) -> None:
 def test_bf16_rows_kernel_rows_do_not_depend_on_the_batch() -> None:
     torch.manual_seed(0)
     w = torch.randn(52, 1088).bfloat16()
-    x = torch.randn(11, 1088).bfloat16()
+    x = torch.randn(150, 1088).bfloat16()
+    # 150 rows run in chunks (kBf16RowChunk); 11 and 3 in one pass: every row the same bits.
     together = _ours(x, w)
-    for r in range(11):
+    assert torch.equal(_ours(x[:11].contiguous(), w), together[:11])
+    assert torch.equal(_ours(x[70:73].contiguous(), w), together[70:73])
+    for r in (0, 5, 10, 64, 103, 149):
         assert torch.equal(_ours(x[r : r + 1].contiguous(), w), together[r : r + 1])
 
 
@@ -61,6 +65,21 @@ def test_bf16_linear_adds_bias_and_refuses_nothing() -> None:
         )
         want = torch.nn.functional.linear(x.float(), w.float(), b.float())
         torch.testing.assert_close(lk.bf16_linear(x, w, b).float(), want, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.skipif(
+    lk.load_linear_kernel() is None or lk.amx_available(),
+    reason="without AMX (with AMX layers pack: test_packed_bf16_rows_do_not_depend_on_the_batch)",
+)
+def test_bf16_linear_rows_do_not_depend_on_the_batch_without_amx() -> None:
+    # A prefill-sized batch and each of its rows alone through the one entry point the model
+    # uses: with torch's GEMM past 32 rows, 7 of these 57,600 outputs differed in the last bit.
+    torch.manual_seed(3)
+    w = torch.randn(192, 576).bfloat16()
+    x = torch.randn(300, 576).bfloat16()
+    together = lk.bf16_linear(x, w, None)
+    for r in range(300):
+        assert torch.equal(lk.bf16_linear(x[r : r + 1], w, None), together[r : r + 1]), r
 
 
 NO_AMX = "no AMX (the packed bf16 kernel runs where the CPU has AMX tiles)"
