@@ -140,3 +140,40 @@ def test_auto_falls_back_to_torch_without_the_kernel() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
     )
     assert out.stdout.strip() == "torch"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_kernel_rows_do_not_depend_on_the_chunk_start(dtype: torch.dtype) -> None:
+    """The blocked prefill kernel's vector path (forced: what CPUs without AMX run): one
+    700-token prompt as one chunk and as its tail after 130-690 cached tokens gives every
+    query the same bits (key blocks at fixed positions, each row summed alone). Short tails
+    run as decode rows by default (cpu.py: MAX_KERNEL_CHUNK), which sum in another order;
+    through this kernel they would answer as the cold prompt (RESULTS.md "bf16 without AMX
+    for every row count" measures what that cost)."""
+    from poise.model.attention.cpu import CpuPagedAttentionBackend
+
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, hd, bs, length = 9, 3, 64, 16, 700
+    cache = torch.randn(100, bs, 2 * kv_heads, hd, generator=gen).to(dtype)
+    table = torch.randperm(100, generator=gen)[: -(-length // bs)]
+    q = torch.randn(length, heads, hd, generator=gen).to(dtype)
+    pos = torch.arange(length)
+    slots = table[pos // bs] * bs + pos % bs
+    backend = CpuPagedAttentionBackend()
+    backend.MAX_KERNEL_CHUNK = 0  # every chunk through the blocked kernel (an instance's own)
+
+    def attend(start: int) -> torch.Tensor:
+        chunk = PrefillChunk(0, length - start, start, table)
+        meta = AttentionMetadata(slot_mapping=slots[start:], block_size=bs, prefills=[chunk])
+        state = backend.prepare(meta)
+        assert state.rows is None and state.chunks is not None
+        kv = cache.view(-1, 2 * kv_heads, hd)[slots[start:]].clone()  # what the cache holds
+        return backend.forward(q[start:], kv, cache, state, hd**-0.5)
+
+    use_prefill_amx(False)
+    try:
+        whole = attend(0)
+        for start in (130, 417, 560, 650, 690):
+            assert torch.equal(attend(start), whole[start:]), start
+    finally:
+        use_prefill_amx(True)
