@@ -14,6 +14,11 @@ where the server's CPU went (engine thread, event-loop thread, whole process, fr
 
     .venv/bin/python benchmarks/serving.py [--concurrency 8 16 32] [--waves W | --requests N]
 
+``--runs N``: everything N times, each on freshly started servers (issue 33: the slowest of
+three fresh runs), then per cell the spread of output tok/s, the worst TTFT p95 and the slowest
+and fastest runs' server steps (mean step ms and steps per output token, from /metrics: slower
+steps or more of them).
+
 ``--unique-long``: every LONG prompt starts with its own request number, so no two share a
 prefix block past the chat template's common preamble (its first block at most: each LONG row
 holds its own ~3.4k-token context in the pool). ``--kv-cache-dtype auto int8``: one server per value, one after the other, the same
@@ -35,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from serving_http import page_reader, run_http, scrape, start_server
-from serving_report import Cell, report
+from serving_report import Cell, report, spread
 
 from poise.core.sampling_params import SamplingParams
 from poise.core.timing import derive
@@ -176,6 +181,12 @@ def main() -> int:
     )
     p.add_argument("--no-offline", action="store_true", help="Skip the offline engine.")
     p.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="Repeat everything on freshly started servers; then the spread per cell.",
+    )
+    p.add_argument(
         "--unique-long", action="store_true", help="Every LONG prompt distinct (no shared prefix)."
     )
     p.add_argument(
@@ -196,10 +207,16 @@ def main() -> int:
     port = args.port or free_port()
     cells: list[Cell] = []
     rcs = []
-    for kv in args.kv_cache_dtype:
-        rcs.append(run_server_cells(args, port, kv, cells, LLM))
+    for run in range(args.runs):
+        for kv in args.kv_cache_dtype:
+            first = len(cells)
+            rcs.append(run_server_cells(args, port, kv, cells, LLM))
+            for cell in cells[first:]:
+                cell.run = run
     print(f"torch threads: {args.torch_threads}; cores: {os.cpu_count()}; server exit {rcs}")
     print(report(cells))
+    if args.runs > 1:
+        print(spread(cells))
     if args.out:
         Path(args.out).write_text(json.dumps([asdict(c) for c in cells], indent=1))
     return 0

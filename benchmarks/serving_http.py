@@ -102,6 +102,7 @@ def scrape(base: str) -> dict[str, float]:
         "loop_thread": "poise:event_loop_thread_cpu_seconds",
         "process": "process_cpu_seconds_total",
         "steps": "poise:step_duration_seconds_sum",
+        "step_count": "poise:step_duration_seconds_count",
     }
     out = {}
     text = httpx.get(base + "/metrics", timeout=30).text

@@ -18,6 +18,13 @@ class Cell:
     ttft: dict[str, list[float]] = field(default_factory=dict)  # class -> seconds
     server_cpu: dict[str, float] = field(default_factory=dict)
     kv_cache_dtype: str = "auto"
+    run: int = 0  # which of --runs (each on freshly started servers)
+
+    @property
+    def step_ms(self) -> float | None:
+        """The server's mean step over the cell (from /metrics), None offline."""
+        n = self.server_cpu.get("step_count", 0.0)
+        return 1000 * self.server_cpu.get("steps", 0.0) / n if n else None
 
     @property
     def tokens_per_s(self) -> float:
@@ -53,9 +60,43 @@ def report(cells: list[Cell]) -> str:
             else ""
         )
         rows.append(
-            f"| {cell.concurrency} | {cell.mode} kv={cell.kv_cache_dtype} | {cell.num_requests} | {cell.output_tokens} "
+            f"| {cell.concurrency} | {cell.mode} kv={cell.kv_cache_dtype}{f' r{cell.run}' if cell.run else ''} "
+            f"| {cell.num_requests} | {cell.output_tokens} "
             f"| {cell.seconds:.1f} | {cell.tokens_per_s:.1f} | {ratio} "
             f"| {f(cell.ttft_ms('short', 50))} / {f(cell.ttft_ms('short', 95))} "
             f"| {f(cell.ttft_ms('long', 50))} / {f(cell.ttft_ms('long', 95))} | {cpu_s} |"
+        )
+    return "\n".join(rows)
+
+
+def spread(cells: list[Cell]) -> str:
+    """Across --runs: each (mode, kv, concurrency)'s output tok/s (slowest / median / fastest),
+    TTFT p95 of all requests in its worst run, and the slowest and fastest runs' server steps
+    (mean step ms, steps per output token), which tell slower steps (the machine, the kernels)
+    from more of them (the schedule)."""
+    rows = [
+        "| conc | mode | runs | tok/s slowest / median / fastest | fastest / slowest "
+        "| worst TTFT p95 ms | step ms slowest / fastest run | steps per token slowest / fastest |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    groups: dict[tuple[str, str, int], list[Cell]] = {}
+    for cell in cells:
+        groups.setdefault((cell.mode, cell.kv_cache_dtype, cell.concurrency), []).append(cell)
+
+    def steps(c: Cell) -> str:
+        ms, n = c.step_ms, c.server_cpu.get("step_count", 0.0)
+        return "-" if ms is None else f"{ms:.1f}|{n / c.output_tokens:.3f}"
+
+    for (mode, kv, conc), runs in groups.items():
+        runs = sorted(runs, key=lambda c: c.tokens_per_s)
+        tps = [c.tokens_per_s for c in runs]
+        worst = max(
+            (percentile(c.ttft.get("short", []) + c.ttft.get("long", []), 95) or 0.0) for c in runs
+        )
+        slow, fast = steps(runs[0]).split("|"), steps(runs[-1]).split("|")
+        rows.append(
+            f"| {conc} | {mode} kv={kv} | {len(runs)} | {tps[0]:.1f} / {tps[len(tps) // 2]:.1f} / "
+            f"{tps[-1]:.1f} | {tps[-1] / tps[0]:.2f} | {1000 * worst:.0f} "
+            f"| {slow[0]} / {fast[0]} | {slow[-1]} / {fast[-1]} |"
         )
     return "\n".join(rows)
