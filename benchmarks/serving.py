@@ -98,10 +98,10 @@ def run_offline(llm: Any, reqs: list[tuple[str, str]], c: int, max_tokens: int) 
 
 
 def run_server_cells(
-    args: argparse.Namespace, port: int, kv: str, cells: list[Cell], LLM: Any
+    args: argparse.Namespace, port: int, kv: str, cells: list[Cell], LLM: Any, run: int = 0
 ) -> int:
-    """One server (and offline engine) with --kv-cache-dtype ``kv``: its cells appended to
-    ``cells``; returns the server's exit code."""
+    """One server (and offline engine) with --kv-cache-dtype ``kv``, the ``run``-th of --runs:
+    its cells appended to ``cells``; returns the server's exit code."""
     base = f"http://127.0.0.1:{port}"
     first = len(cells)
     proc = start_server(args, port, kv)
@@ -143,7 +143,7 @@ def run_server_cells(
             if llm is not None and args.http_first:
                 cells.append(run_offline(llm, reqs, c, args.max_tokens))
             for done in cells[first:]:
-                done.kv_cache_dtype = kv
+                done.kv_cache_dtype, done.run = kv, run
             print(report(cells[-2:]).splitlines()[-2:], file=sys.stderr, flush=True)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -209,10 +209,7 @@ def main() -> int:
     rcs = []
     for run in range(args.runs):
         for kv in args.kv_cache_dtype:
-            first = len(cells)
-            rcs.append(run_server_cells(args, port, kv, cells, LLM))
-            for cell in cells[first:]:
-                cell.run = run
+            rcs.append(run_server_cells(args, port, kv, cells, LLM, run))
     print(f"torch threads: {args.torch_threads}; cores: {os.cpu_count()}; server exit {rcs}")
     print(report(cells))
     if args.runs > 1:

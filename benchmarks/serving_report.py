@@ -83,9 +83,10 @@ def spread(cells: list[Cell]) -> str:
     for cell in cells:
         groups.setdefault((cell.mode, cell.kv_cache_dtype, cell.concurrency), []).append(cell)
 
-    def steps(c: Cell) -> str:
+    def steps(c: Cell) -> tuple[str, str]:
+        """(mean step ms, steps per output token), "-" offline."""
         ms, n = c.step_ms, c.server_cpu.get("step_count", 0.0)
-        return "-" if ms is None else f"{ms:.1f}|{n / c.output_tokens:.3f}"
+        return ("-", "-") if ms is None else (f"{ms:.1f}", f"{n / c.output_tokens:.3f}")
 
     for (mode, kv, conc), runs in groups.items():
         runs = sorted(runs, key=lambda c: c.tokens_per_s)
@@ -93,10 +94,10 @@ def spread(cells: list[Cell]) -> str:
         worst = max(
             (percentile(c.ttft.get("short", []) + c.ttft.get("long", []), 95) or 0.0) for c in runs
         )
-        slow, fast = steps(runs[0]).split("|"), steps(runs[-1]).split("|")
+        slow, fast = steps(runs[0]), steps(runs[-1])
         rows.append(
             f"| {conc} | {mode} kv={kv} | {len(runs)} | {tps[0]:.1f} / {tps[len(tps) // 2]:.1f} / "
             f"{tps[-1]:.1f} | {tps[-1] / tps[0]:.2f} | {1000 * worst:.0f} "
-            f"| {slow[0]} / {fast[0]} | {slow[-1]} / {fast[-1]} |"
+            f"| {slow[0]} / {fast[0]} | {slow[1]} / {fast[1]} |"
         )
     return "\n".join(rows)

@@ -141,14 +141,14 @@ extern "C" int poise_linear_bf16_rows(const uint16_t* x, int64_t m, int64_t k, c
   }
   constexpr int64_t kRun = 4;  // channel blocks per item
   const int64_t runs = (blocks + kRun - 1) / kRun;
-  // Chunks of equal size (a multiple of the 4-row block): 65 rows as 36 + 29, not 64 + 1, whose
-  // 1-row pass would read all the weights again for one row.
+  // Chunks of equal size (a multiple of the 4-row block, at most kBf16RowChunk, so every chunk
+  // starts below m): 65 rows as 36 + 29, not 64 + 1, whose 1-row pass would read all the
+  // weights again for one row.
   const int64_t chunks = (m + kBf16RowChunk - 1) / kBf16RowChunk;
   const int64_t chunk = ((m + chunks - 1) / chunks + kBf16Rows - 1) / kBf16Rows * kBf16Rows;
 #pragma omp parallel for schedule(dynamic) num_threads(threads)
   for (int64_t item = 0; item < chunks * runs; ++item) {
     const int64_t r0 = item / runs * chunk, b0 = item % runs * kRun;
-    if (r0 >= m) continue;
     const int64_t rows = m - r0 < chunk ? m - r0 : chunk;
     for (int64_t b = b0; b < b0 + kRun && b < blocks; ++b)
       dot_bf16_block(x + r0 * k, rows, k, w, n, b * kBf16Channels, y + r0 * n);

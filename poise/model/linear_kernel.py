@@ -46,17 +46,16 @@ INT8_BLOCK = 64  # int8 inputs per AMX K block
 # Rows from which the AMX-tiled path beats the streamed one (benchmarks/linear_kernels.py,
 # SmolLM2-1.7B's layers, RESULTS.md "Linear kernels").
 TILED_FROM_ROWS = {"int8": 4, "int4": 4}
-# bf16 as stored: our dot-product kernel up to this many rows, torch's GEMM from the next. Where
-# the CPU has AMX every layer that packs runs the AMX kernel instead (PackedBf16), and a layer
-# that does not (a width not a multiple of 16) keeps torch's AMX GEMM from 3 rows (Sapphire
-# Rapids). Without AMX (Zen 4) ours runs every row count: batch-invariant, and 1.0-1.2x torch's
-# time at prefill sizes (SmolLM2-135M / 1.7B layers, 2,048 rows: 1.09x / 1.18x).
+# bf16 as stored, where the CPU has AMX: our dot-product kernel up to this many rows, torch's AMX
+# GEMM from the next, for the layers that do not pack (a width not a multiple of 16; every other
+# layer runs PackedBf16). Without AMX (Zen 4) ours runs every row count: batch-invariant, and
+# 1.0-1.2x torch's time at prefill sizes (SmolLM2-135M / 1.7B layers, 2,048 rows: 1.09x / 1.18x).
 BF16_ROWS = 2
-BF16_ROWS_NO_AMX = 1 << 62
 
 
-def bf16_rows() -> int:
-    return BF16_ROWS if amx_available() else BF16_ROWS_NO_AMX
+def bf16_rows() -> int | None:
+    """The most rows our bf16 kernel takes; None: every row count."""
+    return BF16_ROWS if amx_available() else None
 
 
 def _cpu_flags() -> str:
@@ -114,7 +113,8 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     (and K % 32 == 0), torch's GEMM otherwise."""
     lib = load_linear_kernel()
     m, k = x.shape
-    if m > bf16_rows() or lib is None or k % GROUP or not weight.is_contiguous():
+    limit = bf16_rows()
+    if (limit is not None and m > limit) or lib is None or k % GROUP or not weight.is_contiguous():
         return F.linear(x, weight, bias)
     x = x.contiguous()
     n = weight.shape[0]
