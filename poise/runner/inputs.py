@@ -95,7 +95,8 @@ def build_step_inputs(
         slot_parts.append(_slots(r.block_ids, start, n, block_size))
         used = (start + n + block_size - 1) // block_size
         table = torch.tensor(r.block_ids[:used], dtype=torch.int64, device=device)
-        chunks.append(PrefillChunk(offset, n, start, table))
+        generated = min(n, max(0, start + n - r.num_prompt_tokens))
+        chunks.append(PrefillChunk(offset, n, start, table, generated))
         flat_starts[r.request_id] = offset
         offset += n
         last_index[r.request_id] = offset - 1

@@ -54,10 +54,11 @@ FEATURES: tuple[str, ...] = (
 
 
 # A prefill chunk of at most this many tokens that starts after cached tokens (a prefix-cache
-# hit, a recompute's tail) is attended query by query, each query reading the cached context
-# like a decode (the CPU kernel's rule: CpuPagedAttentionBackend.MAX_KERNEL_CHUNK, which a test
-# keeps equal). Its work is decode-like, n x context, not a blocked prefill's: counting it in
-# prefill_attn underestimated a 15-token hit on a 3.4k-token prefix 4x.
+# hit, a recompute's tail) is priced query by query, each query reading the cached context like
+# a decode. The CPU kernel attends it in the blocked prefill kernel (for one order of sums cold
+# and cached), but with so few rows per walk of the context its work is decode-like, n x
+# context, not a long prompt's blocked prefill: counting it in prefill_attn underestimated a
+# 15-token hit on a 3.4k-token prefix 4x (when the kernel ran such tails as decode rows).
 CACHED_CHUNK_ROWS_MAX = 64
 
 

@@ -90,3 +90,27 @@ def test_decode_groups_bound_padding_to_twice_the_need() -> None:
     ]
     assert decode_groups(np.array([5, 5, 5])) == [(0, 3, 5)]
     assert decode_groups(np.array([], dtype=np.int64)) == []
+
+
+def test_chunks_say_which_queries_are_generated_tokens() -> None:
+    """A chunk's tokens past the prompt (a verify's, a recompute's) are marked for the
+    backends that attend generated tokens as decodes (cpu.py); a prompt tail is not."""
+    from poise.core.outputs import ScheduledRequest
+    from poise.core.sampling_params import SamplingParams
+    from poise.runner.inputs import build_step_inputs
+
+    def chunk(rid: str, start: int, n: int) -> ScheduledRequest:
+        return ScheduledRequest(
+            request_id=rid,
+            token_ids=[1] * n,
+            start_position=start,
+            block_ids=list(range(8)),
+            sample=True,
+            sampling_params=SamplingParams(temperature=0.0),
+            output_index=0,
+            num_prompt_tokens=50,
+        )
+
+    scheduled = [chunk("tail", 40, 10), chunk("verify", 60, 4), chunk("recompute", 0, 70)]
+    meta = build_step_inputs(scheduled, 16, torch.device("cpu")).meta
+    assert [c.num_generated for c in meta.prefills] == [0, 4, 20]

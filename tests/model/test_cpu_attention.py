@@ -3,7 +3,7 @@
 Covers the kernel's specialised paths: head_dim 64 and 128 (AVX-512 register kernels) and an
 odd one (generic loops), 1 to 7 query heads per kv head (the 1-4 head kernels and their
 remainders), contexts longer than one partition (the cross-partition merge), rows that share
-prefix blocks, a prefix-cache-hit chunk run as kernel rows, and a long chunk left to SDPA.
+prefix blocks, a prefix-cache-hit tail, and chunks through the blocked prefill kernel.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def _case(
         table[i, : len(t)] = t
     ctx = torch.tensor(contexts)
     slots = [table[torch.arange(d), (ctx - 1) // block_size] * block_size + (ctx - 1) % block_size]
-    # Chunks after cached tokens: 5 queries (kernel rows) and 80 (the blocked prefill kernel,
-    # its items ending inside a key block), plus a fresh one whose last item is one query.
+    # Chunks after cached tokens: 5 queries (the tail of a prefix-cache hit) and 80 (each
+    # item ending inside a key block), plus a fresh one whose last item is one query.
     prefills, offset = [], d
     for start, n in ((640, 5), (300, 80), (0, 33)):
         t = (
@@ -145,11 +145,11 @@ def test_auto_falls_back_to_torch_without_the_kernel() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_kernel_rows_do_not_depend_on_the_chunk_start(dtype: torch.dtype) -> None:
     """The blocked prefill kernel's vector path (forced: what CPUs without AMX run): one
-    700-token prompt as one chunk and as its tail after 130-690 cached tokens gives every
-    query the same bits (key blocks at fixed positions, each row summed alone). Short tails
-    run as decode rows by default (cpu.py: MAX_KERNEL_CHUNK), which sum in another order;
-    through this kernel they would answer as the cold prompt (RESULTS.md "bf16 without AMX
-    for every row count" measures what that cost)."""
+    700-token prompt as one chunk and as its tail after 130-699 cached tokens (a prefix-cache
+    hit's tail of 1-10 queries among them) gives every query the same bits (key blocks at fixed
+    positions, each row summed alone), so a prompt answers the same cold and cached. Before
+    every chunk went through this kernel, tails of up to 64 queries ran as decode rows, which
+    sum in another order and answered otherwise."""
     from poise.model.attention.cpu import CpuPagedAttentionBackend
 
     gen = torch.Generator().manual_seed(7)
@@ -160,7 +160,6 @@ def test_prefill_kernel_rows_do_not_depend_on_the_chunk_start(dtype: torch.dtype
     pos = torch.arange(length)
     slots = table[pos // bs] * bs + pos % bs
     backend = CpuPagedAttentionBackend()
-    backend.MAX_KERNEL_CHUNK = 0  # every chunk through the blocked kernel (an instance's own)
 
     def attend(start: int) -> torch.Tensor:
         chunk = PrefillChunk(0, length - start, start, table)
@@ -173,7 +172,7 @@ def test_prefill_kernel_rows_do_not_depend_on_the_chunk_start(dtype: torch.dtype
     use_prefill_amx(False)
     try:
         whole = attend(0)
-        for start in (130, 417, 560, 650, 690):
+        for start in (130, 417, 560, 650, 690, 697, 699):
             assert torch.equal(attend(start), whole[start:]), start
     finally:
         use_prefill_amx(True)

@@ -88,8 +88,8 @@ def _attend(
 def test_int8_kernels_match_the_reference(
     heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> None:
-    """Decode rows (contexts past one partition, shared prefix blocks), a prefix-hit chunk run
-    as kernel rows, and chunks through the blocked prefill kernel, over one int8 cache."""
+    """Decode rows (contexts past one partition, shared prefix blocks), a prefix-hit tail
+    and longer chunks through the blocked prefill kernel, over one int8 cache."""
     got, cache_cpu = _attend("cpu", True, heads, kv_heads, head_dim, dtype)
     want, cache_torch = _attend("torch", True, heads, kv_heads, head_dim, dtype)
     assert torch.equal(cache_cpu, cache_torch)  # the step's K/V quantized to the same bits

@@ -189,14 +189,6 @@ def test_short_chunk_after_cached_tokens_counts_as_decode_work() -> None:
     assert s.decode_ctx_tokens == 0 and s.prefill_attn_pairs > 0
 
 
-def test_cached_chunk_rule_matches_the_cpu_kernel() -> None:
-    pytest.importorskip("torch")
-    from poise.model.attention.cpu import CpuPagedAttentionBackend
-    from poise.sim.cost import CACHED_CHUNK_ROWS_MAX
-
-    assert CpuPagedAttentionBackend.MAX_KERNEL_CHUNK == CACHED_CHUNK_ROWS_MAX
-
-
 @pytest.mark.parametrize(
     "field_value",
     [("step_overhead_s", -0.001), ("step_jitter_cv", -0.1), ("time_scale", 0.0)],

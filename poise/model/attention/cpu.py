@@ -6,16 +6,26 @@ dense offset-causal mask over its whole context. The kernels read keys and value
 through the block tables.
 
 What runs where, per step (each kernel once per layer for all its work):
-- decode tokens, and the queries of a chunk after cached tokens with at most
-  ``MAX_KERNEL_CHUNK`` queries (a prefix-cache hit's tail, a short recompute): one *row* each
-  in the decode kernel (cpu_paged_attention.cpp), query i seeing ``start + i + 1`` keys, keys
-  split into partitions so one long row uses every thread;
-  rows whose tables begin with the same blocks attend to those together (cascade groups,
+- decode tokens, and the generated tokens a chunk feeds (a speculative verify's, a
+  recompute's): one *row* each in the decode kernel (cpu_paged_attention.cpp), query i seeing
+  ``start + i + 1`` keys, keys split into partitions so one long row uses every thread; rows
+  whose tables begin with the same blocks attend to those together (cascade groups,
   cpu_decode_cascade.h);
-- every other prefill chunk, fresh or after cached tokens: the blocked prefill kernel
+- every chunk's prompt tokens, fresh or after cached tokens: the blocked prefill kernel
   (cpu_prefill_attention.cpp), flash-attention style over (query block, kv head) items, bf16
   products on AMX tiles where the CPU has AMX (cpu_prefill_amx.h), AVX512-BF16 dot products
-  where it has only those. Its cost is the causal pairs, not context^2.
+  where it has only those. Its cost is the causal pairs, not context^2. Chunks whose tables
+  begin with the same blocks (the tails after one cached prefix) pack those keys once and, on
+  the vector path, walk them together (cpu_prefill_share.h).
+
+Why the route is by token, not by chunk size: each kernel has its own order of sums (the
+decode kernel merges partitions by log-sum-exp, the prefill kernel walks key blocks), and
+either gives a query the same bits wherever its chunk starts and whichever rows share its walk.
+So every prompt token goes through the prefill kernel, a short tail after a cache hit too, and
+answers the same cold, after a prefix-cache hit and following another request's prefill in
+flight (a tail as decode rows answered differently from the same prompt cold:
+benchmarks/RESULTS.md, cold bursts); every generated token through the decode kernel, so a
+verified draft or a recomputed output sums as its decode did.
 
 Same results as the torch backend up to float rounding (the tests compare both against
 transformers).
@@ -45,9 +55,10 @@ SUPPORTED_DTYPES = tuple(_DTYPE_CODES)
 @dataclass(frozen=True)
 class KernelRows:
     """The step's kernel rows (see cpu_paged_attention.cpp): one per decode token and per
-    query of a kernel-run chunk, all attended in ONE kernel call per layer."""
+    generated query of a chunk, all attended in ONE kernel call per layer."""
 
-    # [num_tables, width] int64: decode block tables, then one row per kernel-run chunk.
+    # [num_tables, width] int64: decode block tables, then one row per chunk with generated
+    # queries.
     tables: torch.Tensor
     # [R] int64 each: the table row, the flat token and the visible keys of each kernel row.
     row_table: torch.Tensor
@@ -69,16 +80,14 @@ class KernelChunks:
 @dataclass(frozen=True)
 class CpuAttentionState:
     meta: AttentionMetadata
-    # None when the step has no decode token and no short cached-context chunk.
+    # None when the step has no decode token and no generated query in a chunk.
     rows: KernelRows | None
-    # None when the step has no other prefill chunk.
+    # None when the step has no prompt token.
     chunks: KernelChunks | None
 
 
 class CpuPagedAttentionBackend:
     name = "cpu"
-    # Longest cached-context chunk run as kernel rows (see module docstring).
-    MAX_KERNEL_CHUNK = 64
     # Keys per work item: small enough that one long row splits over the threads, large enough
     # that the per-item merge stays negligible.
     PARTITION_SIZE = 256
@@ -102,44 +111,20 @@ class CpuPagedAttentionBackend:
         self.cascade = True
 
     def prepare(self, meta: AttentionMetadata) -> CpuAttentionState:
-        kernel_chunks: list[PrefillChunk] = []
-        blocked: list[PrefillChunk] = []
+        prompts: list[PrefillChunk] = []
+        generated: list[PrefillChunk] = []  # each chunk's generated queries, as a chunk
         for c in meta.prefills:
-            short_after_cache = c.start_position > 0 and c.query_len <= self.MAX_KERNEL_CHUNK
-            (kernel_chunks if short_after_cache else blocked).append(c)
-        return CpuAttentionState(
-            meta, self._rows(meta, kernel_chunks), _chunks(blocked, meta.slot_mapping.device)
-        )
-
-    def _rows(
-        self, meta: AttentionMetadata, kernel_chunks: list[PrefillChunk]
-    ) -> KernelRows | None:
+            n = c.query_len - c.num_generated
+            if n > 0:
+                prompts.append(PrefillChunk(c.query_start, n, c.start_position, c.block_table))
+            if c.num_generated > 0:
+                generated.append(
+                    PrefillChunk(
+                        c.query_start + n, c.num_generated, c.start_position + n, c.block_table
+                    )
+                )
         device = meta.slot_mapping.device
-        d = meta.num_decodes
-        if d == 0 and not kernel_chunks:
-            return None
-        width = max(
-            [meta.decode_block_tables.shape[1] if meta.decode_block_tables is not None else 0]
-            + [c.block_table.shape[0] for c in kernel_chunks]
-        )
-        tables = torch.zeros(d + len(kernel_chunks), width, dtype=torch.int64, device=device)
-        row_table = [torch.arange(d, dtype=torch.int64, device=device)]
-        row_token = [torch.arange(d, dtype=torch.int64, device=device)]
-        context = [torch.empty(0, dtype=torch.int64, device=device)]
-        if d:
-            assert meta.decode_block_tables is not None
-            assert meta.decode_context_lens is not None
-            tables[:d, : meta.decode_block_tables.shape[1]] = meta.decode_block_tables
-            context[0] = meta.decode_context_lens
-        for k, chunk in enumerate(kernel_chunks):
-            tables[d + k, : chunk.block_table.shape[0]] = chunk.block_table
-            queries = torch.arange(chunk.query_len, dtype=torch.int64, device=device)
-            row_table.append(torch.full_like(queries, d + k))
-            row_token.append(queries + chunk.query_start)
-            context.append(queries + chunk.start_position + 1)
-        return KernelRows(
-            tables, torch.cat(row_table), torch.cat(row_token), torch.cat(context).contiguous()
-        )
+        return CpuAttentionState(meta, _rows(meta, generated), _chunks(prompts, device))
 
     def forward(
         self,
@@ -253,6 +238,37 @@ def _call(
     )
     if rc != 0:
         raise RuntimeError(f"cpu attention kernel rejected its arguments (code {rc})")
+
+
+def _rows(meta: AttentionMetadata, generated: list[PrefillChunk]) -> KernelRows | None:
+    """The decode rows: one per decoding request, then one per generated query of a chunk,
+    each with its table row."""
+    device = meta.slot_mapping.device
+    d = meta.num_decodes
+    if d == 0 and not generated:
+        return None
+    width = max(
+        [meta.decode_block_tables.shape[1] if meta.decode_block_tables is not None else 0]
+        + [c.block_table.shape[0] for c in generated]
+    )
+    tables = torch.zeros(d + len(generated), width, dtype=torch.int64, device=device)
+    row_table = [torch.arange(d, dtype=torch.int64, device=device)]
+    row_token = [torch.arange(d, dtype=torch.int64, device=device)]
+    context = [torch.empty(0, dtype=torch.int64, device=device)]
+    if d:
+        assert meta.decode_block_tables is not None
+        assert meta.decode_context_lens is not None
+        tables[:d, : meta.decode_block_tables.shape[1]] = meta.decode_block_tables
+        context[0] = meta.decode_context_lens
+    for k, chunk in enumerate(generated):
+        tables[d + k, : chunk.block_table.shape[0]] = chunk.block_table
+        queries = torch.arange(chunk.query_len, dtype=torch.int64, device=device)
+        row_table.append(torch.full_like(queries, d + k))
+        row_token.append(queries + chunk.query_start)
+        context.append(queries + chunk.start_position + 1)
+    return KernelRows(
+        tables, torch.cat(row_table), torch.cat(row_token), torch.cat(context).contiguous()
+    )
 
 
 def _chunks(chunks: list[PrefillChunk], device: torch.device) -> KernelChunks | None:

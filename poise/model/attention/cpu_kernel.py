@@ -31,6 +31,8 @@ HEADERS = (
     _HERE / "cpu_decode_cascade.h",
     _HERE / "cpu_prefill_blocks.h",
     _HERE / "cpu_prefill_amx.h",
+    _HERE / "cpu_prefill_pack.h",
+    _HERE / "cpu_prefill_share.h",
 )
 
 # Both entry points: (dtype, q, kv_cache, what to attend, shapes, out, [partition], threads).

@@ -40,6 +40,8 @@
 #include "cpu_kv_int8.h"
 #include "cpu_prefill_amx.h"
 #include "cpu_prefill_blocks.h"
+#include "cpu_prefill_pack.h"
+#include "cpu_prefill_share.h"
 
 namespace {
 
@@ -65,136 +67,43 @@ struct Item {  // (chunk, first query, kv head); cost: keys its last query sees
   int64_t cost;
 };
 
-// One key block's n keys into the packed form (see Packed), from `slots[j]`: key j's K at
-// slots[j] + k_off and its V at slots[j] + v_off. AMX: the values transposed instead,
-// [HD][kKeys] bf16, keys past n zero (the tiles multiply whole 32-key chunks).
-template <typename T, bool PAIRS, int HD, bool AMX>
-void pack_rows(const T* const* slots, int n, int hd, int64_t k_off, int64_t v_off, T* k_dst,
-               float* v_dst) {
-  for (int j = 0; j < n; ++j)
-    std::memcpy(k_dst + static_cast<int64_t>(j) * hd, slots[j] + k_off, sizeof(T) * hd);
-  if constexpr (AMX) {
-    bf16* vt = reinterpret_cast<bf16*>(v_dst);
-    for (int d = 0; d < HD; ++d) {
-      for (int j = 0; j < n; ++j) vt[d * kKeys + j] = slots[j][v_off + d];
-      for (int j = n; j < kKeys; ++j) vt[d * kKeys + j] = 0;
-    }
-  } else if constexpr (PAIRS) {
-#if defined(__AVX512BF16__)
-    static const bf16 zeros[HD] = {};
-    bf16* vp = reinterpret_cast<bf16*>(v_dst);
-    for (int jp = 0; jp < (n + 1) / 2; ++jp) {  // vp[jp][d] = (v_2jp[d], v_2jp+1[d])
-      const bf16* lo = slots[2 * jp] + v_off;
-      const bf16* hi = 2 * jp + 1 < n ? slots[2 * jp + 1] + v_off : zeros;
-      for (int d = 0; d < HD; d += 16)
-        store_pairs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + d)),
-                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + d)),
-                    &vp[(jp * HD + d) * 2]);
-    }
-#endif
-  } else {
-    for (int j = 0; j < n; ++j)
-      for (int d = 0; d < hd; ++d) v_dst[j * hd + d] = to_float(slots[j][v_off + d]);
-  }
-}
-
-// Key block b of kv head g of chunk c, read from the paged cache once per call and packed.
-// INT8 (the int8 cache, cpu_kv_int8.h): each key's K and V rows dequantized to T first (the
-// values the float reference reads, kv_int8.dequantize_rows), then packed as T's are.
-template <typename T, bool PAIRS, int HD, bool AMX, bool INT8>
-void pack_block(const Chunks& p, int c, int g, int64_t b, T* k_dst, float* v_dst) {
-  const int hd = HD > 0 ? HD : p.head_dim;
-  const int64_t kb = b * kKeys;
-  const int n = static_cast<int>(
-      std::min<int64_t>(kKeys, p.start_position[c] + p.query_len[c] - kb));
-  const int64_t* table = p.tables + c * p.table_stride;
-  const int64_t row = INT8 ? hd + kInt8ScaleBytes : hd;  // elements of one head's row
-  const int64_t slot_stride = 2 * p.num_kv_heads * row;
-  const int64_t k_off = g * row, v_off = (p.num_kv_heads + g) * row;
-  const T* slots[kKeys];
-  int64_t block = kb / p.block_size, in_block = kb % p.block_size;
-  if constexpr (INT8) {
-    thread_local std::vector<T> rows;  // [n][K row, V row] in T
-    rows.resize(static_cast<size_t>(kKeys) * 2 * hd);
-    const int8_t* cache = static_cast<const int8_t*>(p.kv_cache);
-    for (int j = 0; j < n; ++j) {
-      const int8_t* slot = cache + (table[block] * p.block_size + in_block) * slot_stride;
-      T* dst = rows.data() + static_cast<int64_t>(j) * 2 * hd;
-      dequantize_row(slot + k_off, hd, dst);
-      dequantize_row(slot + v_off, hd, dst + hd);
-      slots[j] = dst;
-      if (++in_block == p.block_size) in_block = 0, ++block;
-    }
-    pack_rows<T, PAIRS, HD, AMX>(slots, n, hd, 0, hd, k_dst, v_dst);
-  } else {
-    const T* cache = static_cast<const T*>(p.kv_cache);
-    for (int j = 0; j < n; ++j) {
-      slots[j] = cache + (table[block] * p.block_size + in_block) * slot_stride;
-      if (++in_block == p.block_size) in_block = 0, ++block;
-    }
-    pack_rows<T, PAIRS, HD, AMX>(slots, n, hd, k_off, v_off, k_dst, v_dst);
-  }
-}
-
 // `blocks`: the packed blocks of this item's (chunk, kv head), block b at blocks[b]. AMX: the
-// products on tiles (cpu_prefill_amx.h; O held transposed), else on vectors.
+// products on tiles (cpu_prefill_amx.h; O held transposed), else on vectors. state: where its
+// chunk's group walked key blocks 0 .. kb_from / kKeys - 1 for it (cpu_prefill_share.h), its
+// rows' state after them; null (kb_from 0) to walk every block.
 template <typename T, bool PAIRS, int HD, bool AMX>
-void attend_item(const Chunks& p, const Item& it, Scratch& w, const Packed* blocks) {
+void attend_item(const Chunks& p, const Item& it, Scratch& w, const Packed* blocks,
+                 int64_t kb_from, const float* state) {
   const int hd = HD > 0 ? HD : p.head_dim;
   const int G = p.num_heads / p.num_kv_heads, g = it.kv_head;
   const int nq = std::min<int>(kQueries, static_cast<int>(p.query_len[it.chunk]) - it.first_query);
   const int rows = nq * G;
-  const int rp = (rows + kRowAlign - 1) / kRowAlign * kRowAlign;
+  const int rp = padded_rows(rows, AMX);
   const int64_t first_pos = p.start_position[it.chunk] + it.first_query;
   const int64_t key_end = first_pos + nq;  // keys 0 .. key_end - 1
   const int64_t token0 = p.query_start[it.chunk] + it.first_query;
 
   // Row r = (query r / G, head g * G + r % G); rows past `rows` are zero padding (never
-  // written out; they see key 0 so their softmax stays finite).
-  for (int r = 0; r < rp; ++r) {
-    const T* src = r < rows ? static_cast<const T*>(p.q) + (token0 + r / G) * p.q_token_stride +
-                                  static_cast<int64_t>(g * G + r % G) * hd
-                            : nullptr;
-    if constexpr (PAIRS) {
-      for (int d = 0; d < hd / 2; ++d) {
-        uint32_t pair = 0;
-        if (src) std::memcpy(&pair, src + 2 * d, sizeof pair);
-        w.qp[d * rp + r] = pair;
-      }
-    } else {
-      for (int d = 0; d < hd; ++d) w.qt[d * rp + r] = src ? to_float(src[d]) : 0.0f;
-    }
-  }
-  std::fill(w.o.begin(), w.o.begin() + static_cast<size_t>(rp) * hd, 0.0f);
-  std::fill(w.m.begin(), w.m.begin() + rp, -std::numeric_limits<float>::infinity());
-  std::fill(w.l.begin(), w.l.begin() + rp, 0.0f);
+  // written out; they see key 0, or the diagonal block's keys, so their softmax stays finite).
+  load_q<T, PAIRS>(w, rp, hd, [&](int r) -> const T* {
+    return r < rows ? static_cast<const T*>(p.q) + (token0 + r / G) * p.q_token_stride +
+                          static_cast<int64_t>(g * G + r % G) * hd
+                    : nullptr;
+  });
+  load_state(w, rp, rows, hd, state);
 
   if constexpr (AMX) {
 #if defined(POISE_PREFILL_AMX)
-    amx_walk<HD>(w, blocks, rp, key_end, first_pos, G, p.scale);
+    amx_walk<HD>(w, blocks, rp, key_end, first_pos, G, p.scale);  // kb_from is 0 (no groups)
 #endif
   } else {
-    for (int64_t kb = 0; kb < key_end; kb += kKeys) {
-      const int n = static_cast<int>(std::min<int64_t>(kKeys, key_end - kb));
-      const int n2 = (n + 1) & ~1;
-      const Packed& b = blocks[kb / kKeys];
-      const bool masked = kb + n - 1 > first_pos;  // some key past the first query: the diagonal
-      if (masked)
-        for (int r = 0; r < rp; ++r)
-          w.pos[r] = static_cast<int32_t>(std::min<int64_t>(first_pos + r / G - kb, kKeys));
-      scores<T, PAIRS, HD>(w, b, rp, hd, n, p.scale);
-      if (masked)
-        softmax_block<PAIRS, true>(w, rp, n, n2);
-      else
-        softmax_block<PAIRS, false>(w, rp, n, n2);
-      accumulate<T, PAIRS, HD>(w, b, rp, hd, n, n2);
-    }
+    walk_vector<T, PAIRS, HD>(w, blocks, kb_from, key_end, first_pos, rp, hd, G, p.scale);
   }
 
   for (int r = 0; r < rows; ++r) {
     T* dst = static_cast<T*>(p.out) + (token0 + r / G) * p.out_token_stride +
              static_cast<int64_t>(g * G + r % G) * hd;
-    const float inv = 1.0f / w.l[r];  // > 0: key 0 is visible to every query
+    const float inv = 1.0f / w.l[r];  // > 0: every row has seen some key
     if constexpr (AMX) {  // O^T: [hd][rp]
       for (int d = 0; d < hd; ++d) from_float(w.o[d * rp + r] * inv, dst + d);
     } else {
@@ -203,62 +112,141 @@ void attend_item(const Chunks& p, const Item& it, Scratch& w, const Packed* bloc
   }
 }
 
+struct StackedItem {  // rows first_row .. + num_rows of a group, kv head g: the shared blocks
+  int group, kv_head;
+  int64_t first_row, num_rows;
+};
+
+// A stacked item (cpu_prefill_share.h): its rows, from any of the group's members, walk the
+// group's shared key blocks (before every member's queries: no mask) through `blocks` (the
+// shared copies), and leave each row's state in `state` for the members' own items.
+template <typename T, bool PAIRS, int HD>
+void attend_stacked(const Chunks& p, const ShareGroup& grp, const StackedItem& it, Scratch& w,
+                    const Packed* blocks, float* state) {
+  const int hd = HD > 0 ? HD : p.head_dim;
+  const int G = p.num_heads / p.num_kv_heads;
+  const int rows = static_cast<int>(it.num_rows);
+  const int rp = padded_rows(rows, false);
+  load_q<T, PAIRS>(w, rp, hd, [&](int r) -> const T* {
+    if (r >= rows) return nullptr;
+    const int64_t row = it.first_row + r;
+    const size_t i = static_cast<size_t>(
+        std::upper_bound(grp.row_start.begin(), grp.row_start.end(), row) -
+        grp.row_start.begin() - 1);
+    const int64_t local = row - grp.row_start[i];
+    const int64_t token = p.query_start[grp.members[i]] + local / G;
+    return static_cast<const T*>(p.q) + token * p.q_token_stride +
+           static_cast<int64_t>(it.kv_head * G + local % G) * hd;
+  });
+  load_state(w, rp, rows, hd, nullptr);
+  const int64_t shared_keys = grp.shared_blocks * kKeys;
+  walk_vector<T, PAIRS, HD>(w, blocks, 0, shared_keys, shared_keys, rp, hd, G, p.scale);
+  for (int r = 0; r < rows; ++r) {
+    float* dst = state + (it.first_row + r) * (hd + 2);
+    std::memcpy(dst, &w.o[static_cast<size_t>(r) * hd], sizeof(float) * hd);
+    dst[hd] = w.m[r];
+    dst[hd + 1] = w.l[r];
+  }
+}
+
 template <typename T, bool PAIRS, int HD, bool AMX = false, bool INT8 = false>
 void run(const Chunks& p, int num_threads) {
-  std::vector<Item> items;
-  for (int c = 0; c < p.num_chunks; ++c)
-    for (int q0 = 0; q0 < p.query_len[c]; q0 += kQueries)
-      for (int g = 0; g < p.num_kv_heads; ++g)
-        items.push_back({c, q0, g, p.start_position[c] + q0 + kQueries});
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) {
-                     return a.kv_head != b.kv_head ? a.kv_head < b.kv_head : a.cost > b.cost;
-                   });
   const int G = p.num_heads / p.num_kv_heads;
-  const int rp = (kQueries * G + kRowAlign - 1) / kRowAlign * kRowAlign;
-  const int num_items = static_cast<int>(items.size());
+  const int rp = padded_rows(kQueries * G, true);  // room for either path's largest item
   const int hd = HD > 0 ? HD : p.head_dim;
-  // Every (chunk, kv head, key block), packed once and shared by the items that read it
-  // (each block is read by every query block after it: ~context / 64 items).
   std::vector<int64_t> first_block(p.num_chunks + 1, 0);  // chunk c's at [c] + g * count
   for (int c = 0; c < p.num_chunks; ++c) {
     const int64_t count = (p.start_position[c] + p.query_len[c] + kKeys - 1) / kKeys;
     first_block[c + 1] = first_block[c] + count * p.num_kv_heads;
   }
-  const int64_t num_blocks = first_block[p.num_chunks];
+  auto count = [&](int c) { return (first_block[c + 1] - first_block[c]) / p.num_kv_heads; };
+  // Key blocks the chunks share, and groups that walk them together (no AMX variant of the
+  // stacked walk: there they are only packed once).
+  const Sharing share = find_sharing(p, first_block, kKeys, !AMX, G, hd);
+  std::vector<float> state(share.state_floats);
+
+  std::vector<StackedItem> stacked;
+  for (size_t gi = 0; gi < share.groups.size(); ++gi)
+    for (int g = 0; g < p.num_kv_heads; ++g)
+      for (int64_t r0 = 0; r0 < share.groups[gi].row_start.back(); r0 += kQueries * G)
+        stacked.push_back({static_cast<int>(gi), g, r0,
+                           std::min<int64_t>(kQueries * G, share.groups[gi].row_start.back() - r0)});
+  std::vector<Item> items;
+  for (int c = 0; c < p.num_chunks; ++c) {
+    const int gi = share.group_of[c];
+    const int64_t skipped = gi < 0 ? 0 : share.groups[gi].shared_blocks * kKeys;
+    for (int q0 = 0; q0 < p.query_len[c]; q0 += kQueries)
+      for (int g = 0; g < p.num_kv_heads; ++g)
+        items.push_back({c, q0, g, p.start_position[c] + q0 + kQueries - skipped});
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) {
+                     return a.kv_head != b.kv_head ? a.kv_head < b.kv_head : a.cost > b.cost;
+                   });
+  const int num_items = static_cast<int>(items.size());
+  const int num_stacked = static_cast<int>(stacked.size());
+  // Every distinct (chunk, kv head, key block), packed once and shared by the items that read
+  // it (each block is read by every query block after it: ~context / 64 items).
+  std::vector<int64_t> unique;
+  for (int64_t i = 0; i < first_block[p.num_chunks]; ++i)
+    if (share.origin[i] == i) unique.push_back(i);
+  const int64_t num_unique = static_cast<int64_t>(unique.size());
   const size_t block_room = static_cast<size_t>(kKeys) * hd;  // floats, for K and for V
   // Kept by the calling thread from call to call (each layer's call needs the same room): a
   // fresh allocation of this size is a fresh mapping, page-faulted in again every call. Its
   // size: about twice one layer's K/V of the step's longest contexts, in float32.
   thread_local AlignedVector<float> room;
-  if (room.size() < 2 * num_blocks * block_room) room.resize(2 * num_blocks * block_room);
+  if (room.size() < 2 * num_unique * block_room) room.resize(2 * num_unique * block_room);
   float* const k_room = room.data();
-  float* const v_room = k_room + num_blocks * block_room;
-  std::vector<Packed> packed(num_blocks);
-  for (int64_t i = 0; i < num_blocks; ++i)
-    packed[i] = {k_room + i * block_room, v_room + i * block_room};
+  float* const v_room = k_room + num_unique * block_room;
+  std::vector<Packed> packed(first_block[p.num_chunks]);
+  for (int64_t u = 0; u < num_unique; ++u)
+    packed[unique[u]] = {k_room + u * block_room, v_room + u * block_room};
+  for (size_t i = 0; i < packed.size(); ++i) packed[i] = packed[share.origin[i]];
+  auto blocks_of = [&](int c, int g) { return packed.data() + first_block[c] + g * count(c); };
 #pragma omp parallel num_threads(num_threads)
   {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < num_blocks; ++i) {
+    for (int64_t u = 0; u < num_unique; ++u) {
+      const int64_t i = unique[u];
       const int c = static_cast<int>(
           std::upper_bound(first_block.begin(), first_block.end(), i) - first_block.begin() - 1);
-      const int64_t count = (first_block[c + 1] - first_block[c]) / p.num_kv_heads;
       const int64_t local = i - first_block[c];
-      pack_block<T, PAIRS, HD, AMX, INT8>(p, c, static_cast<int>(local / count), local % count,
-                               reinterpret_cast<T*>(k_room + i * block_room),
-                               v_room + i * block_room);
+      pack_block<T, PAIRS, HD, AMX, INT8>(p, c, static_cast<int>(local / count(c)),
+                                          local % count(c),
+                                          reinterpret_cast<T*>(k_room + u * block_room),
+                                          v_room + u * block_room);
     }
     Scratch w(rp, p.head_dim);
+    if constexpr (!AMX) {
+#pragma omp for schedule(dynamic, 1)
+      for (int k = 0; k < num_stacked; ++k) {
+        const StackedItem& it = stacked[k];
+        const ShareGroup& grp = share.groups[it.group];
+        const int64_t rows = grp.row_start.back();
+        attend_stacked<T, PAIRS, HD>(p, grp, it, w, blocks_of(grp.members[0], it.kv_head),
+                                     state.data() + grp.state_offset +
+                                         it.kv_head * rows * (hd + 2));
+      }
+    }
 #if defined(POISE_PREFILL_AMX)
     if constexpr (AMX) amx_configure();
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int k = 0; k < num_items; ++k) {
       const Item& it = items[k];
-      const int64_t count = (first_block[it.chunk + 1] - first_block[it.chunk]) / p.num_kv_heads;
-      attend_item<T, PAIRS, HD, AMX>(p, it, w,
-                                     packed.data() + first_block[it.chunk] + it.kv_head * count);
+      const int gi = share.group_of[it.chunk];
+      int64_t kb_from = 0;
+      const float* from = nullptr;
+      if (gi >= 0) {
+        const ShareGroup& grp = share.groups[gi];
+        kb_from = grp.shared_blocks * kKeys;
+        from = state.data() + grp.state_offset +
+               (it.kv_head * grp.row_start.back() + grp.row_start[share.member_index[it.chunk]] +
+                static_cast<int64_t>(it.first_query) * G) *
+                   (hd + 2);
+      }
+      attend_item<T, PAIRS, HD, AMX>(p, it, w, blocks_of(it.chunk, it.kv_head), kb_from, from);
     }
 #if defined(POISE_PREFILL_AMX)
     if constexpr (AMX) _tile_release();

@@ -17,7 +17,15 @@ namespace poise_prefill {
 using namespace poise_attention;
 
 constexpr int kKeys = 64;      // keys per block
-constexpr int kRowAlign = 32;  // an item's rows, padded: two 16-lane groups at a time
+// An item's rows, padded: to one 16-lane vector on the vector path (a short tail's few rows
+// after a long context compute half as much as at 32), to two on AMX (its tiles take 32).
+// The padding changes no row's sums: every row is one lane of its own.
+constexpr int kRowAlign = 32;
+constexpr int kVectorRowAlign = 16;
+inline int padded_rows(int rows, bool amx) {
+  const int align = amx ? kRowAlign : kVectorRowAlign;
+  return (rows + align - 1) / align * align;
+}
 // Register tiles (16 accumulators each; measured on Zen 5 against 24-accumulator tiles, which
 // spill): Q K^T takes kQkKeys keys x kQkRowVectors x 16 rows, P V kPvRows rows x head_dim.
 constexpr int kQkKeys = 8;
@@ -45,7 +53,7 @@ struct LineAligned {
 template <typename T>
 using AlignedVector = std::vector<T, LineAligned<T>>;
 
-// Per-thread buffers of one item, rows padded to rp (a multiple of kRowAlign). Q and the
+// Per-thread buffers of one item, rows padded to rp (padded_rows). Q and the
 // scores are stored transposed (row index fastest), so one vector holds 16 rows: Q K^T
 // broadcasts each key element against 16 rows' q, and the softmax runs 16 rows per vector.
 struct Scratch {
@@ -116,7 +124,8 @@ template <typename T, bool PAIRS, int HD, int NJ, int RV>
 inline void qk_keys(Scratch& w, const Packed& b, int rp, int j0, float scale) {
   int r = 0;
   for (; r + 16 * RV <= rp; r += 16 * RV) qk_tile<T, PAIRS, HD, NJ, RV>(w, b, rp, r, j0, scale);
-  for (; r < rp; r += 32) qk_tile<T, PAIRS, HD, NJ, 2>(w, b, rp, r, j0, scale);
+  for (; r + 32 <= rp; r += 32) qk_tile<T, PAIRS, HD, NJ, 2>(w, b, rp, r, j0, scale);
+  for (; r < rp; r += 16) qk_tile<T, PAIRS, HD, NJ, 1>(w, b, rp, r, j0, scale);
 }
 #endif
 
@@ -210,13 +219,15 @@ inline void softmax_block(Scratch& w, int rp, int n, int n2) {
 #else
   for (int r = 0; r < rp; ++r) {
     float mx = -std::numeric_limits<float>::infinity();
-    for (int j = 0; j < n && j <= w.pos[r]; ++j) mx = std::max(mx, w.st[j * rp + r]);
+    // Unmasked blocks leave pos as the last masked one did: every key is visible there.
+    auto seen = [&](int j) { return j < n && (!MASKED || j <= w.pos[r]); };
+    for (int j = 0; seen(j); ++j) mx = std::max(mx, w.st[j * rp + r]);
     const float m_new = std::max(w.m[r], mx);
     const float corr = std::exp(w.m[r] - m_new);
     float sum = 0.0f;
     for (int j = 0; j < n2; ++j) {
       float& s = w.st[j * rp + r];
-      s = j < n && j <= w.pos[r] ? exp_nonpositive(s - m_new) : 0.0f;
+      s = seen(j) ? exp_nonpositive(s - m_new) : 0.0f;
       sum += s;
     }
     w.m[r] = m_new;
@@ -259,7 +270,7 @@ void accumulate(Scratch& w, const Packed& b, int rp, int hd, int n, int n2) {
 #if defined(__AVX512F__)
   if constexpr (HD > 0) {
     const int steps = PAIRS ? n2 / 2 : n;  // key pairs, or keys
-    int r0 = 0;  // tiles of kPvRows rows, then of two (rp is a multiple of 32)
+    int r0 = 0;  // tiles of kPvRows rows, then of two (rp is a multiple of 16)
     for (; r0 + kPvRows <= rp; r0 += kPvRows) pv_rows<T, PAIRS, HD, kPvRows>(w, b.v, rp, r0, steps);
     for (; r0 < rp; r0 += 2) pv_rows<T, PAIRS, HD, 2>(w, b.v, rp, r0, steps);
     return;
@@ -276,6 +287,60 @@ void accumulate(Scratch& w, const Packed& b, int rp, int hd, int n, int n2) {
 #pragma omp simd
       for (int d = 0; d < hd; ++d) o[d] += p * v[d];
     }
+  }
+}
+
+// Q rows 0 .. rp - 1 of an item into its transposed layout: src(r) is row r's q, or nullptr
+// for padding (zero).
+template <typename T, bool PAIRS, typename Src>
+void load_q(Scratch& w, int rp, int hd, Src src) {
+  for (int r = 0; r < rp; ++r) {
+    const T* q = src(r);
+    if constexpr (PAIRS) {
+      for (int d = 0; d < hd / 2; ++d) {
+        uint32_t pair = 0;
+        if (q) std::memcpy(&pair, q + 2 * d, sizeof pair);
+        w.qp[d * rp + r] = pair;
+      }
+    } else {
+      for (int d = 0; d < hd; ++d) w.qt[d * rp + r] = q ? to_float(q[d]) : 0.0f;
+    }
+  }
+}
+
+// The online softmax state of rows 0 .. rows - 1 (o [rp][hd], m, l) from `state` (rows of
+// hd + 2 floats), or fresh where state is null; padding rows fresh.
+inline void load_state(Scratch& w, int rp, int rows, int hd, const float* state) {
+  std::fill(w.o.begin(), w.o.begin() + static_cast<size_t>(rp) * hd, 0.0f);
+  std::fill(w.m.begin(), w.m.begin() + rp, -std::numeric_limits<float>::infinity());
+  std::fill(w.l.begin(), w.l.begin() + rp, 0.0f);
+  if (state == nullptr) return;
+  for (int r = 0; r < rows; ++r, state += hd + 2) {
+    std::memcpy(&w.o[static_cast<size_t>(r) * hd], state, sizeof(float) * hd);
+    w.m[r] = state[hd];
+    w.l[r] = state[hd + 1];
+  }
+}
+
+// The vector walk over key blocks kb_from / kKeys .. of keys 0 .. key_end - 1, the item's
+// first query at first_pos (row r's query at first_pos + r / G).
+template <typename T, bool PAIRS, int HD>
+void walk_vector(Scratch& w, const Packed* blocks, int64_t kb_from, int64_t key_end,
+                 int64_t first_pos, int rp, int hd, int G, float scale) {
+  for (int64_t kb = kb_from; kb < key_end; kb += kKeys) {
+    const int n = static_cast<int>(std::min<int64_t>(kKeys, key_end - kb));
+    const int n2 = (n + 1) & ~1;
+    const Packed& b = blocks[kb / kKeys];
+    const bool masked = kb + n - 1 > first_pos;  // some key past the first query: the diagonal
+    if (masked)
+      for (int r = 0; r < rp; ++r)
+        w.pos[r] = static_cast<int32_t>(std::min<int64_t>(first_pos + r / G - kb, kKeys));
+    scores<T, PAIRS, HD>(w, b, rp, hd, n, scale);
+    if (masked)
+      softmax_block<PAIRS, true>(w, rp, n, n2);
+    else
+      softmax_block<PAIRS, false>(w, rp, n, n2);
+    accumulate<T, PAIRS, HD>(w, b, rp, hd, n, n2);
   }
 }
 

@@ -34,6 +34,11 @@ class PrefillChunk:
     start_position: int
     # The request's block ids covering positions 0 .. start_position + query_len - 1.
     block_table: torch.Tensor  # [num_blocks_used] int64
+    # The last this many queries are generated tokens, not the prompt's (a speculative verify's
+    # drafts and the token before them, a recompute's output after preemption): a backend that
+    # gives decodes and prefills different orders of sums attends them as it does decodes, so
+    # they sum as they did (or would) one by one.
+    num_generated: int = 0
 
     @property
     def context_len(self) -> int:
