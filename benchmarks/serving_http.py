@@ -103,13 +103,20 @@ def scrape(base: str) -> dict[str, float]:
         "process": "process_cpu_seconds_total",
         "steps": "poise:step_duration_seconds_sum",
         "step_count": "poise:step_duration_seconds_count",
+        # The server's own split of each request's TTFT (poise/serving/metrics.py), summed
+        # over traffic classes: which phase a slower TTFT came from.
+        **{
+            f"{phase}_{part}": f"poise:request_{phase}_seconds_{part}"
+            for phase in ("ingress_time", "queue_time", "prefill_time", "prefill_compute")
+            for part in ("sum", "count")
+        },
     }
-    out = {}
+    out: dict[str, float] = {}
     text = httpx.get(base + "/metrics", timeout=30).text
     for key, name in names.items():
         for line in text.splitlines():
             if line.startswith(name + "{") or line.startswith(name + " "):
-                out[key] = float(line.rsplit(" ", 1)[1])
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 

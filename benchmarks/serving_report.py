@@ -26,6 +26,12 @@ class Cell:
         n = self.server_cpu.get("step_count", 0.0)
         return 1000 * self.server_cpu.get("steps", 0.0) / n if n else None
 
+    def phase_ms(self, phase: str) -> float | None:
+        """The server's mean of one TTFT phase over the cell's requests (from /metrics):
+        ``ingress_time``, ``queue_time``, ``prefill_time`` or ``prefill_compute``."""
+        n = self.server_cpu.get(f"{phase}_count", 0.0)
+        return 1000 * self.server_cpu.get(f"{phase}_sum", 0.0) / n if n else None
+
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
@@ -38,8 +44,9 @@ class Cell:
 def report(cells: list[Cell]) -> str:
     rows = [
         "| conc | mode | req | out tok | s | tok/s | HTTP/offline | TTFT p50/p95 SHORT ms "
-        "| TTFT p50/p95 LONG ms | server CPU s (engine / loop / process) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| TTFT p50/p95 LONG ms | server CPU s (engine / loop / process) "
+        "| server TTFT mean ms (ingress / queue / prefill, of it computing) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     offline = {c.concurrency: c for c in cells if c.mode == "offline"}
 
@@ -59,12 +66,18 @@ def report(cells: list[Cell]) -> str:
             if cpu
             else ""
         )
+        phases = (
+            " / ".join(f(cell.phase_ms(p)) for p in ("ingress_time", "queue_time", "prefill_time"))
+            + f" ({f(cell.phase_ms('prefill_compute'))})"
+            if cell.phase_ms("queue_time") is not None
+            else ""
+        )
         rows.append(
             f"| {cell.concurrency} | {cell.mode} kv={cell.kv_cache_dtype}{f' r{cell.run}' if cell.run else ''} "
             f"| {cell.num_requests} | {cell.output_tokens} "
             f"| {cell.seconds:.1f} | {cell.tokens_per_s:.1f} | {ratio} "
             f"| {f(cell.ttft_ms('short', 50))} / {f(cell.ttft_ms('short', 95))} "
-            f"| {f(cell.ttft_ms('long', 50))} / {f(cell.ttft_ms('long', 95))} | {cpu_s} |"
+            f"| {f(cell.ttft_ms('long', 50))} / {f(cell.ttft_ms('long', 95))} | {cpu_s} | {phases} |"
         )
     return "\n".join(rows)
 
