@@ -16,11 +16,17 @@ One server process (the embedded SmolLM2-135M, no flags but the port unless give
    control, the same 8 at once again with the document cached (no follower), against the same
    twins: what batching alone does to bf16 answers.
 
+``--rounds R`` (default 3): all four R times in turn, each time with prompts no earlier one
+shares; per cell the median of the slowest burst TTFTs over the median single TTFT (the
+ratio's peer: one cold prompt's TTFT moves by up to ~1.5x from one request to the next on this
+shared machine), the worst round's ratio, and the answers over every round.
+
 "Cold": each cell's prompt differs from every earlier one in its first block (one token of the
 default system prompt / of the document replaced), so the prefix cache has nothing of it
 beyond the chat template's first tokens, and the lengths stay exact.
 
-    .venv/bin/python benchmarks/inflight_burst.py [--port 18400] [--json out.json] [-- serve args]
+    .venv/bin/python benchmarks/inflight_burst.py [--port 18400] [--rounds 3] [--json out.json]
+        [-- serve args]
 """
 
 from __future__ import annotations
@@ -28,9 +34,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,20 +114,18 @@ def salted(ids: list[int], position: int, token: int) -> list[int]:
     return out
 
 
-def measure(base: str, model: str) -> dict[str, Any]:
+def measure(base: str, model: str, rounds: int) -> dict[str, Any]:
     long_ids = tokenize(
         base,
         model,
         messages=[{"role": "user", "content": wl.LONG_PROMPT}],
         add_generation_prompt=True,
     )
-    words = tokenize(
-        base, model, prompt=" ".join(f"word{i}" for i in range(40)), add_special_tokens=False
-    )
-    salts = iter(sorted(set(words)))
     pos = 5  # inside the default system prompt: the first block, after <|im_start|>system
     filler = " ".join(wl._FILLER_WORDS[i % len(wl._FILLER_WORDS)] for i in range(4000))
     doc = tokenize(base, model, prompt=filler, add_special_tokens=False)[:3000]
+    # One token per cold prompt, each unlike the one it replaces (1 + 4 x rounds of them).
+    salts = iter(t for t in range(1000, 2000) if t not in (long_ids[pos], doc[0]))
     questions = [
         (
             tokenize(
@@ -140,19 +146,35 @@ def measure(base: str, model: str) -> dict[str, Any]:
         "long_prompt_tokens": len(long_ids),
         "doc_tokens": len(doc),
         "question_tokens": len(questions[0]),
+        "rounds": rounds,
     }
-    one, c1 = burst(base, model, [salted(long_ids, pos, next(salts))])
-    eight_prompt = salted(long_ids, pos, next(salts))
-    eight, c8 = burst(base, model, [eight_prompt] * N)
-    res["identical"] = {
-        "single_ttft_s": one[0]["ttft_s"],
-        "single_computed": c1,
-        "burst_ttfts_s": sorted(o["ttft_s"] for o in eight),
-        "burst_computed": c8,
-        "computed_ratio": c8 / c1,
-        "slowest_ttft_ratio": max(o["ttft_s"] for o in eight) / one[0]["ttft_s"],
-        "answers_equal": len({o["text"] for o in eight}) == 1,
-    }
+    identical: list[dict[str, Any]] = []
+    document: list[dict[str, Any]] = []
+    for _ in range(rounds):  # single and burst alternate: drift hits both
+        one, c1 = burst(base, model, [salted(long_ids, pos, next(salts))])
+        eight, c8 = burst(base, model, [salted(long_ids, pos, next(salts))] * N)
+        identical.append(
+            {
+                "single_ttft_s": one[0]["ttft_s"],
+                "single_computed": c1,
+                "burst_ttfts_s": sorted(o["ttft_s"] for o in eight),
+                "burst_computed": c8,
+                "computed_ratio": c8 / c1,
+                "slowest_ttft_ratio": max(o["ttft_s"] for o in eight) / one[0]["ttft_s"],
+                "answers_equal": len({o["text"] for o in eight}) == 1,
+            }
+        )
+        document.append(document_round(base, model, doc, questions, salts))
+    res["identical"] = {"rounds": identical, **summary(identical)}
+    res["document"] = {"rounds": document, **summary(document)}
+    return res
+
+
+def document_round(
+    base: str, model: str, doc: list[int], questions: list[list[int]], salts: Iterator[int]
+) -> dict[str, Any]:
+    """One request on a cold document alone, then 8 on another cold document at once, each
+    burst answer against its twin sent alone with that document cached."""
     d0, d1 = salted(doc, 0, next(salts)), salted(doc, 0, next(salts))
     alone, ca = burst(base, model, [d0 + questions[0]])
     shared, cs = burst(base, model, [d1 + q for q in questions])
@@ -160,7 +182,7 @@ def measure(base: str, model: str) -> dict[str, Any]:
     # Control: the same 8 at once with the document cached (nobody follows anybody): what
     # batching alone does to the answers (bf16 sums in another order at another batch shape).
     control, _ = burst(base, model, [d1 + q for q in questions])
-    res["document"] = {
+    return {
         "single_ttft_s": alone[0]["ttft_s"],
         "single_computed": ca,
         "burst_ttfts_s": [o["ttft_s"] for o in shared],
@@ -174,7 +196,28 @@ def measure(base: str, model: str) -> dict[str, Any]:
             o["text"] == c["text"] for o, c in zip(shared, control, strict=True)
         ],
     }
-    return res
+
+
+def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over the rounds: the median slowest burst TTFT / the median single TTFT (one cold
+    prompt's TTFT on this shared machine moves by up to ~1.5x from one request to the next, so
+    one sample each made the ratio swing 0.83-1.45x), the worst round's ratio and computed
+    tokens, and whether every answer equalled its twin in every round."""
+    single = statistics.median(r["single_ttft_s"] for r in rounds)
+    slowest = statistics.median(max(r["burst_ttfts_s"]) for r in rounds)
+    out: dict[str, Any] = {
+        "median_single_ttft_s": single,
+        "median_slowest_ttft_s": slowest,
+        "slowest_ttft_ratio_of_medians": slowest / single,
+        "worst_round_ttft_ratio": max(r["slowest_ttft_ratio"] for r in rounds),
+        "worst_computed_ratio": max(r["computed_ratio"] for r in rounds),
+    }
+    if "answers_equal_alone" in rounds[0]:
+        out["answers_equal_alone"] = sum(sum(r["answers_equal_alone"]) for r in rounds)
+        out["answers"] = N * len(rounds)
+    else:
+        out["all_answers_equal"] = all(r["answers_equal"] for r in rounds)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--port", type=int, default=18400)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--rounds", type=int, default=3, help="each measurement this many times, fresh prompts"
+    )
     args = p.parse_args(argv)
     extra: dict[str, Any] = {}
     for flag in serve_extra:  # --name=value or --name (boolean)
@@ -197,10 +243,13 @@ def main(argv: list[str] | None = None) -> int:
         server.wait_ready()
         base = f"http://127.0.0.1:{args.port}"
         model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
-        res = measure(base, model)
+        res = measure(base, model, args.rounds)
     res["uptime"] = os.popen("uptime").read().strip()
     res["serve_args"] = serve_extra
     print(json.dumps(res, indent=2))
+    for cell in ("identical", "document"):
+        summary_line = {k: v for k, v in res[cell].items() if k != "rounds"}
+        print(cell, json.dumps(summary_line), file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")
     return 0

@@ -8,9 +8,9 @@ tokens changed with its batch, with speculation and with in-flight followers. Wi
 AMX kernel for every row count (linear_kernel.PackedBf16; without AMX, the rows kernel for every
 row count, linear_kernel.bf16_linear) and cascade groups in whole
 partitions (cpu_decode_cascade.h), a request alone, batched, speculated or following another
-gets the same tokens. What still differs in bf16: the same prompt prefilled cold (the blocked
-prefill kernel) and with its prefix cached (the decode kernel over the cached keys) are two
-attention kernels, summing in two orders.
+gets the same tokens. And with every prompt token through the blocked prefill kernel (its
+tail after a prefix-cache hit too) and every generated one through the decode kernel
+(model/attention/cpu.py), the same prompt answers the same cold and cached.
 """
 
 from __future__ import annotations
@@ -117,3 +117,24 @@ def test_requests_on_one_document_answer_as_alone(tiny_llama_dir: Path) -> None:
     together = _generate(llm, [doc + q for q in questions])
     assert together == alone
     assert len({tuple(o[0]) for o in alone}) > 1
+
+
+def test_a_prompt_answers_the_same_cold_and_cached(tiny_llama_dir: Path) -> None:
+    """A prompt cold, then again with all its full blocks in the prefix cache (its tail after
+    them through the same prefill kernel), then as the tail after another prompt's cached
+    document: the same tokens and logprob bits each time."""
+    rng = random.Random(5)
+    doc = [rng.randrange(3, 500) for _ in range(150)]
+    questions = [[rng.randrange(3, 500) for _ in range(3 + 7 * q)] for q in range(4)]
+    llm = _llm(tiny_llama_dir, enable_prefix_caching=True)
+    for i, q in enumerate(questions):
+        prompt = [500 + i] + doc[1:] + q  # its own first block: nothing of it is cached
+        cold = _generate(llm, [prompt])[0]
+        assert _generate(llm, [prompt])[0] == cold  # every full block cached
+        assert _generate(llm, [prompt[:-1] + [7]])[0] != cold  # the check can see a change
+    # Questions on one document: each cold (a fresh document) against each after it cached.
+    llm = _llm(tiny_llama_dir, enable_prefix_caching=True)
+    _generate(llm, [doc])
+    cached = [_generate(llm, [doc + q])[0] for q in questions]
+    cold = [_generate(_llm(tiny_llama_dir), [doc + q])[0] for q in questions]
+    assert cached == cold
