@@ -15,7 +15,10 @@
 // after the other and within it the most expensive (last query blocks, most keys) first, so
 // the causal triangle balances. Before them, every key block of every kv head is read from
 // the paged cache once and packed (keys as rows, values as the bf16 pairs P V takes), shared
-// by all the items that read it instead of gathered by each.
+// by all the items that read it instead of gathered by each, and by every chunk whose block
+// table begins with the same blocks; on the vector path such chunks' rows walk those blocks
+// together first (stacked items, cpu_prefill_share.h), then each item goes on from its rows'
+// state. An item's rows are padded to 16 on the vector path, to 32 on AMX.
 //
 // On CPUs with AMX (checked at run time: cpu_prefill_amx.h) bf16 items run the same walk with
 // Q K^T and P V on AMX tiles (the values packed transposed for them, O held transposed).
