@@ -115,7 +115,9 @@ class CpuPagedAttentionBackend:
         generated: list[PrefillChunk] = []  # each chunk's generated queries, as a chunk
         for c in meta.prefills:
             n = c.query_len - c.num_generated
-            if n > 0:
+            if c.num_generated == 0:
+                prompts.append(c)
+            elif n > 0:
                 prompts.append(PrefillChunk(c.query_start, n, c.start_position, c.block_table))
             if c.num_generated > 0:
                 generated.append(

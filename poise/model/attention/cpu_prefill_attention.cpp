@@ -122,7 +122,7 @@ struct StackedItem {  // rows first_row .. + num_rows of a group, kv head g: the
 
 // A stacked item (cpu_prefill_share.h): its rows, from any of the group's members, walk the
 // group's shared key blocks (before every member's queries: no mask) through `blocks` (the
-// shared copies), and leave each row's state in `state` for the members' own items.
+// shared copies), and leave each row's state in the state buffer for the members' own items.
 template <typename T, bool PAIRS, int HD>
 void attend_stacked(const Chunks& p, const ShareGroup& grp, const StackedItem& it, Scratch& w,
                     const Packed* blocks, float* state) {
@@ -145,7 +145,7 @@ void attend_stacked(const Chunks& p, const ShareGroup& grp, const StackedItem& i
   const int64_t shared_keys = grp.shared_blocks * kKeys;
   walk_vector<T, PAIRS, HD>(w, blocks, 0, shared_keys, shared_keys, rp, hd, G, p.scale);
   for (int r = 0; r < rows; ++r) {
-    float* dst = state + (it.first_row + r) * (hd + 2);
+    float* dst = row_state(state, grp, it.kv_head, it.first_row + r, hd);
     std::memcpy(dst, &w.o[static_cast<size_t>(r) * hd], sizeof(float) * hd);
     dst[hd] = w.m[r];
     dst[hd + 1] = w.l[r];
@@ -226,10 +226,8 @@ void run(const Chunks& p, int num_threads) {
       for (int k = 0; k < num_stacked; ++k) {
         const StackedItem& it = stacked[k];
         const ShareGroup& grp = share.groups[it.group];
-        const int64_t rows = grp.row_start.back();
         attend_stacked<T, PAIRS, HD>(p, grp, it, w, blocks_of(grp.members[0], it.kv_head),
-                                     state.data() + grp.state_offset +
-                                         it.kv_head * rows * (hd + 2));
+                                     state.data());
       }
     }
 #if defined(POISE_PREFILL_AMX)
@@ -244,10 +242,8 @@ void run(const Chunks& p, int num_threads) {
       if (gi >= 0) {
         const ShareGroup& grp = share.groups[gi];
         kb_from = grp.shared_blocks * kKeys;
-        from = state.data() + grp.state_offset +
-               (it.kv_head * grp.row_start.back() + grp.row_start[share.member_index[it.chunk]] +
-                static_cast<int64_t>(it.first_query) * G) *
-                   (hd + 2);
+        from = row_state(state.data(), grp, it.kv_head,
+                         share.group_row[it.chunk] + static_cast<int64_t>(it.first_query) * G, hd);
       }
       attend_item<T, PAIRS, HD, AMX>(p, it, w, blocks_of(it.chunk, it.kv_head), kb_from, from);
     }

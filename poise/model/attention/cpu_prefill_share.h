@@ -29,10 +29,15 @@ struct ShareGroup {
 struct Sharing {
   std::vector<int64_t> origin;  // per (chunk, kv head, key block): the packed copy it reads
   std::vector<ShareGroup> groups;
-  std::vector<int> group_of;      // per chunk: its group, or -1
-  std::vector<int> member_index;  // per chunk: its index among its group's members
-  int64_t state_floats = 0;       // the state buffer's size
+  std::vector<int> group_of;         // per chunk: its group, or -1
+  std::vector<int64_t> group_row;    // per chunk: where its rows begin among its group's
+  int64_t state_floats = 0;          // the state buffer's size
 };
+
+// The state (o [hd], m, l) of row `row` of group `grp`, kv head g, in the state buffer.
+inline float* row_state(float* state, const ShareGroup& grp, int g, int64_t row, int hd) {
+  return state + grp.state_offset + (g * grp.row_start.back() + row) * (hd + 2);
+}
 
 // `first_block[c] + g * count_c + b`: chunk c's key block b of kv head g (count_c its key blocks
 // per head), as cpu_prefill_attention.cpp numbers them. stack: whether stacked walks may be
@@ -44,7 +49,7 @@ Sharing find_sharing(const Chunks& p, const std::vector<int64_t>& first_block, i
   s.origin.resize(first_block[p.num_chunks]);
   std::iota(s.origin.begin(), s.origin.end(), int64_t{0});
   s.group_of.assign(p.num_chunks, -1);
-  s.member_index.assign(p.num_chunks, -1);
+  s.group_row.assign(p.num_chunks, 0);
   auto context = [&](int c) { return p.start_position[c] + p.query_len[c]; };
   auto count = [&](int c) { return (first_block[c + 1] - first_block[c]) / p.num_kv_heads; };
   // Keys 0 .. n - 1 of chunks a and b are the same cache slots: their tables agree that far.
@@ -101,7 +106,7 @@ Sharing find_sharing(const Chunks& p, const std::vector<int64_t>& first_block, i
     grp.row_start.assign(1, 0);
     for (size_t i = 0; i < grp.members.size(); ++i) {
       s.group_of[grp.members[i]] = static_cast<int>(gi);
-      s.member_index[grp.members[i]] = static_cast<int>(i);
+      s.group_row[grp.members[i]] = grp.row_start.back();
       grp.row_start.push_back(grp.row_start.back() + p.query_len[grp.members[i]] * G);
     }
     grp.state_offset = s.state_floats;
