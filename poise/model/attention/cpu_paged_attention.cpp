@@ -213,7 +213,7 @@ void run(const Problem& p, int num_threads) {
   // Per item and head: acc [hd], m, l.
   std::vector<float> acc(static_cast<size_t>(plan.num_items) * H * hd);
   std::vector<float> stats(static_cast<size_t>(plan.num_items) * H * 2);
-  const int threads = decode_threads(p.context_len, p.num_rows, H * hd, num_threads);
+  const int threads = decode_threads(p.context_len, p.num_rows, H * hd, num_threads, num_units);
 
 #pragma omp parallel num_threads(threads)
   {
