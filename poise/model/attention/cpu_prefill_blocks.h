@@ -323,14 +323,15 @@ inline void load_state(Scratch& w, int rp, int rows, int hd, const float* state)
 }
 
 // The vector walk over key blocks kb_from / kKeys .. of keys 0 .. key_end - 1, the item's
-// first query at first_pos (row r's query at first_pos + r / G).
-template <typename T, bool PAIRS, int HD>
-void walk_vector(Scratch& w, const Packed* blocks, int64_t kb_from, int64_t key_end,
+// first query at first_pos (row r's query at first_pos + r / G). block_at(b): key block b,
+// packed (already, or just now: cpu_prefill_attention.cpp packs a lone item's blocks as it goes).
+template <typename T, bool PAIRS, int HD, typename BlockAt>
+void walk_vector(Scratch& w, BlockAt&& block_at, int64_t kb_from, int64_t key_end,
                  int64_t first_pos, int rp, int hd, int G, float scale) {
   for (int64_t kb = kb_from; kb < key_end; kb += kKeys) {
     const int n = static_cast<int>(std::min<int64_t>(kKeys, key_end - kb));
     const int n2 = (n + 1) & ~1;
-    const Packed& b = blocks[kb / kKeys];
+    const Packed& b = block_at(kb / kKeys);
     const bool masked = kb + n - 1 > first_pos;  // some key past the first query: the diagonal
     if (masked)
       for (int r = 0; r < rp; ++r)
