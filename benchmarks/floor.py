@@ -132,8 +132,12 @@ def decode_rounds(model: Any, args: argparse.Namespace, into: dict[str, Any]) ->
     for b in args.batch_list:
         lt = decode_linears(model, b, args.repeats)
         best = into.get(str(b))
+        stream = (
+            lt.stream_seconds if best is None else min(best["stream_seconds"], lt.stream_seconds)
+        )
         if best is None or lt.seconds < best["seconds"]:
             into[str(b)] = {"seconds": lt.seconds, "by_kind": lt.by_kind}
+        into[str(b)]["stream_seconds"] = stream
 
 
 def run_format(spec: str, fmt: str, args: argparse.Namespace) -> dict[str, Any]:

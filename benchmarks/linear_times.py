@@ -28,6 +28,7 @@ from engine_steps import (
     random_inputs,
     tensor_bytes,
 )
+from hardware import _read_kernel
 from torch import nn
 
 from poise.model.llama import LlamaForCausalLM
@@ -45,6 +46,9 @@ class LinearTimes:
     rows: int
     seconds: float  # the best pass, all layers
     by_kind: dict[str, float] = field(default_factory=dict)  # that pass, split
+    # decode_linears: the best streaming read of the same tensors, one call per layer as the
+    # pass makes, interleaved with the passes (nan where not measured).
+    stream_seconds: float = float("nan")
 
 
 def _best_pass(
@@ -82,13 +86,41 @@ def _projection_calls(
     return [(kind(name), partial(m, inputs[in_features(m)])) for name, m in layers]
 
 
+def _stream_calls(model: LlamaForCausalLM) -> list[tuple[str, Callable[[], object]]]:
+    """Per projection (and the lm_head), in forward order: a streaming read of every tensor
+    it holds (hardware.py's kernel on all threads), nothing computed."""
+    read, threads = _read_kernel(), torch.get_num_threads()
+    head = model.lm_head if model.lm_head is not None else model.tied_head
+    modules = [*projections(model), (HEAD, head if head is not None else model.model.embed_tokens)]
+    calls: list[tuple[str, Callable[[], object]]] = []
+    for name, m in modules:
+        tensors = {t.data_ptr(): t for t in (*m.parameters(), *m.buffers())}.values()
+        spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
+        calls.append((kind(name), partial(_read_all, read, spans, threads)))
+    return calls
+
+
+def _read_all(read: Callable[..., int], spans: list[tuple[int, int]], threads: int) -> None:
+    for ptr, nbytes in spans:
+        read(ptr, nbytes, threads)
+
+
 def decode_linears(model: LlamaForCausalLM, batch: int, repeats: int) -> LinearTimes:
-    """Best of ``repeats`` passes (after one that touches every weight) at ``batch`` rows."""
+    """Best of ``repeats`` passes (after one that touches every weight) at ``batch`` rows, and
+    the best of as many streaming reads of the same tensors, each right after a pass (the
+    peer that tells the kernels' cost from the machine's read rate at that moment)."""
     calls = _projection_calls(model, batch)
     hidden = random_inputs({model.arch.hidden_size}, batch, model.model.embed_tokens.weight.dtype)
     calls.append((HEAD, lambda: model.compute_logits(hidden[model.arch.hidden_size])))
-    total, split = _best_pass(calls, repeats, warmup=1)
-    return LinearTimes(batch, total, split)
+    streams = _stream_calls(model)
+    _best_pass(calls, 0, warmup=1)
+    best: tuple[float, dict[str, float]] = (float("inf"), {})
+    stream = float("inf")
+    for _ in range(repeats):
+        one = _best_pass(calls, 1, warmup=0)
+        best = min(best, one, key=lambda r: r[0])
+        stream = min(stream, _best_pass(streams, 1, warmup=0)[0])
+    return LinearTimes(batch, best[0], best[1], stream)
 
 
 def prefill_layers(model: LlamaForCausalLM, count: int) -> list[tuple[str, nn.Module]]:

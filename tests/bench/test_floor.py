@@ -75,6 +75,9 @@ def test_floor_tiny_run_reports_every_figure(tmp_path: Path) -> None:
             assert d["seconds"] > 0 and math.isclose(
                 d["x_floor"], d["seconds"] / r["decode_floor_s"]
             )
+            # The peer read of the same tensors: a figure of its own, and the ratio to it.
+            assert d["stream_seconds"] > 0
+            assert math.isclose(d["x_stream"], d["seconds"] / d["stream_seconds"])
             kinds = d["by_kind"]
             assert math.isclose(sum(k["seconds"] for k in kinds.values()), d["seconds"])
             step = r["steps"][b]
