@@ -45,6 +45,27 @@ def _read_kernel() -> Any:
     return fn
 
 
+@functools.cache
+def _read_spans_kernel() -> Any:
+    """``poise_read_spans``: several buffers read in one parallel region."""
+    _read_kernel()  # builds the library
+    target = build_library("read_bandwidth", [SOURCE], [], "no read-bandwidth kernel")
+    assert target is not None
+    fn = ctypes.CDLL(str(target)).poise_read_spans
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_uint64
+    return fn
+
+
+def read_spans(spans: list[tuple[int, int]], threads: int) -> Callable[[], int]:
+    """A call that streams every (pointer, bytes) span once, all of them in one parallel
+    region of ``threads`` threads (the arrays are built once, here)."""
+    ptrs = (ctypes.c_void_p * len(spans))(*(p for p, _ in spans))
+    sizes = (ctypes.c_int64 * len(spans))(*(n for _, n in spans))
+    fn, count = _read_spans_kernel(), len(spans)
+    return lambda: int(fn(ptrs, sizes, count, threads))
+
+
 def _best_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()

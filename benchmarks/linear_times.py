@@ -28,7 +28,7 @@ from engine_steps import (
     random_inputs,
     tensor_bytes,
 )
-from hardware import _read_kernel
+from hardware import read_spans
 from torch import nn
 
 from poise.model.llama import LlamaForCausalLM
@@ -87,22 +87,18 @@ def _projection_calls(
 
 
 def _stream_calls(model: LlamaForCausalLM) -> list[tuple[str, Callable[[], object]]]:
-    """Per projection (and the lm_head), in forward order: a streaming read of every tensor
-    it holds (hardware.py's kernel on all threads), nothing computed."""
-    read, threads = _read_kernel(), torch.get_num_threads()
+    """Per projection (and the lm_head), in forward order: one call that streams every tensor
+    it holds (hardware.py's kernel, all threads, one parallel region as a layer's kernel call
+    has), nothing computed."""
+    threads = torch.get_num_threads()
     head = model.lm_head if model.lm_head is not None else model.tied_head
     modules = [*projections(model), (HEAD, head if head is not None else model.model.embed_tokens)]
     calls: list[tuple[str, Callable[[], object]]] = []
     for name, m in modules:
         tensors = {t.data_ptr(): t for t in (*m.parameters(), *m.buffers())}.values()
         spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
-        calls.append((kind(name), partial(_read_all, read, spans, threads)))
+        calls.append((kind(name), read_spans(spans, threads)))
     return calls
-
-
-def _read_all(read: Callable[..., int], spans: list[tuple[int, int]], threads: int) -> None:
-    for ptr, nbytes in spans:
-        read(ptr, nbytes, threads)
 
 
 def decode_linears(model: LlamaForCausalLM, batch: int, repeats: int) -> LinearTimes:

@@ -80,3 +80,26 @@ extern "C" uint64_t poise_read_bytes(const void* data, int64_t nbytes, int threa
     }
     return total;
 }
+
+// The same over `count` buffers in one parallel region (each thread its slice of every buffer,
+// in order), as one call of a kernel reads a layer's weight, scales and zeros: the peer of a
+// layer's call, with one region's start and end as it has.
+extern "C" uint64_t poise_read_spans(const void* const* data, const int64_t* nbytes, int count,
+                                     int threads) {
+    uint64_t total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+        int nt = 1, t = 0;
+#if defined(_OPENMP)
+        nt = omp_get_num_threads();
+        t = omp_get_thread_num();
+#endif
+        for (int i = 0; i < count; ++i) {
+            const int64_t lines = nbytes[i] / kLine;
+            const int64_t begin = lines * t / nt, end = lines * (t + 1) / nt;
+            total += read_slice(static_cast<const unsigned char*>(data[i]) + begin * kLine,
+                                end - begin);
+        }
+    }
+    return total;
+}
