@@ -59,13 +59,35 @@ inline int decode_threads(const int64_t* context_len, int num_rows, int64_t head
   return std::max(1, std::min(num_threads, units));
 }
 
-// Up to 4 query heads of one kv head at a time (the fixed-count kernels keep their scores and
-// accumulators in registers): for heads [first, first + count) of kv head g, in order,
-// f(first, std::integral_constant<int, count>{}) fills scores[count * n...] with the heads'
-// (max, sum) pairs (softmax_rows), copied here to m_out / l_out.
-template <typename F>
+// Whether the AVX-512 decode kernels take NQ query heads of head_dim HD at once: their
+// accumulators (NQ x HD / 16 vectors), one row of values and NQ weights fit the 32 registers
+// (with two to spare); otherwise those heads take the plain loops.
+template <int HD, int NQ>
+constexpr bool fits_registers() {
+  return HD > 0 && HD % 16 == 0 && (HD / 16) * (NQ + 1) + NQ <= 30;
+}
+
+// Query heads per group for head_dim HD: up to 4, as many as fits_registers allows (head_dim 128: 2),
+// so that GQA with more heads per kv head (Qwen2.5-1.5B: 6 of head_dim 128) runs in groups the
+// vectors take rather than a group of 4 in plain loops (its 16-row, 1,024-key step: 5.4x its
+// KV read).
+template <int HD>
+constexpr int heads_per_group() {
+  if constexpr (HD == 0) return 4;
+  else if constexpr (fits_registers<HD, 4>()) return 4;
+  else if constexpr (fits_registers<HD, 3>()) return 3;
+  else if constexpr (fits_registers<HD, 2>()) return 2;
+  else return 1;
+}
+
+// Up to kMaxHeads query heads of one kv head at a time (the fixed-count kernels keep their
+// scores and accumulators in registers): for heads [first, first + count) of kv head g, in
+// order, f(first, std::integral_constant<int, count>{}) fills scores[count * n...] with the
+// heads' (max, sum) pairs (softmax_rows), copied here to m_out / l_out. A head's results do not
+// depend on the group it is in (each head's sums are its own).
+template <int kMaxHeads = 4, typename F>
 void for_head_groups(int g, int G, int n, const float* scores, float* m_out, float* l_out, F&& f) {
-  constexpr int kMaxHeads = 4;
+  static_assert(kMaxHeads >= 1 && kMaxHeads <= 4);
   for (int i = 0; i < G; i += kMaxHeads) {
     const int h = g * G + i;
     const int count = std::min(kMaxHeads, G - i);

@@ -133,7 +133,7 @@ void attend_heads_fixed(const float* q_f, const T* q_raw, float scale, int hd,
                         const T* const* slots, int n, int64_t k_offset, int64_t v_offset,
                         float* scores, float* acc) {
 #if defined(__AVX512F__)
-  if constexpr (HD_FIXED > 0 && HD_FIXED % 16 == 0 && (HD_FIXED / 16) * (NQ + 1) + NQ <= 30) {
+  if constexpr (fits_registers<HD_FIXED, NQ>()) {
     qk_avx512<T, HD_FIXED / 16, NQ>(q_f, q_raw, scale, slots, n, k_offset, scores, n);
     softmax_rows(scores, NQ, n);
     pv_avx512<T, HD_FIXED / 16, NQ>(scores, n, slots, n, v_offset, [](int) { return 1.0f; },
@@ -158,7 +158,8 @@ void attend_kv_head(const Problem& p, int g, const T* q, const float* q_f, const
   const int Hkv = p.num_kv_heads, G = p.num_heads / Hkv;
   const int64_t k_offset = static_cast<int64_t>(g) * hd;
   const int64_t v_offset = static_cast<int64_t>(Hkv + g) * hd;
-  for_head_groups(g, G, n, scores, m_out, l_out, [&](int h, auto nq) {
+  constexpr int kHeads = heads_per_group<HD_FIXED>();
+  for_head_groups<kHeads>(g, G, n, scores, m_out, l_out, [&](int h, auto nq) {
     attend_heads_fixed<T, HD_FIXED, decltype(nq)::value>(q_f + h * hd, q + h * hd, p.scale, hd,
                                                          slots, n, k_offset, v_offset, scores,
                                                          acc + h * hd);

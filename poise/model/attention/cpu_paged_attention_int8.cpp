@@ -70,7 +70,7 @@ template <int HD_FIXED, int NQ>
 void attend_heads(const float* q_f, int hd, const int8_t* const* slots, int n, int64_t k_offset,
                   int64_t v_offset, Scales sc, float* scores, float* acc) {
 #if defined(__AVX512F__)
-  if constexpr (HD_FIXED > 0 && HD_FIXED % 16 == 0 && (HD_FIXED / 16) * (NQ + 1) + NQ <= 30) {
+  if constexpr (fits_registers<HD_FIXED, NQ>()) {
     qk_avx512<HD_FIXED / 16, NQ>(q_f, slots, n, k_offset, sc, scores);
     softmax_rows(scores, NQ, n);
     pv_avx512<int8_t, HD_FIXED / 16, NQ>(scores, n, slots, n, v_offset,
@@ -115,7 +115,8 @@ void attend_partition(const Problem& p, int row, int begin, int end, float* scor
       vs[j] = row_scale(slots[j] + v_offset, hd);
     }
     const Scales sc{ks, vs};
-    for_head_groups(g, G, n, scores, m_out, l_out, [&](int h, auto nq) {
+    constexpr int kHeads = heads_per_group<HD_FIXED>();
+  for_head_groups<kHeads>(g, G, n, scores, m_out, l_out, [&](int h, auto nq) {
       attend_heads<HD_FIXED, decltype(nq)::value>(q_f + h * hd, hd, slots, n, k_offset, v_offset,
                                                   sc, scores, acc + h * hd);
     });
