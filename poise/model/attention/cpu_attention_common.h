@@ -211,13 +211,16 @@ inline __m512 load16(const int8_t* p) {
 // acc[i] (NQ query heads x NV * 16 values) = sum over keys j of weights[i * weights_stride + j]
 // * v_scale(j) * the value row at slots[j] + v_offset, widened to float (v_scale: 1 for float
 // and bf16 caches, the key's scale for int8 ones). Unnormalised: the partition merge divides.
+// From key j0 (default 0) to n: with `more`, acc already holds the sums of the keys before j0
+// and these are added to them in order (so keys in blocks, one call each, sum as one call).
 template <typename T, int NV, int NQ, typename VScale>
 void pv_avx512(const float* weights, int weights_stride, const T* const* slots, int n,
-               int64_t v_offset, VScale v_scale, float* acc) {
+               int64_t v_offset, VScale v_scale, float* acc, int j0 = 0, bool more = false) {
   __m512 a[NQ][NV];
   for (int i = 0; i < NQ; ++i)
-    for (int v = 0; v < NV; ++v) a[i][v] = _mm512_setzero_ps();
-  for (int j = 0; j < n; ++j) {
+    for (int v = 0; v < NV; ++v)
+      a[i][v] = more ? _mm512_loadu_ps(acc + (i * NV + v) * 16) : _mm512_setzero_ps();
+  for (int j = j0; j < n; ++j) {
     const T* vrow = slots[j] + v_offset;
     __m512 vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = load16(vrow + v * 16);

@@ -103,12 +103,14 @@ struct QKRows {
   }
 };
 
+// Scores of keys j0 .. n - 1 (j0 a multiple of 4: keys go in fours from the first, the last
+// n % 4 of the row one by one, so a row's scores are the same bits in one call or in blocks).
 template <typename T, int NV, int NQ>
 void qk_avx512(const float* q_f, const T* q_raw, float scale, const T* const* slots, int n,
-               int64_t k_offset, float* scores, int scores_stride) {
+               int64_t k_offset, float* scores, int scores_stride, int j0 = 0) {
   const QKRows<T, NV, NQ> rows(q_f, q_raw, scale);
   const __m128 post = _mm_set1_ps(rows.post_scale);
-  int j = 0;
+  int j = j0;
   for (; j + 4 <= n; j += 4) {
     __m512 a[4][NQ];
     for (int t = 0; t < 4; ++t) rows.partials(slots[j + t] + k_offset, a[t]);
@@ -166,6 +168,86 @@ void attend_kv_head(const Problem& p, int g, const T* q, const float* q_f, const
   });
 }
 
+#if defined(__AVX512F__)
+// f(std::integral_constant<int, count>{}) for count in 1 .. 4.
+template <typename F>
+inline void with_count(int count, F&& f) {
+  switch (count) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{});
+  }
+}
+
+constexpr int kWalkKeys = 16;  // keys per step of attend_unit_blocks (a cache block's, at 16)
+// Slots (every kv head's K and V of one key) from this size on take attend_unit_blocks. Measured
+// in bf16 (benchmarks/decode_attention.py, cascade_attention.py): at 1-8 KB (Qwen2.5-1.5B,
+// Llama-3.2-1B, SmolLM2-1.7B) the block walk took 0.69-0.87x the time head by head at 1,024
+// keys; at SmolLM2-135M's 768 bytes it took 1.05-1.4x (a head's walk at that stride is one the
+// hardware prefetcher follows).
+constexpr int64_t kWalkSlotBytes = 1024;
+
+// attend_unit's walk on the AVX-512 kernels, with the same sums in the same order, but a block
+// of kWalkKeys keys at a time with every kv head's rows inside it: a head's row is 128 bytes of
+// a slot that holds every head's K and V, so walking one head over the whole unit strided by a
+// slot (2-8 KB) over every key's page, while a block's heads in turn read each page's lines in
+// order (a plain read in this order: 20 GB/s on one core at 32 kv heads, against 13 GB/s head
+// by head). Q K^T for every row and head first (scores [row][head][n + 2]: rows at stride n,
+// each head group's softmax stats after its rows), then the softmax, then P V block by block,
+// the accumulators carried in `acc` between blocks.
+template <typename T, int HD>
+void attend_unit_blocks(const Problem& p, const DecodePlan& plan, const DecodeUnit& unit,
+                        const float* q_f, const T* const* slots, float* acc, float* stats) {
+  constexpr int NV = HD / 16, kHeads = heads_per_group<HD>();
+  const int H = p.num_heads, Hkv = p.num_kv_heads, G = H / Hkv;
+  const int n = unit.end - unit.begin;
+  const int* rows = plan.unit_rows.data() + unit.rows_begin;
+  const int num = unit.rows_end - unit.rows_begin;
+  const size_t row_floats = static_cast<size_t>(H) * (n + 2);
+  thread_local std::vector<float> scores;  // grows to the largest unit; kept from call to call
+  if (scores.size() < num * row_floats) scores.resize(num * row_floats);
+  auto item = [&](int m) { return static_cast<size_t>(plan.row_first_item[rows[m]] + unit.item); };
+  // f(m, first head, count, kv head) for every kv head, row and head group.
+  auto each_group = [&](auto&& f) {
+    for (int g = 0; g < Hkv; ++g)
+      for (int m = 0; m < num; ++m)
+        for (int i = 0; i < G; i += kHeads)
+          with_count(std::min(kHeads, G - i), [&](auto nq) { f(m, g * G + i, nq, g); });
+  };
+  auto group_scores = [&](int m, int h) { return scores.data() + m * row_floats + h * (n + 2); };
+  for (int b0 = 0; b0 < n; b0 += kWalkKeys) {
+    const int b1 = std::min(n, b0 + kWalkKeys);
+    each_group([&](int m, int h, auto nq, int g) {
+      const T* q = static_cast<const T*>(p.q) + p.row_token[rows[m]] * p.q_token_stride;
+      qk_avx512<T, NV, decltype(nq)::value>(q_f + (static_cast<size_t>(m) * H + h) * HD,
+                                            q + h * HD, p.scale, slots, b1,
+                                            static_cast<int64_t>(g) * HD, group_scores(m, h), n,
+                                            b0);
+    });
+  }
+  each_group([&](int m, int h, auto nq, int) {
+    constexpr int count = decltype(nq)::value;
+    float* s = group_scores(m, h);
+    softmax_rows(s, count, n);
+    float* st = stats + item(m) * H * 2;
+    for (int c = 0; c < count; ++c) {
+      st[h + c] = s[count * n + 2 * c];
+      st[H + h + c] = s[count * n + 2 * c + 1];
+    }
+  });
+  for (int b0 = 0; b0 < n; b0 += kWalkKeys) {
+    const int b1 = std::min(n, b0 + kWalkKeys);
+    each_group([&](int m, int h, auto nq, int g) {
+      pv_avx512<T, NV, decltype(nq)::value>(group_scores(m, h), n, slots, b1,
+                                            static_cast<int64_t>(Hkv + g) * HD,
+                                            [](int) { return 1.0f; },
+                                            acc + item(m) * H * HD + h * HD, b0, b0 > 0);
+    });
+  }
+}
+#endif
+
 // One unit of the plan (cpu_decode_cascade.h): keys [begin, end) for each of its rows, which
 // see those keys through the same blocks. Per kv head, every row's queries in turn, so that
 // head's keys and values come from memory once and from cache for the other rows. Each row's
@@ -187,6 +269,14 @@ void attend_unit(const Problem& p, const DecodePlan& plan, const DecodeUnit& uni
     float* qf = q_f + static_cast<size_t>(m) * H * hd;
     for (int i = 0; i < H * hd; ++i) qf[i] = to_float(q[i]) * p.scale;
   }
+#if defined(__AVX512F__)
+  if constexpr (HD_FIXED > 0 && fits_registers<HD_FIXED, heads_per_group<HD_FIXED>()>()) {
+    if (slot_stride * static_cast<int64_t>(sizeof(T)) >= kWalkSlotBytes) {
+      attend_unit_blocks<T, HD_FIXED>(p, plan, unit, q_f, slots, acc, stats);
+      return;
+    }
+  }
+#endif
   for (int g = 0; g < Hkv; ++g)
     for (int m = 0; m < num; ++m) {
       const int r = rows[m];
