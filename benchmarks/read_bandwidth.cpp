@@ -61,29 +61,11 @@ uint64_t read_slice(const unsigned char* p, int64_t lines) {
 
 }  // namespace
 
-// Reads the first floor(nbytes / 64) * 64 bytes of data; returns their 64-bit lane sum.
-extern "C" uint64_t poise_read_bytes(const void* data, int64_t nbytes, int threads) {
-    const auto* base = static_cast<const unsigned char*>(data);
-    const int64_t lines = nbytes / kLine;
-    uint64_t total = 0;
-#pragma omp parallel num_threads(threads) reduction(+ : total)
-    {
-        // One contiguous slice per thread (static split by lines): each core streams its own
-        // pages, as a kernel splitting a weight matrix by output rows would.
-        int nt = 1, t = 0;
-#if defined(_OPENMP)
-        nt = omp_get_num_threads();
-        t = omp_get_thread_num();
-#endif
-        const int64_t begin = lines * t / nt, end = lines * (t + 1) / nt;
-        total += read_slice(base + begin * kLine, end - begin);
-    }
-    return total;
-}
-
-// The same over `count` buffers in one parallel region (each thread its slice of every buffer,
-// in order), as one call of a kernel reads a layer's weight, scales and zeros: the peer of a
-// layer's call, with one region's start and end as it has.
+// Reads the first floor(nbytes[i] / 64) * 64 bytes of each of `count` buffers, all in one
+// parallel region, and returns their 64-bit lane sum. Each thread reads one contiguous slice of
+// every buffer, in order (a static split by lines): each core streams its own pages, as a kernel
+// splitting a weight matrix by output rows would, and several buffers in one call are the peer
+// of one layer's kernel call reading its weight, scales and zeros (one region's start and end).
 extern "C" uint64_t poise_read_spans(const void* const* data, const int64_t* nbytes, int count,
                                      int threads) {
     uint64_t total = 0;
@@ -102,4 +84,9 @@ extern "C" uint64_t poise_read_spans(const void* const* data, const int64_t* nby
         }
     }
     return total;
+}
+
+// One buffer: the first floor(nbytes / 64) * 64 bytes of data; returns their 64-bit lane sum.
+extern "C" uint64_t poise_read_bytes(const void* data, int64_t nbytes, int threads) {
+    return poise_read_spans(&data, &nbytes, 1, threads);
 }
