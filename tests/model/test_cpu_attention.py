@@ -107,6 +107,24 @@ def test_cpu_kernel_matches_torch_backend(
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 37, 300])
+def test_cpu_kv_writer_equals_torch_index_copy(dtype: torch.dtype, tokens: int) -> None:
+    from poise.model.attention.common import write_kv
+
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 9 + 6, 64, generator=gen).to(dtype)
+    kv = qkv[:, 9:]  # strided, as the model hands it over
+    slots = torch.randperm(32 * 16, generator=gen)[:tokens]
+    caches = [torch.full((32, 16, 6, 64), 7.0, dtype=dtype) for _ in range(2)]
+    write_kv(kv, caches[0], slots)
+    backend = BACKENDS["cpu"].create()
+    backend._write_kv_native(backend._write_plain, kv, caches[1], slots)  # type: ignore[attr-defined]
+    # Every written slot holds its token's K and V, every other slot is untouched.
+    assert torch.equal(caches[0], caches[1])
+    assert torch.equal(caches[1].view(-1, 6, 64)[slots], kv)
+
+
 def test_cpu_backend_rejects_non_contiguous_cache() -> None:
     meta, cache, qkv = _case(9, 3, 64, torch.float32, seed=1)
     backend = BACKENDS["cpu"].create()

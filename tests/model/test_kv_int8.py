@@ -63,7 +63,8 @@ def test_cpu_writer_matches_the_torch_quantizer(dtype: torch.dtype, head_dim: in
     slots = torch.randperm(8 * 16, generator=gen)[:37]
     caches = [torch.zeros(8, 16, 6, head_dim + 2, dtype=torch.int8) for _ in range(2)]
     write_kv_int8(kv, caches[0], slots)
-    BACKENDS["cpu"].create()._write_kv_int8(kv, caches[1], slots)  # type: ignore[attr-defined]
+    backend = BACKENDS["cpu"].create()
+    backend._write_kv_native(backend._write_int8, kv, caches[1], slots)  # type: ignore[attr-defined]
     assert torch.equal(caches[0], caches[1])
     assert caches[0].view(-1, 6, head_dim + 2)[slots].any()
 

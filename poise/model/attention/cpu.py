@@ -33,7 +33,7 @@ transformers).
 The int8 KV cache (``--kv-cache-dtype int8``, kv_int8.py): the same rows and chunks through
 the kernels' int8 entry points (cpu_paged_attention_int8.cpp, and the prefill kernel
 dequantizing blocks as it packs them), the step's K/V quantized and written by
-cpu_kv_int8.cpp.
+cpu_kv_write.cpp.
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ class CpuPagedAttentionBackend:
         self._kernel_int8 = lib.poise_paged_attention_int8
         self._prefill_kernel_int8 = lib.poise_paged_prefill_int8
         self._write_int8 = lib.poise_write_kv_int8
+        self._write_plain = lib.poise_write_kv
         self._use_cascade = lib.poise_decode_use_cascade
         # Shared-prefix groups in the decode kernel (cpu_decode_cascade.h; off:
         # --disable-cascade-attn). The kernel's switch is per process, so it is set before
@@ -142,8 +143,10 @@ class CpuPagedAttentionBackend:
             raise ValueError("cpu attention: q heads or the KV cache are not contiguous")
         int8 = is_int8_cache(kv_cache)
         if int8:
-            self._write_kv_int8(kv, kv_cache, state.meta.slot_mapping)
-        else:
+            self._write_kv_native(self._write_int8, kv, kv_cache, state.meta.slot_mapping)
+        elif kv_cache.dtype == kv.dtype and kv.dtype in _DTYPE_CODES:
+            self._write_kv_native(self._write_plain, kv, kv_cache, state.meta.slot_mapping)
+        else:  # fp8 caches: torch's conversion and copy
             write_kv(kv, kv_cache, state.meta.slot_mapping)
         out = q.new_empty(q.shape)
         if state.rows is not None:
@@ -152,13 +155,15 @@ class CpuPagedAttentionBackend:
             self._attend_chunks(q, kv_cache, state.chunks, scale, out, int8)
         return out
 
-    def _write_kv_int8(
-        self, kv: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    def _write_kv_native(
+        self, writer: Any, kv: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
+        """kv [T, 2Hkv, hd] into the cache at the slots, one C++ call (cpu_kv_write.cpp):
+        ``writer`` quantizes into the int8 cache or copies into one in kv's dtype."""
         if kv.stride(2) != 1 or kv.stride(1) != kv.shape[2]:
             raise ValueError("cpu attention: the step's k/v heads are not contiguous")
         slots = slot_mapping.contiguous()
-        rc = self._write_int8(
+        rc = writer(
             _DTYPE_CODES[kv.dtype],
             kv.data_ptr(),
             kv.stride(0),
@@ -170,7 +175,7 @@ class CpuPagedAttentionBackend:
             torch.get_num_threads(),
         )
         if rc != 0:
-            raise RuntimeError(f"cpu attention: the int8 K/V writer rejected its arguments ({rc})")
+            raise RuntimeError(f"cpu attention: the K/V writer rejected its arguments ({rc})")
 
     def _attend_rows(
         self,

@@ -23,7 +23,7 @@ SOURCES = (
     _HERE / "cpu_paged_attention.cpp",
     _HERE / "cpu_prefill_attention.cpp",
     _HERE / "cpu_paged_attention_int8.cpp",
-    _HERE / "cpu_kv_int8.cpp",
+    _HERE / "cpu_kv_write.cpp",
 )
 HEADERS = (
     _HERE / "cpu_attention_common.h",
@@ -61,10 +61,10 @@ _ARGTYPES = [*_HEAD, *_THREE_ARRAYS_AND_COUNT, *_SHAPES, ctypes.c_int, ctypes.c_
 # start_position, num_chunks.
 _PREFILL_ARGTYPES = [*_HEAD, *_THREE_ARRAYS_AND_COUNT, *_SHAPES, ctypes.c_int]
 # The int8 KV cache's entry points take the same arguments (head_dim: q's, the cache rows being
-# head_dim + 2 bytes): poise_paged_attention_int8, poise_paged_prefill_int8; and its writer,
-# poise_write_kv_int8 (cpu_kv_int8.cpp): dtype, kv, kv token stride, slots, tokens, rows
-# (2 * Hkv), head_dim, kv_cache, threads.
-_WRITE_INT8_ARGTYPES: list[Any] = [
+# head_dim + 2 bytes): poise_paged_attention_int8, poise_paged_prefill_int8. The K/V writers
+# (cpu_kv_write.cpp), poise_write_kv_int8 and poise_write_kv (a cache in kv's dtype): dtype,
+# kv, kv token stride, slots, tokens, rows (2 * Hkv), head_dim, kv_cache, threads.
+_WRITE_KV_ARGTYPES: list[Any] = [
     ctypes.c_int,  # dtype of kv
     ctypes.c_void_p,  # kv
     ctypes.c_int64,  # kv token stride
@@ -100,7 +100,8 @@ def load_cpu_kernel() -> ctypes.CDLL | None:
         ("poise_paged_prefill", _PREFILL_ARGTYPES),
         ("poise_paged_attention_int8", _ARGTYPES),
         ("poise_paged_prefill_int8", _PREFILL_ARGTYPES),
-        ("poise_write_kv_int8", _WRITE_INT8_ARGTYPES),
+        ("poise_write_kv_int8", _WRITE_KV_ARGTYPES),
+        ("poise_write_kv", _WRITE_KV_ARGTYPES),
     ):
         fn = getattr(lib, name)
         fn.argtypes = argtypes

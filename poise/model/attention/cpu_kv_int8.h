@@ -1,6 +1,6 @@
 // The int8 KV cache in the CPU kernels (layout and quantization rule: kv_int8.py). Each
 // (token slot, head) row: head_dim int8 values, then the row's scale as a bf16 (2 bytes, not
-// aligned). Shared by the writer (cpu_kv_int8.cpp), the decode kernel
+// aligned). Shared by the writer (cpu_kv_write.cpp), the decode kernel
 // (cpu_paged_attention_int8.cpp) and the prefill kernel's packing (cpu_prefill_attention.cpp).
 #pragma once
 

@@ -116,7 +116,7 @@ void attend_partition(const Problem& p, int row, int begin, int end, float* scor
     }
     const Scales sc{ks, vs};
     constexpr int kHeads = heads_per_group<HD_FIXED>();
-  for_head_groups<kHeads>(g, G, n, scores, m_out, l_out, [&](int h, auto nq) {
+    for_head_groups<kHeads>(g, G, n, scores, m_out, l_out, [&](int h, auto nq) {
       attend_heads<HD_FIXED, decltype(nq)::value>(q_f + h * hd, hd, slots, n, k_offset, v_offset,
                                                   sc, scores, acc + h * hd);
     });

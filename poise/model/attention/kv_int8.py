@@ -14,7 +14,7 @@ SmolLM2-135M (benchmarks/RESULTS.md, issue 33): per-token scales keep the teache
 logprobs within ~0.01 of a bf16 cache. The cost is 2 bytes per 64 or 128: the pool holds 1.94x
 (head_dim 64) or 1.97x (128) the tokens of a bf16 one.
 
-Quantization (the same bits here and in the C++ writer, cpu_kv_int8.cpp; a test checks):
+Quantization (the same bits here and in the C++ writer, cpu_kv_write.cpp; a test checks):
 ``s = max|x| / 127`` rounded *up* to bf16 (so no value maps past 127), then
 ``q = round_half_even(x / s)`` clamped to [-127, 127]; a row of zeros keeps scale 0. A row
 holding a NaN or an inf gets a non-finite scale, so whatever reads it sees a non-finite value,
