@@ -108,15 +108,15 @@ def test_cpu_kernel_matches_torch_backend(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 37, 300])
+@pytest.mark.parametrize("tokens", [1, 37, 1500])  # 1,500: over 1 MB, on every thread
 def test_cpu_kv_writer_equals_torch_index_copy(dtype: torch.dtype, tokens: int) -> None:
     from poise.model.attention.common import write_kv
 
     gen = torch.Generator().manual_seed(tokens)
     qkv = torch.randn(tokens, 9 + 6, 64, generator=gen).to(dtype)
     kv = qkv[:, 9:]  # strided, as the model hands it over
-    slots = torch.randperm(32 * 16, generator=gen)[:tokens]
-    caches = [torch.full((32, 16, 6, 64), 7.0, dtype=dtype) for _ in range(2)]
+    slots = torch.randperm(128 * 16, generator=gen)[:tokens]
+    caches = [torch.full((128, 16, 6, 64), 7.0, dtype=dtype) for _ in range(2)]
     write_kv(kv, caches[0], slots)
     backend = BACKENDS["cpu"].create()
     backend._write_kv_native(backend._write_plain, kv, caches[1], slots)  # type: ignore[attr-defined]
