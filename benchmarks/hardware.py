@@ -34,27 +34,27 @@ GIB = 1 << 30
 
 
 @functools.cache
-def _read_kernel() -> Any:
-    """The kernel's entry point (built on first use, cached like the model's kernels)."""
+def _library() -> ctypes.CDLL:
+    """read_bandwidth.cpp, built on first use (cached like the model's kernels), both entry
+    points typed."""
     target = build_library("read_bandwidth", [SOURCE], [], "no read-bandwidth kernel")
     if target is None:
         raise RuntimeError("the read-bandwidth kernel could not be built (see the log)")
-    fn = ctypes.CDLL(str(target)).poise_read_bytes
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    fn.restype = ctypes.c_uint64
-    return fn
+    lib = ctypes.CDLL(str(target))
+    lib.poise_read_bytes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.poise_read_spans.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.poise_read_bytes.restype = lib.poise_read_spans.restype = ctypes.c_uint64
+    return lib
 
 
-@functools.cache
+def _read_kernel() -> Any:
+    """``poise_read_bytes``: one buffer."""
+    return _library().poise_read_bytes
+
+
 def _read_spans_kernel() -> Any:
     """``poise_read_spans``: several buffers read in one parallel region."""
-    _read_kernel()  # builds the library
-    target = build_library("read_bandwidth", [SOURCE], [], "no read-bandwidth kernel")
-    assert target is not None
-    fn = ctypes.CDLL(str(target)).poise_read_spans
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    fn.restype = ctypes.c_uint64
-    return fn
+    return _library().poise_read_spans
 
 
 def read_spans(spans: list[tuple[int, int]], threads: int) -> Callable[[], int]:

@@ -85,18 +85,25 @@ constexpr int heads_per_group() {
 // order, f(first, std::integral_constant<int, count>{}) fills scores[count * n...] with the
 // heads' (max, sum) pairs (softmax_rows), copied here to m_out / l_out. A head's results do not
 // depend on the group it is in (each head's sums are its own).
+// f(std::integral_constant<int, count>{}) for count in 1 .. 4: a head group's size as the
+// compile-time count the fixed-count kernels take.
+template <typename F>
+inline void with_count(int count, F&& f) {
+  switch (count) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{});
+  }
+}
+
 template <int kMaxHeads = 4, typename F>
 void for_head_groups(int g, int G, int n, const float* scores, float* m_out, float* l_out, F&& f) {
   static_assert(kMaxHeads >= 1 && kMaxHeads <= 4);
   for (int i = 0; i < G; i += kMaxHeads) {
     const int h = g * G + i;
     const int count = std::min(kMaxHeads, G - i);
-    switch (count) {
-      case 1: f(h, std::integral_constant<int, 1>{}); break;
-      case 2: f(h, std::integral_constant<int, 2>{}); break;
-      case 3: f(h, std::integral_constant<int, 3>{}); break;
-      default: f(h, std::integral_constant<int, 4>{});
-    }
+    with_count(count, [&](auto nq) { f(h, nq); });
     const float* stats = scores + count * n;
     for (int c = 0; c < count; ++c) {
       m_out[h + c] = stats[2 * c];

@@ -169,17 +169,6 @@ void attend_kv_head(const Problem& p, int g, const T* q, const float* q_f, const
 }
 
 #if defined(__AVX512F__)
-// f(std::integral_constant<int, count>{}) for count in 1 .. 4.
-template <typename F>
-inline void with_count(int count, F&& f) {
-  switch (count) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 4>{});
-  }
-}
-
 constexpr int kWalkKeys = 16;  // keys per step of attend_unit_blocks (a cache block's, at 16)
 // Slots (every kv head's K and V of one key) from this size on take attend_unit_blocks. Measured
 // in bf16 (benchmarks/decode_attention.py, cascade_attention.py): at 1-8 KB (Qwen2.5-1.5B,
