@@ -20,7 +20,10 @@
 //   (int8: tdpbusd on the stored bytes; int4: tdpbf16ps on blocks decoded just before use,
 //   or once per group when several row blocks read them), rows in chunks that stay in L2.
 // Groups go to the threads dynamically: on a shared CPU (the server's event loop, another
-// process) a static split waits for the thread whose core is taken.
+// process) a static split waits for the thread whose core is taken. The decode-sized paths
+// (bf16 rows, streamed, blocked int8) run on cpu_pool.h's pool, whose caller starts at once
+// and whose helpers join when awake; the AMX paths keep OpenMP regions (each thread
+// configures its tiles once per call).
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -31,6 +34,7 @@
 #include "cpu_linear_common.h"
 #include "cpu_linear_int4.h"
 #include "cpu_linear_int8.h"
+#include "cpu_pool.h"
 
 namespace plk {
 namespace {
@@ -134,9 +138,12 @@ extern "C" int poise_linear_bf16_rows(const uint16_t* x, int64_t m, int64_t k, c
   if (k % 32) return 1;
   const int64_t blocks = (n + kBf16Channels - 1) / kBf16Channels;
   if (m <= kBf16RowChunk) {
-    // Runs of 4 blocks per thread, so that most prefetched next blocks are the same thread's.
-#pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
-    for (int64_t b = 0; b < blocks; ++b) dot_bf16_block(x, m, k, w, n, b * kBf16Channels, y);
+    // Runs of 4 blocks per item, so that most prefetched next blocks are the same thread's.
+    constexpr int64_t kRun = 4;
+    ppool::parallel_for((blocks + kRun - 1) / kRun, threads, [&](int64_t item) {
+      for (int64_t b = item * kRun; b < item * kRun + kRun && b < blocks; ++b)
+        dot_bf16_block(x, m, k, w, n, b * kBf16Channels, y);
+    });
     return 0;
   }
   constexpr int64_t kRun = 4;  // channel blocks per item
@@ -146,13 +153,12 @@ extern "C" int poise_linear_bf16_rows(const uint16_t* x, int64_t m, int64_t k, c
   // weights again for one row.
   const int64_t chunks = (m + kBf16RowChunk - 1) / kBf16RowChunk;
   const int64_t chunk = ((m + chunks - 1) / chunks + kBf16Rows - 1) / kBf16Rows * kBf16Rows;
-#pragma omp parallel for schedule(dynamic) num_threads(threads)
-  for (int64_t item = 0; item < chunks * runs; ++item) {
+  ppool::parallel_for(chunks * runs, threads, [&](int64_t item) {
     const int64_t r0 = item / runs * chunk, b0 = item % runs * kRun;
     const int64_t rows = m - r0 < chunk ? m - r0 : chunk;
     for (int64_t b = b0; b < b0 + kRun && b < blocks; ++b)
       dot_bf16_block(x + r0 * k, rows, k, w, n, b * kBf16Channels, y + r0 * n);
-  }
+  });
   return 0;
 }
 
@@ -202,6 +208,14 @@ extern "C" int poise_linear_bf16_amx(const uint16_t* x, int64_t m, int64_t k, co
 #endif
 }
 
+// How the decode-sized paths run their items (cpu_pool.h), for benchmarks: openmp 1 as before
+// (an OpenMP region per call), else the pool with its helpers spinning spin_us after a loop
+// (0: asleep at once; -1: every loop on the calling thread alone).
+extern "C" void poise_linear_threading(int openmp, int spin_us) {
+  ppool::use_openmp().store(openmp != 0);
+  ppool::Pool::instance().set_spin_us(spin_us);
+}
+
 // Asks the OS for the AMX tile state once per process; 1 when the tiled path may run.
 extern "C" int poise_linear_init() {
 #if defined(PLK_AMX)
@@ -243,33 +257,28 @@ extern "C" int poise_linear(const uint16_t* x, int64_t m, int64_t k, const void*
   if (!tiled && fmt == kInt8 && m > 3) {
     // Blocked: every row in chunks of kRowChunk (their activations stay in L2 while every
     // group's weights pass by), each group's K in L1-sized chunks (cpu_linear_int8.h).
-#pragma omp parallel num_threads(threads)
-    {
-      static thread_local std::vector<__m512i> part;
-      if (part.size() < size_t(kRowChunk * t * 2)) part.resize(kRowChunk * t * 2);
-      for (int64_t c0 = 0; c0 < m; c0 += kRowChunk) {
-        const int64_t c1 = c0 + kRowChunk < m ? c0 + kRowChunk : m;
-#pragma omp for schedule(dynamic)
-        for (int64_t g = 0; g < groups; ++g) {
-          switch (t) {
-            case 1: blocked_int8_group<1>(p, g, c0, c1, part.data()); break;
-            case 2: blocked_int8_group<2>(p, g, c0, c1, part.data()); break;
-            default: blocked_int8_group<4>(p, g, c0, c1, part.data()); break;
-          }
+    for (int64_t c0 = 0; c0 < m; c0 += kRowChunk) {
+      const int64_t c1 = c0 + kRowChunk < m ? c0 + kRowChunk : m;
+      ppool::parallel_for(groups, threads, [&](int64_t g) {
+        static thread_local std::vector<__m512i> part;  // the running thread's
+        if (part.size() < size_t(kRowChunk * t * 2)) part.resize(kRowChunk * t * 2);
+        switch (t) {
+          case 1: blocked_int8_group<1>(p, g, c0, c1, part.data()); break;
+          case 2: blocked_int8_group<2>(p, g, c0, c1, part.data()); break;
+          default: blocked_int8_group<4>(p, g, c0, c1, part.data()); break;
         }
-      }
+      });
     }
     return 0;
   }
   if (!tiled) {
-#pragma omp parallel for schedule(dynamic) num_threads(threads)
-    for (int64_t g = 0; g < groups; ++g) {
+    ppool::parallel_for(groups, threads, [&](int64_t g) {
       switch (t) {
         case 1: stream_group<1>(p, g, sums); break;
         case 2: stream_group<2>(p, g, sums); break;
         default: stream_group<4>(p, g, sums); break;
       }
-    }
+    });
     return 0;
   }
 #if defined(PLK_AMX)

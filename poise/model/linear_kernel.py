@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,10 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 SOURCE = _DIR / "cpu_linear.cpp"
-HEADERS = [_DIR / f"cpu_linear_{part}.h" for part in ("common", "bf16", "bf16_amx", "int8", "int4")]
+HEADERS = [
+    *(_DIR / f"cpu_linear_{part}.h" for part in ("common", "bf16", "bf16_amx", "int8", "int4")),
+    _DIR / "cpu_pool.h",
+]
 _FALLBACK = "linear layers use torch's kernels"
 TILE = 16  # output channels per vector
 GROUP = 32  # int4 inputs per scale group (and the bf16 AMX K block)
@@ -95,10 +99,25 @@ def load_linear_kernel() -> Any:
     ]
     lib.poise_linear_bf16_rows.argtypes = [ptr, i64, i64, ptr, i64, ptr, c_int]
     lib.poise_linear_bf16_amx.argtypes = [ptr, i64, i64, ptr, c_int, i64, ptr, c_int]
+    lib.poise_linear_threading.argtypes = [c_int, c_int]
+    lib.poise_linear_threading.restype = None
     fns = (lib.poise_linear, lib.poise_linear_bf16_rows, lib.poise_linear_bf16_amx)
     for fn in (*fns, lib.poise_linear_init):
         fn.restype = c_int
     return lib
+
+
+# The pool's helpers spin this long after a loop before they sleep (cpu_pool.h).
+POOL_SPIN_US = int(os.environ.get("POISE_POOL_SPIN_US", "200"))
+
+
+def set_threading(openmp: bool = False, spin_us: int = POOL_SPIN_US) -> None:
+    """How the decode-sized kernels spread their items (cpu_pool.h): the pool (default; helpers
+    spin ``spin_us`` after a loop, 0 sleep at once, -1 every loop on the caller alone) or, for
+    before / after measurements in one process, an OpenMP region per call as before."""
+    lib = load_linear_kernel()
+    if lib is not None:
+        lib.poise_linear_threading(int(openmp), spin_us)
 
 
 @functools.cache
