@@ -112,12 +112,18 @@ POOL_SPIN_US = int(os.environ.get("POISE_POOL_SPIN_US", "200"))
 
 
 def set_threading(openmp: bool = False, spin_us: int = POOL_SPIN_US) -> None:
-    """How the decode-sized kernels spread their items (cpu_pool.h): the pool (default; helpers
-    spin ``spin_us`` after a loop, 0 sleep at once, -1 every loop on the caller alone) or, for
-    before / after measurements in one process, an OpenMP region per call as before."""
+    """How the decode-sized kernels (these linears, the decode attention) spread their items
+    (cpu_pool.h): the pool (default; helpers spin ``spin_us`` after a loop, 0: asleep at once,
+    -1: every loop on the caller alone) or, for before / after measurements in one process, an
+    OpenMP region per call as before."""
+    from poise.model.attention.cpu_kernel import load_cpu_kernel
+
     lib = load_linear_kernel()
     if lib is not None:
         lib.poise_linear_threading(int(openmp), spin_us)
+    attention = load_cpu_kernel()
+    if attention is not None:
+        attention.poise_attention_threading(int(openmp), spin_us)
 
 
 @functools.cache

@@ -33,6 +33,7 @@ HEADERS = (
     _HERE / "cpu_prefill_amx.h",
     _HERE / "cpu_prefill_pack.h",
     _HERE / "cpu_prefill_share.h",
+    _HERE.parent / "cpu_pool.h",
 )
 
 # Both entry points: (dtype, q, kv_cache, what to attend, shapes, out, [partition], threads).
@@ -110,6 +111,8 @@ def load_cpu_kernel() -> ctypes.CDLL | None:
     lib.poise_prefill_use_amx.restype = ctypes.c_int
     lib.poise_decode_use_cascade.argtypes = [ctypes.c_int]
     lib.poise_decode_use_cascade.restype = ctypes.c_int
+    lib.poise_attention_threading.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.poise_attention_threading.restype = None
     # tables, table stride, row_table, context_len, rows, block size, shared keys out
     lib.poise_decode_groups.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 2]
     lib.poise_decode_groups.argtypes += [ctypes.c_int] * 3 + [ctypes.c_void_p]

@@ -38,6 +38,7 @@
 
 #include "cpu_attention_common.h"
 #include "cpu_decode_cascade.h"
+#include "../cpu_pool.h"
 
 namespace {
 
@@ -295,23 +296,27 @@ void run(const Problem& p, int num_threads) {
   std::vector<float> stats(static_cast<size_t>(plan.num_items) * H * 2);
   const int threads = decode_threads(p.context_len, p.num_rows, H * hd, num_threads, num_units);
 
-#pragma omp parallel num_threads(threads)
-  {
-    // Scores of up to 4 heads plus their stats; the unit's q rows; slot pointers of one
-    // partition.
-    std::vector<float> scores(4 * static_cast<size_t>(part) + 8);
-    std::vector<float> q_f(static_cast<size_t>(plan.max_unit_rows) * H * hd);
-    std::vector<const T*> slots(part);
-#pragma omp for schedule(dynamic, 1)
-    for (int u = 0; u < num_units; ++u)
-      attend_unit<T, HD_FIXED>(p, plan, plan.units[u], scores.data(), q_f.data(), slots.data(),
-                               acc.data(), stats.data());
-#pragma omp for schedule(static)
-    for (int r = 0; r < p.num_rows; ++r)
-      merge_partials(stats.data(), acc.data(), plan.row_first_item[r],
-                     plan.row_first_item[r + 1], H, hd, q_f.data(),
-                     static_cast<T*>(p.out) + p.row_token[r] * p.out_token_stride);
-  }
+  // Scores of up to 4 heads plus their stats; the unit's q rows; slot pointers of one
+  // partition: the running thread's (the pool's threads keep theirs between calls).
+  static thread_local std::vector<float> scores, q_f;
+  static thread_local std::vector<const T*> slots;
+  const size_t scores_size = 4 * static_cast<size_t>(part) + 8;
+  const size_t q_size = static_cast<size_t>(plan.max_unit_rows) * H * hd;
+  auto buffers = [&] {
+    if (scores.size() < scores_size) scores.resize(scores_size);
+    if (q_f.size() < q_size) q_f.resize(q_size);
+    if (slots.size() < static_cast<size_t>(part)) slots.resize(part);
+  };
+  ppool::parallel_for(num_units, threads, [&](int64_t u) {
+    buffers();
+    attend_unit<T, HD_FIXED>(p, plan, plan.units[u], scores.data(), q_f.data(), slots.data(),
+                             acc.data(), stats.data());
+  });
+  ppool::parallel_for(p.num_rows, threads, [&](int64_t r) {
+    buffers();
+    merge_partials(stats.data(), acc.data(), plan.row_first_item[r], plan.row_first_item[r + 1],
+                   H, hd, q_f.data(), static_cast<T*>(p.out) + p.row_token[r] * p.out_token_stride);
+  });
 }
 
 }  // namespace
@@ -341,6 +346,12 @@ int poise_paged_attention(int dtype, const void* q, int64_t q_token_stride, cons
 int poise_decode_use_cascade(int enable) {
   if (enable >= 0) use_cascade.store(enable != 0, std::memory_order_relaxed);
   return use_cascade.load(std::memory_order_relaxed) ? 1 : 0;
+}
+
+// How the decode kernels spread their units (cpu_pool.h; linear_kernel.set_threading).
+void poise_attention_threading(int openmp, int spin_us) {
+  ppool::use_openmp().store(openmp != 0);
+  ppool::Pool::instance().set_spin_us(spin_us);
 }
 
 // The groups the kernel would form with this partition size (tests): each row's shared keys

@@ -18,6 +18,7 @@
 
 #include "cpu_attention_common.h"
 #include "cpu_kv_int8.h"
+#include "../cpu_pool.h"
 
 namespace {
 
@@ -151,27 +152,32 @@ void run(const Problem& p, int num_threads) {
 
   const int threads = decode_threads(p.context_len, p.num_rows, H * hd, num_threads, num_items);
 
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> scores(4 * static_cast<size_t>(part) + 8), q_f(static_cast<size_t>(H) * hd);
-    std::vector<float> ks(part), vs(part);
-    std::vector<const int8_t*> slots(part);
-#pragma omp for schedule(dynamic, 1)
-    for (int k = 0; k < num_items; ++k) {
-      const int it = order[k];
-      const int r = item_row[it];
-      const int begin = item_begin[it];
-      const int end = std::min<int>(begin + part, static_cast<int>(p.context_len[r]));
-      float* st = stats.data() + static_cast<size_t>(it) * H * 2;
-      attend_partition<T, HD_FIXED>(p, r, begin, end, scores.data(), q_f.data(), slots.data(),
-                                    ks.data(), vs.data(),
-                                    acc.data() + static_cast<size_t>(it) * H * hd, st, st + H);
-    }
-#pragma omp for schedule(static)
-    for (int r = 0; r < p.num_rows; ++r)
-      merge_partials(stats.data(), acc.data(), row_first_item[r], row_first_item[r + 1], H, hd,
-                     q_f.data(), static_cast<T*>(p.out) + p.row_token[r] * p.out_token_stride);
-  }
+  // The running thread's buffers (the pool's threads keep theirs between calls).
+  static thread_local std::vector<float> scores, q_f, ks, vs;
+  static thread_local std::vector<const int8_t*> slots;
+  auto buffers = [&] {
+    if (scores.size() < 4 * static_cast<size_t>(part) + 8) scores.resize(4 * static_cast<size_t>(part) + 8);
+    if (q_f.size() < static_cast<size_t>(H) * hd) q_f.resize(static_cast<size_t>(H) * hd);
+    if (ks.size() < static_cast<size_t>(part)) ks.resize(part);
+    if (vs.size() < static_cast<size_t>(part)) vs.resize(part);
+    if (slots.size() < static_cast<size_t>(part)) slots.resize(part);
+  };
+  ppool::parallel_for(num_items, threads, [&](int64_t k) {
+    buffers();
+    const int it = order[k];
+    const int r = item_row[it];
+    const int begin = item_begin[it];
+    const int end = std::min<int>(begin + part, static_cast<int>(p.context_len[r]));
+    float* st = stats.data() + static_cast<size_t>(it) * H * 2;
+    attend_partition<T, HD_FIXED>(p, r, begin, end, scores.data(), q_f.data(), slots.data(),
+                                  ks.data(), vs.data(),
+                                  acc.data() + static_cast<size_t>(it) * H * hd, st, st + H);
+  });
+  ppool::parallel_for(p.num_rows, threads, [&](int64_t r) {
+    buffers();
+    merge_partials(stats.data(), acc.data(), row_first_item[r], row_first_item[r + 1], H, hd,
+                   q_f.data(), static_cast<T*>(p.out) + p.row_token[r] * p.out_token_stride);
+  });
 }
 
 }  // namespace
