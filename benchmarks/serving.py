@@ -166,8 +166,9 @@ def main() -> int:
     p.add_argument(
         "--torch-threads",
         type=int,
-        default=1,
-        help="torch threads for both the server and the offline engine.",
+        default=0,
+        help="torch threads for both the server and the offline engine (default 0: the "
+        "server's own default, torch's choice: every core).",
     )
     p.add_argument("--port", type=int, default=18777)
     p.add_argument("--server-log", default="/tmp/poise-bench-serving.log")
@@ -202,7 +203,8 @@ def main() -> int:
     from poise.engine.llm import LLM
     from poise.serving.server import free_port
 
-    torch.set_num_threads(args.torch_threads)
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
 
     port = args.port or free_port()
     cells: list[Cell] = []
@@ -210,7 +212,8 @@ def main() -> int:
     for run in range(args.runs):
         for kv in args.kv_cache_dtype:
             rcs.append(run_server_cells(args, port, kv, cells, LLM, run))
-    print(f"torch threads: {args.torch_threads}; cores: {os.cpu_count()}; server exit {rcs}")
+    threads = args.torch_threads or torch.get_num_threads()
+    print(f"torch threads: {threads}; cores: {os.cpu_count()}; server exit {rcs}")
     print(report(cells))
     if args.runs > 1:
         print(spread(cells))

@@ -143,8 +143,7 @@ def start_server(
         str(args.max_num_batched_tokens),
         "--log-interval",
         "0",
-        "--torch-threads",
-        str(args.torch_threads),
+        *(["--torch-threads", str(args.torch_threads)] if args.torch_threads > 0 else []),
     ]
     log = open(args.server_log, "w")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)

@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <new>
+#include <system_error>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -100,7 +101,11 @@ class Pool {
   void ensure_helpers(int count) {
     while (static_cast<int>(helpers_.size()) < count) {
       const int index = static_cast<int>(helpers_.size());
-      helpers_.emplace_back([this, index] { helper(index); });
+      try {
+        helpers_.emplace_back([this, index] { helper(index); });
+      } catch (const std::system_error&) {
+        return;  // no more threads to be had: the loops run on those there are
+      }
       helpers_.back().detach();
     }
   }
