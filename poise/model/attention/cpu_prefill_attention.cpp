@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -45,6 +46,7 @@
 #include "cpu_prefill_blocks.h"
 #include "cpu_prefill_pack.h"
 #include "cpu_prefill_share.h"
+#include "../cpu_pool.h"
 
 namespace {
 
@@ -155,6 +157,19 @@ void attend_stacked(const Chunks& p, const ShareGroup& grp, const StackedItem& i
   }
 }
 
+// The running thread's scratch for items of rp rows (kept from call to call: every layer's
+// call has the same shape).
+Scratch& thread_scratch(int rp, int hd) {
+  thread_local std::unique_ptr<Scratch> mine;
+  thread_local int mine_rp = -1, mine_hd = -1;
+  if (!mine || mine_rp != rp || mine_hd != hd) {
+    mine = std::make_unique<Scratch>(rp, hd);
+    mine_rp = rp;
+    mine_hd = hd;
+  }
+  return *mine;
+}
+
 template <typename T, bool PAIRS, int HD, bool AMX = false, bool INT8 = false>
 void run(const Chunks& p, int num_threads) {
   const int G = p.num_heads / p.num_kv_heads;
@@ -229,63 +244,74 @@ void run(const Chunks& p, int num_threads) {
     packed[unique[u]] = {k_room + u * block_room, v_room + u * block_room};
   for (size_t i = 0; i < packed.size(); ++i) packed[i] = packed[share.origin[i]];
   auto blocks_of = [&](int c, int g) { return packed.data() + first_block[c] + g * count(c); };
-#pragma omp parallel num_threads(num_threads)
-  {
-#pragma omp for schedule(static)
-    for (int64_t u = 0; u < num_unique; ++u) {
-      const int64_t i = unique[u];
-      const int c = chunk_of(i);
-      const int64_t local = i - first_block[c];
-      pack_block<T, PAIRS, HD, AMX, INT8>(p, c, static_cast<int>(local / count(c)),
-                                          local % count(c),
-                                          reinterpret_cast<T*>(k_room + u * block_room),
-                                          v_room + u * block_room);
-    }
-    Scratch w(rp, p.head_dim);
-    thread_local AlignedVector<float> own;  // a lazy chunk's block being walked: K, then V
+  auto pack_unique = [&](int64_t u) {
+    const int64_t i = unique[u];
+    const int c = chunk_of(i);
+    const int64_t local = i - first_block[c];
+    pack_block<T, PAIRS, HD, AMX, INT8>(p, c, static_cast<int>(local / count(c)),
+                                        local % count(c),
+                                        reinterpret_cast<T*>(k_room + u * block_room),
+                                        v_room + u * block_room);
+  };
+  // Item k on the running thread (w: its scratch; own: its one-block buffer for lazy chunks).
+  auto attend_one = [&](int64_t k, Scratch& w, AlignedVector<float>& own) {
     if (own.size() < 2 * block_room) own.resize(2 * block_room);
     const Packed own_block{own.data(), own.data() + block_room};
-    if constexpr (!AMX) {
-#pragma omp for schedule(dynamic, 1)
-      for (int k = 0; k < num_stacked; ++k) {
-        const StackedItem& it = stacked[k];
-        const ShareGroup& grp = share.groups[it.group];
-        attend_stacked<T, PAIRS, HD>(p, grp, it, w, blocks_of(grp.members[0], it.kv_head),
-                                     state.data());
-      }
+    const Item& it = items[k];
+    const int gi = share.group_of[it.chunk];
+    int64_t kb_from = 0;
+    const float* from = nullptr;
+    if (gi >= 0) {
+      const ShareGroup& grp = share.groups[gi];
+      kb_from = grp.shared_blocks * kKeys;
+      from = row_state(state.data(), grp, it.kv_head,
+                       share.group_row[it.chunk] + static_cast<int64_t>(it.first_query) * G, hd);
     }
+    const Packed* blocks = blocks_of(it.chunk, it.kv_head);
+    if (lazy[it.chunk]) {
+      auto pack_now = [&](int64_t b) -> const Packed& {
+        pack_block<T, PAIRS, HD, AMX, INT8>(p, it.chunk, it.kv_head, b,
+                                            reinterpret_cast<T*>(own.data()),
+                                            own.data() + block_room);
+        return own_block;
+      };
+      attend_item<T, PAIRS, HD, AMX>(p, it, w, blocks, pack_now, kb_from, from);
+    } else {
+      auto packed_at = [blocks](int64_t b) -> const Packed& { return blocks[b]; };
+      attend_item<T, PAIRS, HD, AMX>(p, it, w, blocks, packed_at, kb_from, from);
+    }
+  };
+  if constexpr (AMX) {
+    // An OpenMP region: each thread configures its tiles once for all its items.
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+      for (int64_t u = 0; u < num_unique; ++u) pack_unique(u);
+      Scratch w(rp, p.head_dim);
+      thread_local AlignedVector<float> own;
 #if defined(POISE_PREFILL_AMX)
-    if constexpr (AMX) amx_configure();
+      amx_configure();
 #endif
 #pragma omp for schedule(dynamic, 1)
-    for (int k = 0; k < num_items; ++k) {
-      const Item& it = items[k];
-      const int gi = share.group_of[it.chunk];
-      int64_t kb_from = 0;
-      const float* from = nullptr;
-      if (gi >= 0) {
-        const ShareGroup& grp = share.groups[gi];
-        kb_from = grp.shared_blocks * kKeys;
-        from = row_state(state.data(), grp, it.kv_head,
-                         share.group_row[it.chunk] + static_cast<int64_t>(it.first_query) * G, hd);
-      }
-      const Packed* blocks = blocks_of(it.chunk, it.kv_head);
-      if (lazy[it.chunk]) {
-        auto pack_now = [&](int64_t b) -> const Packed& {
-          pack_block<T, PAIRS, HD, AMX, INT8>(p, it.chunk, it.kv_head, b,
-                                              reinterpret_cast<T*>(own.data()),
-                                              own.data() + block_room);
-          return own_block;
-        };
-        attend_item<T, PAIRS, HD, AMX>(p, it, w, blocks, pack_now, kb_from, from);
-      } else {
-        auto packed_at = [blocks](int64_t b) -> const Packed& { return blocks[b]; };
-        attend_item<T, PAIRS, HD, AMX>(p, it, w, blocks, packed_at, kb_from, from);
-      }
-    }
+      for (int k = 0; k < num_items; ++k) attend_one(k, w, own);
 #if defined(POISE_PREFILL_AMX)
-    if constexpr (AMX) _tile_release();
+      _tile_release();
 #endif
+    }
+  } else {
+    // On the pool (cpu_pool.h): a prompt tail's call is short, and a passive OpenMP region
+    // with its two inner barriers slept and woke up to three times per layer.
+    ppool::parallel_for(num_unique, num_threads, pack_unique);
+    ppool::parallel_for(num_stacked, num_threads, [&](int64_t k) {
+      const StackedItem& it = stacked[k];
+      const ShareGroup& grp = share.groups[it.group];
+      attend_stacked<T, PAIRS, HD>(p, grp, it, thread_scratch(rp, p.head_dim),
+                                   blocks_of(grp.members[0], it.kv_head), state.data());
+    });
+    ppool::parallel_for(num_items, num_threads, [&](int64_t k) {
+      thread_local AlignedVector<float> own;
+      attend_one(k, thread_scratch(rp, p.head_dim), own);
+    });
   }
 }
 
