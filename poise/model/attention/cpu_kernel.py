@@ -33,6 +33,7 @@ HEADERS = (
     _HERE / "cpu_prefill_amx.h",
     _HERE / "cpu_prefill_pack.h",
     _HERE / "cpu_prefill_share.h",
+    _HERE / "cpu_prefill_items.h",
     _HERE.parent / "cpu_pool.h",
 )
 
