@@ -31,6 +31,7 @@
 
 #include "cpu_linear_bf16.h"
 #include "cpu_linear_bf16_amx.h"
+#include "cpu_linear_bf16_split.h"
 #include "cpu_linear_common.h"
 #include "cpu_linear_int4.h"
 #include "cpu_linear_int8.h"
@@ -116,49 +117,17 @@ bool request_amx() {
 }
 #endif  // PLK_AMX
 
-bool shape_fits(int64_t k, int64_t n, int fmt, int t, bool tiled) {
-  if ((t != 1 && t != 2 && t != 4) || n % (kTile * t)) return false;
-  if (fmt == kInt8) return k % (tiled ? kQuadBlock : 4) == 0 && k <= kInt8MaxK;
-  return fmt == kInt4 && k % kGroup == 0;
-}
-
 }  // namespace
 }  // namespace plk
 
 using namespace plk;
 
-// y = x . W^T for bf16 W [n, k] as stored (cpu_linear_bf16.h), k % 32 == 0, any row count.
-// Rows in chunks of kBf16RowChunk, chunk-major items of (chunk, run of 4 channel blocks): a
-// chunk's rows stay in L2 while the channels pass by (SmolLM2-1.7B's layers at 2,048 rows read
-// x from DRAM for every 4 channels without it: 2.05x torch's time; chunked 1.18x). Chunking
-// changes no sum (a row is in a block of 1-4 rows either way, summed in the same order), so a
-// row's output is the same bits at any row count.
+// y = x . W^T for bf16 W [n, k] as stored (cpu_linear_bf16.h), k % 32 == 0, any row count
+// (cpu_linear_bf16_split.h).
 extern "C" int poise_linear_bf16_rows(const uint16_t* x, int64_t m, int64_t k, const uint16_t* w,
                                       int64_t n, uint16_t* y, int threads) {
   if (k % 32) return 1;
-  const int64_t blocks = (n + kBf16Channels - 1) / kBf16Channels;
-  if (m <= kBf16RowChunk) {
-    // Runs of 4 blocks per item, so that most prefetched next blocks are the same thread's.
-    constexpr int64_t kRun = 4;
-    ppool::parallel_for((blocks + kRun - 1) / kRun, threads, [&](int64_t item) {
-      for (int64_t b = item * kRun; b < item * kRun + kRun && b < blocks; ++b)
-        dot_bf16_block(x, m, k, w, n, b * kBf16Channels, y);
-    });
-    return 0;
-  }
-  constexpr int64_t kRun = 4;  // channel blocks per item
-  const int64_t runs = (blocks + kRun - 1) / kRun;
-  // Chunks of equal size (a multiple of the 4-row block, at most kBf16RowChunk, so every chunk
-  // starts below m): 65 rows as 36 + 29, not 64 + 1, whose 1-row pass would read all the
-  // weights again for one row.
-  const int64_t chunks = (m + kBf16RowChunk - 1) / kBf16RowChunk;
-  const int64_t chunk = ((m + chunks - 1) / chunks + kBf16Rows - 1) / kBf16Rows * kBf16Rows;
-  ppool::parallel_for(chunks * runs, threads, [&](int64_t item) {
-    const int64_t r0 = item / runs * chunk, b0 = item % runs * kRun;
-    const int64_t rows = m - r0 < chunk ? m - r0 : chunk;
-    for (int64_t b = b0; b < b0 + kRun && b < blocks; ++b)
-      dot_bf16_block(x + r0 * k, rows, k, w, n, b * kBf16Channels, y + r0 * n);
-  });
+  bf16_rows_split(x, m, k, w, n, y, threads, kBf16Rows, dot_bf16_block);
   return 0;
 }
 

@@ -17,7 +17,6 @@ namespace plk {
 
 constexpr int kBf16Channels = 4;  // channels per block
 constexpr int kBf16Rows = 4;      // rows per block
-constexpr int64_t kBf16RowChunk = 64;  // rows per pass over the channels (cpu_linear.cpp)
 
 // Lane i = the sum of v[i]'s 16 floats: pairs within 128-bit lanes, then across lanes, about 45
 // instructions for 16 sums where 16 _mm512_reduce_add_ps take ~130 (a block's sums were ~30 %

@@ -1,11 +1,13 @@
-// Shared parts of the linear-layer kernels (cpu_linear.cpp): the problem, the formats, AMX
-// tile set-up, and the small vector helpers every path uses.
+// Shared parts of the AVX-512 linear-layer kernels (cpu_linear.cpp): AMX tile set-up and the
+// small vector helpers every path uses (the problem and the formats: cpu_linear_problem.h).
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
+
+#include "cpu_linear_problem.h"
 
 // The tiled path needs AMX (int8 and bf16 tiles) from the compiler's -march=native: built only
 // where the build machine has it, so the same sources compile on AVX-512 CPUs without AMX (AMD
@@ -15,32 +17,6 @@
 #endif
 
 namespace plk {
-
-constexpr int kTile = 16;   // output channels per vector / AMX tile column block
-constexpr int kGroup = 32;  // int4 inputs per scale group (= a bf16 AMX K block)
-constexpr int kQuadBlock = 64;  // int8 inputs per AMX K block (16 rows of 4)
-// Bytes ahead of the streamed weights to prefetch: one sequential stream per group, and the
-// hardware prefetcher alone keeps too few lines in flight (int8 from DRAM on one core:
-// 8 GB/s without, 13 GB/s with).
-constexpr int64_t kPrefetch = 2048;
-enum Format { kInt8 = 1, kInt4 = 2 };  // linear_kernel.FORMATS
-
-struct Problem {
-  const uint16_t* x;  // [m, k] bf16
-  int64_t m, k, n;
-  const uint8_t* w;    // packed (cpu_linear.cpp's header comment)
-  int fmt, t;          // format, tiles per group
-  const float* scale;   // int8: [n]
-  const uint16_t* dm;   // int4: d and m in bf16, [n / 16][k / 32][2][16]
-  const int32_t* rowsum;  // int8: sum of q over each output channel [n]
-  uint16_t* y;            // [m, n] bf16
-  // int8 activations, made per call: x = xscale[r] * (256 * (hi - 128) + lo), [m_pad, k] u8.
-  const uint8_t* xlo;
-  const uint8_t* xhi;
-  const float* xscale;
-};
-
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
 inline __m512bh bcast_pair(const uint16_t* x) {
   int32_t v;

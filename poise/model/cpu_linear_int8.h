@@ -16,8 +16,6 @@
 
 namespace plk {
 
-constexpr int64_t kInt8MaxK = 16384;
-
 // Rows [0, m) of x into lo / hi bytes and scales; rows [m, m_pad) as zeros.
 inline void int8_activations(const uint16_t* x, int64_t m, int64_t m_pad, int64_t k,
                              uint8_t* lo, uint8_t* hi, float* xscale) {

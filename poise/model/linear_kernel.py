@@ -13,9 +13,12 @@
   once and used by every row in registers) or the AMX-tiled one is chosen by the number of
   rows, from the crossovers measured by ``benchmarks/linear_kernels.py`` (``TILED_FROM_ROWS``).
 
-All need AVX512-BF16 (int8 also AVX512-VNNI; the tiled path AMX, asked of the OS once); without
-them, or without a compiler (or with ``POISE_DISABLE_CPU_KERNEL``), the layers keep torch's
-kernels (quant.py, llama.py).
+All need AVX512-BF16 (int8 also AVX512-VNNI; the tiled path AMX, asked of the OS once). CPUs
+with AVX2 and FMA but not those (AMD Zen 2 / 3, Intel client cores) get cpu_linear_avx2.cpp
+instead: the same entry points and packed layouts, no tiled path, every row count through the
+same kernels (batch-invariant too), 3-5x torch's speed there from 4 rows. Without either, or
+without a compiler (or with ``POISE_DISABLE_CPU_KERNEL``), the layers keep torch's kernels
+(quant.py, llama.py).
 """
 
 from __future__ import annotations
@@ -37,10 +40,14 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 SOURCE = _DIR / "cpu_linear.cpp"
+_SHARED = [_DIR / "cpu_linear_problem.h", _DIR / "cpu_linear_bf16_split.h", _DIR / "cpu_pool.h"]
 HEADERS = [
     *(_DIR / f"cpu_linear_{part}.h" for part in ("common", "bf16", "bf16_amx", "int8", "int4")),
-    _DIR / "cpu_pool.h",
+    *_SHARED,
 ]
+# CPUs with AVX2 and FMA but not AVX512-BF16 / VNNI: the same entry points and layouts.
+SOURCE_AVX2 = _DIR / "cpu_linear_avx2.cpp"
+HEADERS_AVX2 = [_DIR / "cpu_linear_avx2.h", _DIR / "cpu_linear_avx2_quant.h", *_SHARED]
 _FALLBACK = "linear layers use torch's kernels"
 TILE = 16  # output channels per vector
 GROUP = 32  # int4 inputs per scale group (and the bf16 AMX K block)
@@ -74,11 +81,14 @@ def load_linear_kernel() -> Any:
     """The loaded library, building it on first use; None where it cannot run."""
     import torch  # noqa: F401  (first: the library must bind to torch's libgomp)
 
-    flags = _cpu_flags()
-    if "avx512_bf16" not in flags or "avx512_vnni" not in flags:
-        logger.info("no AVX512-BF16 / VNNI: %s", _FALLBACK)
+    flags = set(_cpu_flags().split())
+    if {"avx512_bf16", "avx512_vnni"} <= flags:
+        lib = load_library("cpu_linear", [SOURCE], HEADERS, _FALLBACK)
+    elif {"avx2", "fma"} <= flags:
+        lib = load_library("cpu_linear_avx2", [SOURCE_AVX2], HEADERS_AVX2, _FALLBACK)
+    else:
+        logger.info("neither AVX512-BF16 / VNNI nor AVX2 / FMA: %s", _FALLBACK)
         return None
-    lib = load_library("cpu_linear", [SOURCE], HEADERS, _FALLBACK)
     if lib is None:
         return None
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
