@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from poise.runner.platform import cpu_flags
 from tests.e2e.test_greedy_equivalence import make_prompts, poise_outputs, reference_outputs
 
 
@@ -26,6 +27,11 @@ def test_flex_mixed_steps_and_chunks_equal_transformers(
     assert got == expected
 
 
+@pytest.mark.xfail(
+    "avx512f" not in cpu_flags(),
+    reason="inductor's CPU flex kernel without AVX-512 returned NaN rows (flex.py's docstring)",
+    strict=False,
+)
 def test_flex_under_preemption_and_prefix_caching(
     tiny_llama_dir: Path, expected: list[list[int]]
 ) -> None:

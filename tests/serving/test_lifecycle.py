@@ -111,7 +111,12 @@ def _storm(server: InProcessServer, n: int, seed: int = 0) -> int:
 
 
 def test_a_disconnect_storm_leaves_no_blocks_tasks_or_threads(smol_tokenizer: Any) -> None:
-    server, _ = fake_server(smol_tokenizer, max_num_seqs=64)
+    server, executor = fake_server(smol_tokenizer, max_num_seqs=64)
+    # 10 ms steps: 200 tokens take 2 s, far longer than any cut stream's 30 events take to be
+    # read and dropped. At 2 ms a slower CPU (Zen 3) read 30 events more slowly than the fake
+    # engine made 200 tokens, and the 64 running requests finished before their disconnects
+    # were seen (40-50 of 100 aborted): a race of the test, not of the server.
+    executor.delay_s = 0.01
     with server:
         _storm(server, 4)  # warm: the tokenizer thread and the connection machinery exist
         wait(lambda: server.state.engine.num_in_flight == 0)

@@ -19,6 +19,11 @@ about a second. Buckets grow 4x (flex_mask.bucket), so a run sees a handful.
 Dynamic shapes would need one compile only, but inductor's CPU template does not build with
 them in torch 2.13 (a C++ error on ``cur_qSplitSize1``), so shapes stay static.
 
+Known defect, CPUs without AVX-512: inductor's compiled CPU kernel returned NaN for some queries
+(torch 2.13, AMD Zen 3: test_flex_under_preemption_and_prefix_caching, rows that had visible
+keys, while eager ``flex_attention`` on the same inputs was finite); such a request fails with
+the engine's non-finite-logits error and the others go on. The backend logs a warning there.
+
 Sliding windows: ``FlexAttentionBackend(sliding_window=W)`` attends each query to its last W
 keys (itself included), transformers' rule; the engine itself still clamps max_model_len to
 a model's window (checkpoint/arch.py), where every backend is exact.
@@ -27,6 +32,7 @@ a model's window (checkpoint/arch.py), where every backend is exact.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +42,9 @@ import torch
 from poise.model.attention.common import write_kv
 from poise.model.attention.flex_mask import Q_BLOCK, FlexTables, build_tables
 from poise.model.attention.metadata import AttentionMetadata
+from poise.runner.platform import cpu_flags
+
+logger = logging.getLogger(__name__)
 
 # Key slots and queries per block of the block mask on CUDA: FlexAttention's default sparse
 # block size. Its Triton kernels skip every tiling whose BLOCK_M / BLOCK_N does not divide
@@ -91,6 +100,12 @@ class FlexAttentionBackend:
             raise ValueError(f"flex attention: sliding_window must be > 0, got {sliding_window}")
         self.sliding_window = sliding_window
         self._flex = compiled_flex_attention()
+        if not torch.cuda.is_available() and "avx512f" not in cpu_flags():
+            logger.warning(
+                "flex attention on a CPU without AVX-512: torch's compiled kernel has returned "
+                "NaN for some queries here (those requests fail); --attention-backend auto "
+                "runs poise's own kernels"
+            )
 
     def prepare(self, meta: AttentionMetadata) -> FlexAttentionState:
         return FlexAttentionState(meta)
