@@ -17,6 +17,7 @@ the kernels share torch's OpenMP runtime and thread count instead of starting a 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -45,6 +46,19 @@ def _compiler() -> str | None:
         if name and shutil.which(name):
             return name
     return None
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none): which kernel build,
+    or none, runs here."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    return frozenset(
+        flag for line in text.splitlines() if line.startswith("flags") for flag in line.split()
+    )
 
 
 def _cpu_signature() -> str:

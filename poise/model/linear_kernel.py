@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from poise.model.cpu_build import load_library
+from poise.model.cpu_build import cpu_flags, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -69,19 +69,12 @@ def bf16_rows() -> int | None:
     return BF16_ROWS if amx_available() else None
 
 
-def _cpu_flags() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-
-
 @functools.cache
 def load_linear_kernel() -> Any:
     """The loaded library, building it on first use; None where it cannot run."""
     import torch  # noqa: F401  (first: the library must bind to torch's libgomp)
 
-    flags = set(_cpu_flags().split())
+    flags = cpu_flags()
     if {"avx512_bf16", "avx512_vnni"} <= flags:
         lib = load_library("cpu_linear", [SOURCE], HEADERS, _FALLBACK)
     elif {"avx2", "fma"} <= flags:
@@ -140,7 +133,7 @@ def set_threading(openmp: bool = False, spin_us: int = POOL_SPIN_US) -> None:
 def amx_available() -> bool:
     """AMX tiles usable by this process (the CPU has them and the OS granted the state)."""
     lib = load_linear_kernel()
-    return lib is not None and "amx_bf16" in _cpu_flags() and bool(lib.poise_linear_init())
+    return lib is not None and "amx_bf16" in cpu_flags() and bool(lib.poise_linear_init())
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

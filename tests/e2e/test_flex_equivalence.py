@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from poise.runner.platform import cpu_flags
+from poise.model.cpu_build import cpu_flags
 from tests.e2e.test_greedy_equivalence import make_prompts, poise_outputs, reference_outputs
 
 

@@ -42,7 +42,7 @@ import torch
 from poise.model.attention.common import write_kv
 from poise.model.attention.flex_mask import Q_BLOCK, FlexTables, build_tables
 from poise.model.attention.metadata import AttentionMetadata
-from poise.runner.platform import cpu_flags
+from poise.model.cpu_build import cpu_flags
 
 logger = logging.getLogger(__name__)
 
