@@ -4,13 +4,12 @@
 // Each thread reads one contiguous slice with 64-byte AVX-512 loads into eight independent
 // accumulators (enough loads in flight to keep the memory pipeline full; one accumulator
 // would serialise on the add's latency). The sum is returned so the compiler cannot drop the
-// loads. With AVX2 (no AVX-512) the same loop reads each line as two 32-byte loads; without
-// either, 64-bit words.
+// loads. Without AVX-512 the same loop runs on 64-bit words.
 
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #if defined(_OPENMP)
@@ -38,23 +37,6 @@ uint64_t read_slice(const unsigned char* p, int64_t lines) {
     }
     for (int64_t u = 1; u < kUnroll; ++u) acc[0] = _mm512_add_epi64(acc[0], acc[u]);
     return static_cast<uint64_t>(_mm512_reduce_add_epi64(acc[0]));
-#elif defined(__AVX2__)
-    __m256i acc[kUnroll];
-    for (auto& a : acc) a = _mm256_setzero_si256();
-    const auto load = [](const unsigned char* q) {
-        const __m256i* v = reinterpret_cast<const __m256i*>(q);
-        return _mm256_add_epi64(_mm256_loadu_si256(v), _mm256_loadu_si256(v + 1));
-    };
-    int64_t i = 0;
-    for (; i + kUnroll <= lines; i += kUnroll) {
-        const unsigned char* q = p + i * kLine;
-        for (int64_t u = 0; u < kUnroll; ++u) acc[u] = _mm256_add_epi64(acc[u], load(q + u * kLine));
-    }
-    for (; i < lines; ++i) acc[0] = _mm256_add_epi64(acc[0], load(p + i * kLine));
-    for (int64_t u = 1; u < kUnroll; ++u) acc[0] = _mm256_add_epi64(acc[0], acc[u]);
-    alignas(32) uint64_t lanes[4];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc[0]);
-    return lanes[0] + lanes[1] + lanes[2] + lanes[3];
 #else
     uint64_t acc[kUnroll] = {0};
     const int64_t words = lines * kLine / 8;
