@@ -16,6 +16,7 @@ import torch
 
 from poise.model import linear_kernel as lk
 from poise.model.quant import quantize_int4, quantize_int8
+from tests.model.test_linear_bf16 import _ours as bf16_rows
 
 pytestmark = pytest.mark.skipif(
     lk.load_linear_kernel() is None, reason="no AVX512-BF16 / VNNI or no C++ compiler"
@@ -30,17 +31,6 @@ def _default_threading() -> Iterator[None]:
     lk.set_threading()
 
 
-def _bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    lib = lk.load_linear_kernel()
-    m, k = x.shape
-    y = torch.empty(m, w.shape[0], dtype=torch.bfloat16)
-    assert (
-        lib.poise_linear_bf16_rows(x.data_ptr(), m, k, w.data_ptr(), w.shape[0], y.data_ptr(), 2)
-        == 0
-    )
-    return y
-
-
 def _cases() -> list[tuple[str, Callable[[], torch.Tensor]]]:
     """(name, call) for each path: every call runs on 2 threads (lk passes torch's count)."""
     torch.manual_seed(0)
@@ -51,9 +41,9 @@ def _cases() -> list[tuple[str, Callable[[], torch.Tensor]]]:
     packed4 = lk.pack_int4(q4, d, m)
     x = {rows: torch.randn(rows, 576).bfloat16() for rows in (1, 2, 7, 70)}
     return [
-        ("bf16 1 row", lambda: _bf16(x[1], wb)),
-        ("bf16 7 rows", lambda: _bf16(x[7], wb)),
-        ("bf16 70 rows (chunked)", lambda: _bf16(x[70], wb)),
+        ("bf16 1 row", lambda: bf16_rows(x[1], wb)),
+        ("bf16 7 rows", lambda: bf16_rows(x[7], wb)),
+        ("bf16 70 rows (chunked)", lambda: bf16_rows(x[70], wb)),
         ("int8 2 rows (streamed)", lambda: packed8(x[2])),
         ("int8 7 rows (blocked)", lambda: packed8(x[7])),
         ("int4 1 row", lambda: packed4(x[1])),
