@@ -16,9 +16,9 @@
 All need AVX512-BF16 (int8 also AVX512-VNNI; the tiled path AMX, asked of the OS once). CPUs
 with AVX2 and FMA but not those (AMD Zen 2 / 3, Intel client cores) get cpu_linear_avx2.cpp
 instead: the same entry points and packed layouts, no tiled path, every row count through the
-same kernels (batch-invariant too), 1.5-6x torch's speed there (RESULTS.md "Linear layers on AVX2"). Without either, or
-without a compiler (or with ``POISE_DISABLE_CPU_KERNEL``), the layers keep torch's kernels
-(quant.py, llama.py).
+same kernels (batch-invariant too), 1.5-6x torch's speed there (RESULTS.md "Linear layers on
+AVX2"). Without either, or without a compiler (or with ``POISE_DISABLE_CPU_KERNEL``), the
+layers keep torch's kernels (quant.py, llama.py).
 """
 
 from __future__ import annotations
