@@ -6,8 +6,8 @@
 // the AVX-512 int8 path does), the weights widened to 16 bits in registers:
 // - int8: 16 bytes (4 channels x 4 inputs of a quad) sign-extended, against the row's quad
 //   broadcast: each int32 lane sums 2 inputs of one channel; a channel's two lanes are added
-//   (hadd) when a chunk of K ends. At most 64 quads per chunk keeps the int32 sums exact
-//   (64 x 2 x 127 x 32767 < 2^31); chunks add up in float32, in order.
+//   (hadd) when a chunk of K ends (first_row: at every quad). At most 64 quads per chunk keeps
+//   the int32 sums exact (64 x 4 x 127 x 32767 < 2^31); chunks add up in float32, in order.
 // - int4: a shift and a mask give one input pair of 8 channels as 16-bit q (the layout's
 //   words), against the row's pair broadcast: int32 sums per group of 32 inputs, then
 //   w = q * d + m per group in float32: y += d * s_r * sum(x16 q) + m * sum(x).
@@ -33,7 +33,8 @@ inline void int16_activations(const uint16_t* x, int64_t m, int64_t k, int16_t* 
   for (int64_t r = 0; r < m; ++r) {
     const uint16_t* xr = x + r * k;
     __m256 amax = _mm256_setzero_ps();
-    for (int64_t i = 0; i < k; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, bf16x8(xr + i)));
+    for (int64_t i = 0; i < k; i += 8)
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, bf16x8(xr + i)));
     const float top = hmax8(amax);
     const float s = top > 0.0f ? top / 32767.0f : 1.0f;
     xscale[r] = s;
@@ -98,7 +99,8 @@ void int8_tile(const Problem& p, int64_t g, int t, int64_t r0, int64_t kq0, int6
       const __m256i wv =
           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * j)));
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(wv, xq[r]));
+      for (int r = 0; r < R; ++r)
+        acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(wv, xq[r]));
     }
   }
 #pragma GCC unroll 4
@@ -226,10 +228,10 @@ void int4_row(const Problem& p, int64_t g, int64_t r, int64_t gi0, int64_t gi1, 
 #pragma GCC unroll 4
         for (int sh = 0; sh < 4; ++sh) {
           const __m256i xp = bcast32(xr + 2 * sh);
-          s[t][0] = _mm256_add_epi32(
-              s[t][0], _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi32(w0, 4 * sh), mask), xp));
-          s[t][1] = _mm256_add_epi32(
-              s[t][1], _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi32(w1, 4 * sh), mask), xp));
+          const __m256i q0 = _mm256_and_si256(_mm256_srli_epi32(w0, 4 * sh), mask);
+          const __m256i q1 = _mm256_and_si256(_mm256_srli_epi32(w1, 4 * sh), mask);
+          s[t][0] = _mm256_add_epi32(s[t][0], _mm256_madd_epi16(q0, xp));
+          s[t][1] = _mm256_add_epi32(s[t][1], _mm256_madd_epi16(q1, xp));
         }
       }
     }
