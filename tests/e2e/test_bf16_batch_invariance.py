@@ -1,5 +1,5 @@
 """bf16 greedy outputs and logprobs do not depend on the batch where poise's linear kernels run
-(AVX512-BF16; issues 34, 35).
+(AVX512-BF16, or AVX2 through cpu_linear_avx2.cpp; issues 34, 35).
 
 In float32 the equality suite holds against transformers token for token; in bf16 a row's sums
 used to depend on the row count (the linear layers switched kernels by rows) and on its
@@ -29,7 +29,7 @@ from poise.model.attention import CpuPagedAttentionBackend
 
 pytestmark = pytest.mark.skipif(
     lk.load_linear_kernel() is None,
-    reason="bf16 is batch-invariant through poise's linear kernels (AVX512-BF16 and a compiler)",
+    reason="bf16 is batch-invariant through poise's linear kernels (AVX512-BF16 or AVX2, a compiler)",
 )
 
 MAX_NEW = 24

@@ -11,7 +11,7 @@ import torch
 
 from poise.model import linear_kernel as lk
 
-NO_KERNEL = "no AVX512-BF16 or no C++ compiler"
+NO_KERNEL = "neither AVX512-BF16 nor AVX2, or no C++ compiler"
 
 
 def _ours(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ def _layer(cls: type[QuantLinear], w: torch.Tensor, dtype: torch.dtype) -> Quant
     return layer
 
 
-NO_KERNEL = "no AVX512-BF16 / VNNI or no C++ compiler"
+NO_KERNEL = "neither AVX512-BF16 / VNNI nor AVX2, or no C++ compiler"
 
 
 def _cpu_flags() -> set[str]:
