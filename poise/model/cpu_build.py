@@ -48,17 +48,19 @@ def _compiler() -> str | None:
     return None
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (/proc/cpuinfo; empty where there is none): which kernel build,
-    or none, runs here."""
+@functools.lru_cache(maxsize=1)
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU feature flags the kernel reports (empty where /proc/cpuinfo does not exist):
+    which kernel build, or none, runs here; runner/platform.py's dtype choice reads them too."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        text = Path(cpuinfo).read_text()
     except OSError:
         return frozenset()
-    return frozenset(
-        flag for line in text.splitlines() if line.startswith("flags") for flag in line.split()
-    )
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
 
 
 def _cpu_signature() -> str:

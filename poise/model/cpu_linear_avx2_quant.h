@@ -76,6 +76,26 @@ inline __m256i bcast64(const int16_t* x) {
   return _mm256_set1_epi64x(v);
 }
 
+// s + the pair sums of q x x (16-bit lanes, int32 results).
+inline __m256i madd_add(__m256i s, __m256i q, __m256i x) {
+  return _mm256_add_epi32(s, _mm256_madd_epi16(q, x));
+}
+
+// int4: input pair sh of 8 channels' words as 16-bit q.
+inline __m256i int4_q(__m256i words, int sh) {
+  return _mm256_and_si256(_mm256_srli_epi32(words, 4 * sh), _mm256_set1_epi32(0x000F000F));
+}
+
+// int4: one scale group's int32 sums s (channels 8h .. 8h + 7 of a tile; at: the tile and
+// group's 16 d then 16 m) into the float sums, acc + d * s_r * s + m * sum(x): both int4
+// kernels fold through here, so a row's bits do not depend on which one ran it.
+inline __m256 int4_fold(__m256 acc, const uint16_t* at, int h, float xscale, float xsum,
+                        __m256i s) {
+  const __m256 ds = _mm256_mul_ps(bf16x8(at + 8 * h), _mm256_set1_ps(xscale));
+  acc = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(s), acc);
+  return _mm256_fmadd_ps(bf16x8(at + kTile + 8 * h), _mm256_set1_ps(xsum), acc);
+}
+
 // int8, rows [r0, r0 + R) x tile t of group g over quads [kq0, kq1): into part[R][2] (float,
 // channels in hadd's order 0 1 4 5 2 3 6 7 | 8 9 12 13 10 11 14 15), set when `first`, else
 // added to. The weights are in L1 (first_row read them).
@@ -99,8 +119,7 @@ void int8_tile(const Problem& p, int64_t g, int t, int64_t r0, int64_t kq0, int6
       const __m256i wv =
           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * j)));
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r)
-        acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(wv, xq[r]));
+      for (int r = 0; r < R; ++r) acc[r][j] = madd_add(acc[r][j], wv, xq[r]);
     }
   }
 #pragma GCC unroll 4
@@ -120,7 +139,6 @@ void int4_tile(const Problem& p, int64_t g, int t, int64_t r0, int64_t gi0, int6
   const int64_t stride = p.t * 64, groups = p.k / kGroup;
   const uint8_t* w = p.w + g * (p.k / 8) * stride + t * 64;
   const uint16_t* dm = p.dm + (g * p.t + t) * groups * 2 * kTile;
-  const __m256i mask = _mm256_set1_epi32(0x000F000F);
   __m256 acc[R][2];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
@@ -136,27 +154,22 @@ void int4_tile(const Problem& p, int64_t g, int t, int64_t r0, int64_t gi0, int6
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32));
 #pragma GCC unroll 4
       for (int sh = 0; sh < 4; ++sh) {  // input pair sh of the word: inputs 8 kq + 2 sh, + 1
-        const __m256i q0 = _mm256_and_si256(_mm256_srli_epi32(w0, 4 * sh), mask);
-        const __m256i q1 = _mm256_and_si256(_mm256_srli_epi32(w1, 4 * sh), mask);
+        const __m256i q0 = int4_q(w0, sh), q1 = int4_q(w1, sh);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           const __m256i xp = bcast32(p.x16 + (r0 + r) * p.k + 8 * kq + 2 * sh);
-          s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(q0, xp));
-          s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(q1, xp));
+          s[r][0] = madd_add(s[r][0], q0, xp);
+          s[r][1] = madd_add(s[r][1], q1, xp);
         }
       }
     }
     const uint16_t* at = dm + gi * 2 * kTile;  // 16 d, then 16 m
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      const __m256 d = bf16x8(at + 8 * h), m = bf16x8(at + kTile + 8 * h);
+    for (int h = 0; h < 2; ++h)
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(p.xscale[r0 + r]));
-        acc[r][h] = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(s[r][h]), acc[r][h]);
-        acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[(r0 + r) * groups + gi]), acc[r][h]);
-      }
-    }
+      for (int r = 0; r < R; ++r)
+        acc[r][h] = int4_fold(acc[r][h], at, h, p.xscale[r0 + r], xsum[(r0 + r) * groups + gi],
+                              s[r][h]);
   }
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
@@ -209,8 +222,6 @@ void int4_row(const Problem& p, int64_t g, int64_t r, int64_t gi0, int64_t gi1, 
               int64_t rows, bool first, int64_t ahead, const float* xsum) {
   const int64_t stride = T * 64, groups = p.k / kGroup;
   const uint8_t* w = p.w + g * (p.k / 8) * stride;
-  const __m256i mask = _mm256_set1_epi32(0x000F000F);
-  const __m256 xs = _mm256_set1_ps(p.xscale[r]);
   if (first)
     for (int t = 0; t < T; ++t) part[t * rows * 2] = part[t * rows * 2 + 1] = _mm256_setzero_ps();
   for (int64_t gi = gi0; gi < gi1; ++gi) {
@@ -228,23 +239,18 @@ void int4_row(const Problem& p, int64_t g, int64_t r, int64_t gi0, int64_t gi1, 
 #pragma GCC unroll 4
         for (int sh = 0; sh < 4; ++sh) {
           const __m256i xp = bcast32(xr + 2 * sh);
-          const __m256i q0 = _mm256_and_si256(_mm256_srli_epi32(w0, 4 * sh), mask);
-          const __m256i q1 = _mm256_and_si256(_mm256_srli_epi32(w1, 4 * sh), mask);
-          s[t][0] = _mm256_add_epi32(s[t][0], _mm256_madd_epi16(q0, xp));
-          s[t][1] = _mm256_add_epi32(s[t][1], _mm256_madd_epi16(q1, xp));
+          s[t][0] = madd_add(s[t][0], int4_q(w0, sh), xp);
+          s[t][1] = madd_add(s[t][1], int4_q(w1, sh), xp);
         }
       }
     }
-    const __m256 xg = _mm256_set1_ps(xsum[r * groups + gi]);
 #pragma GCC unroll 4
     for (int t = 0; t < T; ++t) {
-      const uint16_t* at = p.dm + ((g * T + t) * groups + gi) * 2 * kTile;  // 16 d, then 16 m
+      const uint16_t* at = p.dm + ((g * T + t) * groups + gi) * 2 * kTile;
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         __m256* acc = part + t * rows * 2 + h;
-        const __m256 ds = _mm256_mul_ps(bf16x8(at + 8 * h), xs);
-        *acc = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(s[t][h]), *acc);
-        *acc = _mm256_fmadd_ps(bf16x8(at + kTile + 8 * h), xg, *acc);
+        *acc = int4_fold(*acc, at, h, p.xscale[r], xsum[r * groups + gi], s[t][h]);
       }
     }
   }

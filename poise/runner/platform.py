@@ -9,10 +9,9 @@ was picked; tests that compare to transformers pin ``dtype="float32"``.
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
+
+from poise.model.cpu_build import cpu_flags
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # /proc/cpuinfo flags of a native bf16 dot product (AVX512-BF16) or matrix unit (AMX).
@@ -24,20 +23,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
-    """The CPU feature flags the kernel reports (empty where /proc/cpuinfo does not exist)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
 
 
 def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:

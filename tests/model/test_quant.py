@@ -20,6 +20,7 @@ from gguf.quants import quantize
 
 from poise.cli.options import add_engine_args, engine_config_from_args
 from poise.config import EngineConfig
+from poise.model.cpu_build import cpu_flags
 from poise.model.gguf_dequant import _dequant_torch
 from poise.model.linear_kernel import amx_available, load_linear_kernel
 from poise.model.llama import Linear
@@ -52,13 +53,8 @@ def _layer(cls: type[QuantLinear], w: torch.Tensor, dtype: torch.dtype) -> Quant
 NO_KERNEL = "neither AVX512-BF16 / VNNI nor AVX2, or no C++ compiler"
 
 
-def _cpu_flags() -> set[str]:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split()}
-
-
 @pytest.mark.skipif(
-    not {"avx512_bf16", "avx512_vnni"} <= _cpu_flags() and not {"avx2", "fma"} <= _cpu_flags(),
+    not {"avx512_bf16", "avx512_vnni"} <= cpu_flags() and not {"avx2", "fma"} <= cpu_flags(),
     reason="neither AVX512-BF16 / VNNI nor AVX2 / FMA",
 )
 def test_linear_kernel_builds_where_the_cpu_can_run_it() -> None:
@@ -66,7 +62,7 @@ def test_linear_kernel_builds_where_the_cpu_can_run_it() -> None:
     # kind of CPU (AMX intrinsics on an AVX-512 CPU without AMX did) would pass unseen. CPUs
     # with AVX2 but not AVX512-BF16 / VNNI build cpu_linear_avx2.cpp.
     assert load_linear_kernel() is not None
-    assert amx_available() == ("amx_bf16" in _cpu_flags() and "amx_int8" in _cpu_flags())
+    assert amx_available() == ("amx_bf16" in cpu_flags() and "amx_int8" in cpu_flags())
 
 
 @pytest.mark.skipif(load_linear_kernel() is None, reason=NO_KERNEL)
