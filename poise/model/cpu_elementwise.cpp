@@ -71,24 +71,10 @@ inline __m512 round_bf16_16(__m512 x) {
 // is _mm512_reduce_add_ps's order: the same bits on both builds (with the scalar loop's order,
 // torch's result was 1.6 ulps away on one of 172,800 values).
 #define POISE_ELEMENTWISE_AVX2 1
-inline __m256 load8(const bf16* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-
-// 8 floats -> bf16, round to nearest even (finite values).
-inline __m128i to_bf16_8(__m256 x) {
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i up = _mm256_srli_epi32(
-      _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(up, up), 0xD8);
-  return _mm256_castsi256_si128(packed);
-}
-
-inline __m256 round_bf16_8(__m256 x) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16_8(x)), 16));
-}
+using poise_attention::exp8;
+using poise_attention::load8;
+using poise_attention::round_bf16_8;
+using poise_attention::to_bf16_8;
 
 inline void store8(bf16* p, __m256 x) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16_8(x));
@@ -168,6 +154,14 @@ void silu_mul_row(const bf16* gate, const bf16* up, bf16* out, int64_t n) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
                         to_bf16_16(_mm512_mul_ps(silu, load16(up + i))));
   }
+#elif defined(POISE_ELEMENTWISE_AVX2)
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = load8(gate + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    const __m256 silu = round_bf16_8(_mm256_div_ps(g, _mm256_add_ps(one, e)));
+    store8(out + i, _mm256_mul_ps(silu, load8(up + i)));
+  }
 #endif
   for (; i < n; ++i) {
     const float g = to_float(gate[i]);
@@ -193,6 +187,17 @@ void rope_row(bf16* x, const bf16* cos, const bf16* sin, int heads, int64_t head
                         round_bf16_16(_mm512_mul_ps(a, load16(sin + half + i))));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + i), to_bf16_16(lo));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + half + i), to_bf16_16(hi));
+    }
+#elif defined(POISE_ELEMENTWISE_AVX2)
+    for (; i + 8 <= half; i += 8) {
+      const __m256 a = load8(v + i), b = load8(v + half + i);
+      const __m256 lo = _mm256_add_ps(round_bf16_8(_mm256_mul_ps(a, load8(cos + i))),
+                                      round_bf16_8(_mm256_mul_ps(b, load8(sin + i))));
+      const __m256 hi =
+          _mm256_add_ps(round_bf16_8(_mm256_mul_ps(b, load8(cos + half + i))),
+                        round_bf16_8(_mm256_mul_ps(a, load8(sin + half + i))));
+      store8(v + i, lo);
+      store8(v + half + i, hi);
     }
 #endif
     for (; i < half; ++i) {

@@ -22,7 +22,10 @@ from poise.model.cpu_build import load_library
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu_elementwise.cpp"
-HEADER = Path(__file__).parent / "attention" / "cpu_attention_common.h"
+HEADERS = [
+    Path(__file__).parent / "attention" / name
+    for name in ("cpu_attention_common.h", "cpu_attention_avx2.h")
+]
 _FALLBACK = "RMSNorm and SiLU use torch's ops"
 
 
@@ -32,7 +35,7 @@ def load_elementwise_kernel() -> Any:
     it cannot be built."""
     import torch  # noqa: F401  (first: the library must bind to torch's libgomp)
 
-    lib = load_library("cpu_elementwise", [SOURCE], [HEADER], _FALLBACK)
+    lib = load_library("cpu_elementwise", [SOURCE], HEADERS, _FALLBACK)
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -12,11 +12,20 @@ import torch
 import torch.nn.functional as F
 
 from poise.model import elementwise
+from poise.model.cpu_build import _compiler
 from poise.model.llama import RMSNorm
 
-pytestmark = pytest.mark.skipif(
+needs_kernel = pytest.mark.skipif(
     elementwise.load_elementwise_kernel() is None, reason="no C++ compiler"
 )
+
+
+def test_kernel_builds_where_there_is_a_compiler() -> None:
+    # Every test below skips without the library, so a build error (on one kind of CPU, say)
+    # would otherwise pass unseen as "no C++ compiler".
+    if _compiler() is None:
+        pytest.skip("no C++ compiler")
+    assert elementwise.load_elementwise_kernel() is not None
 
 
 def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -24,6 +33,7 @@ def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((diff / (want.float().abs() * 2**-7).clamp_min(1e-30)).max().detach())
 
 
+@needs_kernel
 @pytest.mark.parametrize(("rows", "dim"), [(1, 576), (300, 576), (9, 100), (4, 17)])
 def test_add_and_norm_matches_torch(rows: int, dim: int) -> None:
     gen = torch.Generator().manual_seed(rows + dim)
@@ -43,6 +53,7 @@ def test_add_and_norm_matches_torch(rows: int, dim: int) -> None:
     assert torch.equal(elementwise.rms_norm(want_x.clone(), weight, 1e-5), got)
 
 
+@needs_kernel
 @pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (200, 1536), (5, 40), (3, 7)])
 def test_silu_mul_is_torchs(rows: int, inter: int) -> None:
     gen = torch.Generator().manual_seed(rows + inter)
@@ -51,6 +62,18 @@ def test_silu_mul_is_torchs(rows: int, inter: int) -> None:
     assert torch.equal(elementwise.silu_mul(gate_up), F.silu(gate) * up)
 
 
+@needs_kernel
+def test_silu_mul_at_extreme_gates_is_torchs() -> None:
+    # e^-g overflows for g below about -88.7 (SiLU -> -0) and is below 2^-24 above 87: the
+    # vector exp must give the same bits as torch there, on every build.
+    values = [-100.0, -89.3, -89.1, -89.0, -88.5, -88.3, -87.5, -20.0, 0.0, 20.0, 87.5, 88.5, 100.0]
+    gate = torch.tensor(values * 3).bfloat16()
+    up = torch.linspace(-2, 2, gate.numel()).bfloat16()
+    gate_up = torch.cat([gate, up])[None]
+    assert torch.equal(elementwise.silu_mul(gate_up), F.silu(gate[None]) * up)
+
+
+@needs_kernel
 def test_rmsnorm_module_uses_the_kernel_only_where_it_applies() -> None:
     norm = RMSNorm(64, 1e-6)
     norm.weight.data = torch.linspace(0.5, 1.5, 64)
@@ -66,6 +89,7 @@ def test_rmsnorm_module_uses_the_kernel_only_where_it_applies() -> None:
     assert _ulps(out, F.rms_norm(h.float(), (64,), None, 1e-6).bfloat16() * norm.weight) <= 1.01
 
 
+@needs_kernel
 @pytest.mark.parametrize(("tokens", "head_dim"), [(1, 64), (50, 64), (7, 128), (3, 24)])
 def test_rope_is_torchs(tokens: int, head_dim: int) -> None:
     from poise.checkpoint.arch import RopeConfig

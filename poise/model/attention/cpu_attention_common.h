@@ -7,6 +7,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "cpu_attention_avx2.h"  // the AVX2 vectors where there is no AVX-512
 
 #include <algorithm>
 #include <cmath>
@@ -73,6 +74,9 @@ constexpr bool fits_registers() {
 // took 5.4x its KV read, now 4.1x).
 template <int HD>
 constexpr int heads_per_group() {
+#if defined(POISE_ATTENTION_AVX2)
+  if constexpr (avx2_heads<HD, 4>()) return 4;  // the AVX2 kernels (with 16 registers)
+#endif
   if constexpr (HD == 0) return 4;
   else if constexpr (fits_registers<HD, 4>()) return 4;
   else if constexpr (fits_registers<HD, 3>()) return 3;
@@ -315,6 +319,26 @@ inline void softmax_rows(float* scores, int rows, int n) {
       lv = _mm512_mask_add_ps(lv, k, lv, e);
     }
     l = _mm512_reduce_add_ps(lv);
+#elif defined(POISE_ATTENTION_AVX2)
+    const __m256 ninf = _mm256_set1_ps(m);
+    __m256 mv = ninf;
+    for (int j = 0; j < n; j += 8) {
+      const __m256i k = tail_mask8(n - j);
+      mv = _mm256_max_ps(mv, _mm256_blendv_ps(ninf, _mm256_maskload_ps(s + j, k),
+                                              _mm256_castsi256_ps(k)));
+    }
+    m = hmax8(mv);
+    const __m256 mb = _mm256_set1_ps(m);
+    __m256 lv = _mm256_setzero_ps();
+    for (int j = 0; j < n; j += 8) {
+      const __m256i k = tail_mask8(n - j);
+      const __m256 e = _mm256_and_ps(
+          exp_nonpositive8(_mm256_sub_ps(_mm256_maskload_ps(s + j, k), mb)),
+          _mm256_castsi256_ps(k));
+      _mm256_maskstore_ps(s + j, k, e);
+      lv = _mm256_add_ps(lv, e);
+    }
+    l = hsum8(lv);
 #else
     for (int j = 0; j < n; ++j) m = std::max(m, s[j]);
     for (int j = 0; j < n; ++j) {

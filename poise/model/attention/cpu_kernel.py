@@ -27,9 +27,11 @@ SOURCES = (
 )
 HEADERS = (
     _HERE / "cpu_attention_common.h",
+    _HERE / "cpu_attention_avx2.h",
     _HERE / "cpu_kv_int8.h",
     _HERE / "cpu_decode_cascade.h",
     _HERE / "cpu_prefill_blocks.h",
+    _HERE / "cpu_prefill_avx2.h",
     _HERE / "cpu_prefill_amx.h",
     _HERE / "cpu_prefill_pack.h",
     _HERE / "cpu_prefill_share.h",

@@ -129,18 +129,56 @@ void qk_avx512(const float* q_f, const T* q_raw, float scale, const T* const* sl
 
 #endif
 
+#if defined(__AVX512F__) || defined(POISE_ATTENTION_AVX2)
+#define POISE_DECODE_VECTORS 1
+// The vector kernels of this build, AVX-512 (16 lanes) or AVX2 (8 lanes), for NQ heads of
+// head_dim HD, and whether they take NQ heads at once.
+template <int HD, int NQ>
+constexpr bool vector_heads() {
+#if defined(__AVX512F__)
+  return fits_registers<HD, NQ>();
+#else
+  return avx2_heads<HD, NQ>();
+#endif
+}
+
+template <typename T, int HD, int NQ>
+inline void qk_vec(const float* q_f, const T* q_raw, float scale, const T* const* slots, int n,
+                   int64_t k_offset, float* scores, int scores_stride, int j0 = 0) {
+#if defined(__AVX512F__)
+  qk_avx512<T, HD / 16, NQ>(q_f, q_raw, scale, slots, n, k_offset, scores, scores_stride, j0);
+#else
+  (void)q_raw;
+  (void)scale;  // q_f is pre-scaled
+  qk_avx2<T, HD, NQ>(q_f, slots, n, k_offset, [](int) { return 1.0f; }, scores, scores_stride,
+                     j0);
+#endif
+}
+
+template <typename T, int HD, int NQ>
+inline void pv_vec(const float* weights, int weights_stride, const T* const* slots, int n,
+                   int64_t v_offset, float* acc, int j0 = 0, bool more = false) {
+#if defined(__AVX512F__)
+  pv_avx512<T, HD / 16, NQ>(weights, weights_stride, slots, n, v_offset,
+                            [](int) { return 1.0f; }, acc, j0, more);
+#else
+  pv_avx2<T, HD, NQ>(weights, weights_stride, slots, n, v_offset, [](int) { return 1.0f; }, acc,
+                     j0, more);
+#endif
+}
+#endif
+
 // Query heads [first, first + count) of one kv head, count <= 4: the fixed-count kernels.
 // q_f: the NQ query rows in float, pre-scaled; q_raw: the same rows as stored (unscaled).
 template <typename T, int HD_FIXED, int NQ>
 void attend_heads_fixed(const float* q_f, const T* q_raw, float scale, int hd,
                         const T* const* slots, int n, int64_t k_offset, int64_t v_offset,
                         float* scores, float* acc) {
-#if defined(__AVX512F__)
-  if constexpr (fits_registers<HD_FIXED, NQ>()) {
-    qk_avx512<T, HD_FIXED / 16, NQ>(q_f, q_raw, scale, slots, n, k_offset, scores, n);
+#if defined(POISE_DECODE_VECTORS)
+  if constexpr (vector_heads<HD_FIXED, NQ>()) {
+    qk_vec<T, HD_FIXED, NQ>(q_f, q_raw, scale, slots, n, k_offset, scores, n);
     softmax_rows(scores, NQ, n);
-    pv_avx512<T, HD_FIXED / 16, NQ>(scores, n, slots, n, v_offset, [](int) { return 1.0f; },
-                                     acc);
+    pv_vec<T, HD_FIXED, NQ>(scores, n, slots, n, v_offset, acc);
     return;
   }
 #endif
@@ -169,7 +207,7 @@ void attend_kv_head(const Problem& p, int g, const T* q, const float* q_f, const
   });
 }
 
-#if defined(__AVX512F__)
+#if defined(POISE_DECODE_VECTORS)
 constexpr int kWalkKeys = 16;  // keys per step of attend_unit_blocks (a cache block's, at 16)
 // Slots (every kv head's K and V of one key) from this size on take attend_unit_blocks. Measured
 // in bf16 (benchmarks/decode_attention.py, cascade_attention.py): at 1-8 KB (Qwen2.5-1.5B,
@@ -189,7 +227,7 @@ constexpr int64_t kWalkSlotBytes = 1024;
 template <typename T, int HD>
 void attend_unit_blocks(const Problem& p, const DecodePlan& plan, const DecodeUnit& unit,
                         const float* q_f, const T* const* slots, float* acc, float* stats) {
-  constexpr int NV = HD / 16, kHeads = heads_per_group<HD>();
+  constexpr int kHeads = heads_per_group<HD>();
   const int H = p.num_heads, Hkv = p.num_kv_heads, G = H / Hkv;
   const int n = unit.end - unit.begin;
   const int* rows = plan.unit_rows.data() + unit.rows_begin;
@@ -206,14 +244,30 @@ void attend_unit_blocks(const Problem& p, const DecodePlan& plan, const DecodeUn
           with_count(std::min(kHeads, G - i), [&](auto nq) { f(m, g * G + i, nq, g); });
   };
   auto group_scores = [&](int m, int h) { return scores.data() + m * row_floats + h * (n + 2); };
+  // Every kv head's K (part 0) or V (part 1) of keys [b, b + kWalkKeys) towards L2, a block
+  // ahead. AVX2 only: measured there (Zen 3, Llama-3.2-1B at 16 rows x 1,024 keys: half of P V's
+  // samples waited on each block's first V load without it); AVX-512 is as it was measured.
+  auto prefetch_block = [&](int b, int part) {
+#if defined(POISE_ATTENTION_AVX2)
+    const int64_t bytes = static_cast<int64_t>(Hkv) * HD * sizeof(T);
+    for (int j = b; j < std::min(n, b + kWalkKeys); ++j) {
+      const char* base = reinterpret_cast<const char*>(slots[j]) + part * bytes;
+      for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(base + off, _MM_HINT_T1);
+    }
+#else
+    (void)b;
+    (void)part;
+#endif
+  };
+  prefetch_block(0, 0);
   for (int b0 = 0; b0 < n; b0 += kWalkKeys) {
     const int b1 = std::min(n, b0 + kWalkKeys);
+    prefetch_block(b1, 0);
     each_group([&](int m, int h, auto nq, int g) {
       const T* q = static_cast<const T*>(p.q) + p.row_token[rows[m]] * p.q_token_stride;
-      qk_avx512<T, NV, decltype(nq)::value>(q_f + (static_cast<size_t>(m) * H + h) * HD,
-                                            q + h * HD, p.scale, slots, b1,
-                                            static_cast<int64_t>(g) * HD, group_scores(m, h), n,
-                                            b0);
+      qk_vec<T, HD, decltype(nq)::value>(q_f + (static_cast<size_t>(m) * H + h) * HD,
+                                         q + h * HD, p.scale, slots, b1,
+                                         static_cast<int64_t>(g) * HD, group_scores(m, h), n, b0);
     });
   }
   each_group([&](int m, int h, auto nq, int) {
@@ -226,13 +280,14 @@ void attend_unit_blocks(const Problem& p, const DecodePlan& plan, const DecodeUn
       st[H + h + c] = s[count * n + 2 * c + 1];
     }
   });
+  prefetch_block(0, 1);
   for (int b0 = 0; b0 < n; b0 += kWalkKeys) {
     const int b1 = std::min(n, b0 + kWalkKeys);
+    prefetch_block(b1, 1);
     each_group([&](int m, int h, auto nq, int g) {
-      pv_avx512<T, NV, decltype(nq)::value>(group_scores(m, h), n, slots, b1,
-                                            static_cast<int64_t>(Hkv + g) * HD,
-                                            [](int) { return 1.0f; },
-                                            acc + item(m) * H * HD + h * HD, b0, b0 > 0);
+      pv_vec<T, HD, decltype(nq)::value>(group_scores(m, h), n, slots, b1,
+                                         static_cast<int64_t>(Hkv + g) * HD,
+                                         acc + item(m) * H * HD + h * HD, b0, b0 > 0);
     });
   }
 }
@@ -259,8 +314,8 @@ void attend_unit(const Problem& p, const DecodePlan& plan, const DecodeUnit& uni
     float* qf = q_f + static_cast<size_t>(m) * H * hd;
     for (int i = 0; i < H * hd; ++i) qf[i] = to_float(q[i]) * p.scale;
   }
-#if defined(__AVX512F__)
-  if constexpr (HD_FIXED > 0 && fits_registers<HD_FIXED, heads_per_group<HD_FIXED>()>()) {
+#if defined(POISE_DECODE_VECTORS)
+  if constexpr (HD_FIXED > 0 && vector_heads<HD_FIXED, heads_per_group<HD_FIXED>()>()) {
     if (slot_stride * static_cast<int64_t>(sizeof(T)) >= kWalkSlotBytes) {
       attend_unit_blocks<T, HD_FIXED>(p, plan, unit, q_f, slots, acc, stats);
       return;

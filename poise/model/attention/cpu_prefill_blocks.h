@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cpu_attention_common.h"
+#include "cpu_prefill_avx2.h"
 
 namespace poise_prefill {
 
@@ -129,8 +130,24 @@ inline void qk_keys(Scratch& w, const Packed& b, int rp, int j0, float scale) {
 }
 #endif
 
+// Whether this build packs a block's keys as float (the AVX2 vectors broadcast them so).
+template <int HD, bool AMX>
+constexpr bool float_keys() {
+#if defined(POISE_ATTENTION_AVX2)
+  return HD > 0 && !AMX;
+#else
+  return false;
+#endif
+}
+
 template <typename T, bool PAIRS, int HD>
 void scores(Scratch& w, const Packed& b, int rp, int hd, int n, float scale) {
+#if defined(POISE_ATTENTION_AVX2)
+  if constexpr (float_keys<HD, false>()) {
+    poise_prefill_avx2::scores<HD>(w, static_cast<const float*>(b.k), rp, n, scale);
+    return;
+  }
+#endif
 #if defined(__AVX512F__)
   if constexpr (HD > 0) {
     int j = 0;
@@ -178,6 +195,10 @@ inline __m512i pack_pairs(__m512 even, __m512 odd) {
 
 template <bool PAIRS, bool MASKED>
 inline void softmax_block(Scratch& w, int rp, int n, int n2) {
+#if defined(POISE_ATTENTION_AVX2)
+  poise_prefill_avx2::softmax_block<MASKED>(w, rp, n, n2);
+  return;
+#endif
 #if defined(__AVX512F__)
   constexpr float kInf = std::numeric_limits<float>::infinity();
   for (int r = 0; r < rp; r += 16) {
@@ -267,6 +288,12 @@ inline void pv_rows(Scratch& w, const float* vsrc, int rp, int r0, int steps) {
 // as flash attention does; its sum l stays float) and V in bf16, two keys per dpbf16.
 template <typename T, bool PAIRS, int HD>
 void accumulate(Scratch& w, const Packed& b, int rp, int hd, int n, int n2) {
+#if defined(POISE_ATTENTION_AVX2)
+  if constexpr (HD > 0) {
+    poise_prefill_avx2::accumulate<HD, std::is_same_v<T, bf16>>(w, b.v, rp, n);
+    return;
+  }
+#endif
 #if defined(__AVX512F__)
   if constexpr (HD > 0) {
     const int steps = PAIRS ? n2 / 2 : n;  // key pairs, or keys

@@ -22,8 +22,14 @@ using namespace poise_attention;
 template <typename T, bool PAIRS, int HD, bool AMX>
 void pack_rows(const T* const* slots, int n, int hd, int64_t k_off, int64_t v_off, T* k_dst,
                float* v_dst) {
-  for (int j = 0; j < n; ++j)
-    std::memcpy(k_dst + static_cast<int64_t>(j) * hd, slots[j] + k_off, sizeof(T) * hd);
+  if constexpr (float_keys<HD, AMX>()) {  // the buffers have kKeys * hd floats of room
+    float* kf = reinterpret_cast<float*>(k_dst);
+    for (int j = 0; j < n; ++j)
+      for (int d = 0; d < HD; ++d) kf[j * HD + d] = to_float(slots[j][k_off + d]);
+  } else {
+    for (int j = 0; j < n; ++j)
+      std::memcpy(k_dst + static_cast<int64_t>(j) * hd, slots[j] + k_off, sizeof(T) * hd);
+  }
   if constexpr (AMX) {
     bf16* vt = reinterpret_cast<bf16*>(v_dst);
     for (int d = 0; d < HD; ++d) {
