@@ -30,6 +30,7 @@ HEADERS = (
     _HERE / "cpu_attention_avx2.h",
     _HERE / "cpu_kv_int8.h",
     _HERE / "cpu_decode_cascade.h",
+    _HERE / "cpu_decode_vectors.h",
     _HERE / "cpu_prefill_blocks.h",
     _HERE / "cpu_prefill_avx2.h",
     _HERE / "cpu_prefill_amx.h",

@@ -38,6 +38,7 @@
 
 #include "cpu_attention_common.h"
 #include "cpu_decode_cascade.h"
+#include "cpu_decode_vectors.h"
 #include "../cpu_pool.h"
 
 namespace {
@@ -45,128 +46,6 @@ namespace {
 using namespace poise_attention;
 
 using Problem = DecodeProblem<void>;
-
-#if defined(__AVX512F__)
-// AVX-512 version for head_dim = 16 * NV: the NQ query rows and the accumulators stay in
-// registers for the whole loop over keys (NQ * NV + NV + NQ <= 32 zmm registers).
-//
-// Dot products of NQ query rows with one key: NQ vectors of 16 partial sums each.
-// float keys (or bf16 widened to float): NV fused multiply-adds per query row. With AVX512-BF16
-// and bf16 keys: NV / 2 dpbf16 instructions on the raw bf16 q and k (no widening), the scale
-// applied to the summed score instead of to q.
-template <typename T, int NV, int NQ>
-struct QKRows {
-#if defined(__AVX512BF16__)
-  static constexpr bool kNativeBf16 = std::is_same_v<T, bf16> && NV % 2 == 0;
-#else
-  static constexpr bool kNativeBf16 = false;
-#endif
-  static constexpr int kRegs = kNativeBf16 ? NV / 2 : NV;
-  __m512 q[NQ][kRegs];
-  float post_scale;
-
-  QKRows(const float* q_f, const T* q_raw, float scale) {
-    if constexpr (kNativeBf16) {
-      for (int i = 0; i < NQ; ++i)
-        for (int v = 0; v < kRegs; ++v)
-          q[i][v] = _mm512_castsi512_ps(_mm512_loadu_si512(q_raw + (i * NV + 2 * v) * 16));
-      post_scale = scale;
-    } else {
-      (void)q_raw;
-      for (int i = 0; i < NQ; ++i)
-        for (int v = 0; v < NV; ++v) q[i][v] = _mm512_loadu_ps(q_f + (i * NV + v) * 16);
-      post_scale = 1.0f;  // q_f is pre-scaled
-    }
-  }
-
-  inline void partials(const T* k, __m512* out) const {
-    if constexpr (kNativeBf16) {
-#if defined(__AVX512BF16__)
-      __m512bh kv[kRegs];
-      for (int v = 0; v < kRegs; ++v)
-        kv[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + v * 32));
-      for (int i = 0; i < NQ; ++i) {
-        __m512 a = _mm512_setzero_ps();
-        for (int v = 0; v < kRegs; ++v)
-          a = _mm512_dpbf16_ps(a, reinterpret_cast<__m512bh>(q[i][v]), kv[v]);
-        out[i] = a;
-      }
-#endif
-    } else {
-      __m512 kv[NV];
-      for (int v = 0; v < NV; ++v) kv[v] = load16(k + v * 16);
-      for (int i = 0; i < NQ; ++i) {
-        __m512 a = _mm512_mul_ps(q[i][0], kv[0]);
-        for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(q[i][v], kv[v], a);
-        out[i] = a;
-      }
-    }
-  }
-};
-
-// Scores of keys j0 .. n - 1 (j0 a multiple of 4: keys go in fours from the first, the last
-// n % 4 of the row one by one, so a row's scores are the same bits in one call or in blocks).
-template <typename T, int NV, int NQ>
-void qk_avx512(const float* q_f, const T* q_raw, float scale, const T* const* slots, int n,
-               int64_t k_offset, float* scores, int scores_stride, int j0 = 0) {
-  const QKRows<T, NV, NQ> rows(q_f, q_raw, scale);
-  const __m128 post = _mm_set1_ps(rows.post_scale);
-  int j = j0;
-  for (; j + 4 <= n; j += 4) {
-    __m512 a[4][NQ];
-    for (int t = 0; t < 4; ++t) rows.partials(slots[j + t] + k_offset, a[t]);
-    for (int i = 0; i < NQ; ++i)
-      _mm_storeu_ps(scores + i * scores_stride + j,
-                    _mm_mul_ps(hsum4(a[0][i], a[1][i], a[2][i], a[3][i]), post));
-  }
-  for (; j < n; ++j) {
-    __m512 a[NQ];
-    rows.partials(slots[j] + k_offset, a);
-    for (int i = 0; i < NQ; ++i)
-      scores[i * scores_stride + j] = _mm512_reduce_add_ps(a[i]) * rows.post_scale;
-  }
-}
-
-#endif
-
-#if defined(__AVX512F__) || defined(POISE_ATTENTION_AVX2)
-#define POISE_DECODE_VECTORS 1
-// The vector kernels of this build, AVX-512 (16 lanes) or AVX2 (8 lanes), for NQ heads of
-// head_dim HD, and whether they take NQ heads at once.
-template <int HD, int NQ>
-constexpr bool vector_heads() {
-#if defined(__AVX512F__)
-  return fits_registers<HD, NQ>();
-#else
-  return avx2_heads<HD, NQ>();
-#endif
-}
-
-template <typename T, int HD, int NQ>
-inline void qk_vec(const float* q_f, const T* q_raw, float scale, const T* const* slots, int n,
-                   int64_t k_offset, float* scores, int scores_stride, int j0 = 0) {
-#if defined(__AVX512F__)
-  qk_avx512<T, HD / 16, NQ>(q_f, q_raw, scale, slots, n, k_offset, scores, scores_stride, j0);
-#else
-  (void)q_raw;
-  (void)scale;  // q_f is pre-scaled
-  qk_avx2<T, HD, NQ>(q_f, slots, n, k_offset, [](int) { return 1.0f; }, scores, scores_stride,
-                     j0);
-#endif
-}
-
-template <typename T, int HD, int NQ>
-inline void pv_vec(const float* weights, int weights_stride, const T* const* slots, int n,
-                   int64_t v_offset, float* acc, int j0 = 0, bool more = false) {
-#if defined(__AVX512F__)
-  pv_avx512<T, HD / 16, NQ>(weights, weights_stride, slots, n, v_offset,
-                            [](int) { return 1.0f; }, acc, j0, more);
-#else
-  pv_avx2<T, HD, NQ>(weights, weights_stride, slots, n, v_offset, [](int) { return 1.0f; }, acc,
-                     j0, more);
-#endif
-}
-#endif
 
 // Query heads [first, first + count) of one kv head, count <= 4: the fixed-count kernels.
 // q_f: the NQ query rows in float, pre-scaled; q_raw: the same rows as stored (unscaled).

@@ -78,6 +78,15 @@ void attend_heads(const float* q_f, int hd, const int8_t* const* slots, int n, i
                                           [&](int j) { return sc.v[j]; }, acc);
     return;
   }
+#elif defined(POISE_ATTENTION_AVX2)
+  if constexpr (avx2_heads<HD_FIXED, NQ>()) {
+    qk_avx2<int8_t, HD_FIXED, NQ>(q_f, slots, n, k_offset, [&](int j) { return sc.k[j]; },
+                                  scores, n);
+    softmax_rows(scores, NQ, n);
+    pv_avx2<int8_t, HD_FIXED, NQ>(scores, n, slots, n, v_offset, [&](int j) { return sc.v[j]; },
+                                  acc);
+    return;
+  }
 #endif
   qk_generic<int8_t, NQ>(q_f, hd, slots, n, k_offset, [&](int j) { return sc.k[j]; }, scores,
                          n);
