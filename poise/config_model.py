@@ -41,9 +41,10 @@ class ModelConfig:
     )
     dtype: str = _help(
         "Weights and activations dtype: float32, bfloat16, float16 or auto (bfloat16 on CUDA "
-        "and on CPUs with native bf16 matmul, AVX512-BF16 or AMX; float32 on other CPUs). "
-        "float32 matches the fp32 transformers reference exactly; bfloat16 halves weight and "
-        "KV memory and is about twice as fast where the CPU has native bf16.",
+        "and on CPUs with native bf16 matmul, AVX512-BF16 or AMX, or with AVX2 + FMA and "
+        "poise's kernels built; float32 on other CPUs). float32 matches the fp32 "
+        "transformers reference exactly; bfloat16 halves weight and KV memory and is about "
+        "twice as fast on those CPUs.",
         default="auto",
     )
     device: str = _help(

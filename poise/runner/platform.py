@@ -2,9 +2,12 @@
 
 dtype "auto": bfloat16 on CUDA (float16 where bf16 is unsupported); on CPU, bfloat16 when the
 CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16: about twice float32's speed for the
-weight matmuls, half the weight and KV memory), float32 elsewhere (where bf16 is emulated and
-slower than float32). Outputs then match the float32 transformers reference only where float32
-was picked; tests that compare to transformers pin ``dtype="float32"``.
+weight matmuls, half the weight and KV memory) or has AVX2 + FMA and poise's kernels built
+(their AVX2 build runs bf16 linear layers, attention and norms: the seed mix 1.8-2.2x
+float32's output tok/s on a Zen 3, benchmarks/RESULTS.md "Attention on AVX2"), float32
+elsewhere (where bf16 would be torch's emulated ops, slower than float32). Outputs then match
+the float32 transformers reference only where float32 was picked; tests that compare to
+transformers pin ``dtype="float32"``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from poise.model.cpu_build import cpu_flags
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # /proc/cpuinfo flags of a native bf16 dot product (AVX512-BF16) or matrix unit (AMX).
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# Flags under which poise's AVX2 kernel build runs bf16 (model/linear_kernel.py).
+AVX2_BF16_FLAGS = frozenset({"avx2", "fma"})
 
 
 def resolve_device(name: str) -> torch.device:
@@ -29,12 +34,27 @@ def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
     return bool((cpu_flags() if flags is None else flags) & NATIVE_BF16_FLAGS)
 
 
+def cpu_runs_bf16_fast(flags: frozenset[str] | None = None, kernels: bool | None = None) -> bool:
+    """Whether bf16 beats float32 on this CPU: native bf16, or AVX2 + FMA with poise's linear
+    kernel library built (``kernels``: None asks it, which builds it on first use)."""
+    have = cpu_flags() if flags is None else flags
+    if cpu_has_native_bf16(have):
+        return True
+    if not AVX2_BF16_FLAGS.issubset(have):
+        return False
+    if kernels is None:
+        from poise.model.linear_kernel import load_linear_kernel
+
+        kernels = load_linear_kernel() is not None
+    return kernels
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return torch.bfloat16 if cpu_runs_bf16_fast() else torch.float32
 
 
 # --kv-cache-dtype names -> storage dtypes ("fp8" is e4m3, vLLM's default fp8 format).

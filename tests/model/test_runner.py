@@ -13,9 +13,16 @@ import torch
 from poise.config import EngineConfig
 from poise.core.outputs import ScheduledRequest, SchedulerOutput
 from poise.core.sampling_params import SamplingParams
+from poise.model.cpu_build import cpu_flags
+from poise.model.linear_kernel import load_linear_kernel
 from poise.runner.factory import create_model_runner
 from poise.runner.kv_pool import bytes_per_block
-from poise.runner.platform import cpu_has_native_bf16, resolve_device, resolve_dtype
+from poise.runner.platform import (
+    cpu_has_native_bf16,
+    cpu_runs_bf16_fast,
+    resolve_device,
+    resolve_dtype,
+)
 from tests.model.tiny_models import build_tiny_model
 
 
@@ -136,10 +143,16 @@ def test_kv_sizing_from_bytes(tiny_checkpoints: dict[str, Path]) -> None:
 
 
 def test_dtype_resolution() -> None:
-    # auto on CPU: bfloat16 exactly where the CPU has native bf16 matmul.
-    native = cpu_has_native_bf16()
-    want = torch.bfloat16 if native else torch.float32
+    # auto on CPU: bfloat16 exactly where the CPU has native bf16 matmul, or AVX2 + FMA with
+    # poise's kernels built.
+    flags = cpu_flags()
+    fast = cpu_has_native_bf16() or ({"avx2", "fma"} <= flags and load_linear_kernel() is not None)
+    want = torch.bfloat16 if fast else torch.float32
     assert resolve_dtype("auto", torch.device("cpu")) == want
+    assert cpu_runs_bf16_fast(frozenset({"avx2", "fma"}), kernels=True)
+    assert not cpu_runs_bf16_fast(frozenset({"avx2", "fma"}), kernels=False)
+    assert not cpu_runs_bf16_fast(frozenset({"avx", "sse4_2"}), kernels=True)
+    assert cpu_runs_bf16_fast(frozenset({"amx_bf16"}), kernels=False)
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
     assert cpu_has_native_bf16(frozenset({"avx2", "avx512f", "avx512_bf16"}))

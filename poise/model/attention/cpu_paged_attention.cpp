@@ -95,8 +95,9 @@ constexpr int kWalkKeys = 16;  // keys per step of attend_unit_blocks (a cache b
 // hardware prefetcher follows).
 constexpr int64_t kWalkSlotBytes = 1024;
 
-// attend_unit's walk on the AVX-512 kernels, with the same sums in the same order, but a block
-// of kWalkKeys keys at a time with every kv head's rows inside it: a head's row is 128 bytes of
+// attend_unit's walk on the vector kernels (AVX-512 or AVX2), with the same sums in the same
+// order, but a block of kWalkKeys keys at a time with every kv head's rows inside it (the
+// threshold above was measured on AVX-512 and is kept for AVX2): a head's row is 128 bytes of
 // a slot that holds every head's K and V, so walking one head over the whole unit strided by a
 // slot (2-8 KB) over every key's page, while a block's heads in turn read each page's lines in
 // order (a plain read in this order: 20 GB/s on one core at 32 kv heads, against 13 GB/s head

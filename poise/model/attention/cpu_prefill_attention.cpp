@@ -8,7 +8,7 @@
 // the item walks the keys in blocks of kKeys, each read once for all of its rows:
 //   S = Q K^T * scale: each key's elements broadcast against 16 rows' q (bf16 pairs through
 //     AVX512-BF16 dpbf16 when the inputs are bf16 and the CPU has it, float FMAs otherwise,
-//     plain loops without AVX-512);
+//     8-row AVX2 vectors on float keys without AVX-512: cpu_prefill_avx2.h);
 //   online softmax, 16 rows per vector: key j is visible to a row iff j <= its position,
 //     m' = max(m, max S), P = e^(S - m'), O = O e^(m - m') + P V (bf16 pairs again), l likewise;
 // then O / l is written once, rounded to the output dtype (one item: cpu_prefill_items.h).
