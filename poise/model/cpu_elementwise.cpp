@@ -65,12 +65,11 @@ inline __m256i to_bf16_16(__m512 x) {
 inline __m512 round_bf16_16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_16(x)), 16));
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(POISE_ATTENTION_AVX2)  // AVX2 + FMA, no AVX-512 (cpu_attention_avx2.h)
 // AVX2 (no AVX-512): the norm's vector loop with 8 floats per vector, two vectors per 16
 // elements, so that each float lane sums what the AVX-512 loop's lane does and the reduction
 // is _mm512_reduce_add_ps's order: the same bits on both builds (with the scalar loop's order,
 // torch's result was 1.6 ulps away on one of 172,800 values).
-#define POISE_ELEMENTWISE_AVX2 1
 using poise_attention::exp8;
 using poise_attention::load8;
 using poise_attention::round_bf16_8;
@@ -105,7 +104,7 @@ void norm_row(bf16* x, const bf16* delta, const bf16* weight, bf16* out, int64_t
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   sum = _mm512_reduce_add_ps(acc);
-#elif defined(POISE_ELEMENTWISE_AVX2)
+#elif defined(POISE_ATTENTION_AVX2)
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (; i + 16 <= dim; i += 16)
     for (int h = 0; h < 2; ++h) {
@@ -135,7 +134,7 @@ void norm_row(bf16* x, const bf16* delta, const bf16* weight, bf16* out, int64_t
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
                         to_bf16_16(_mm512_mul_ps(normed, load16(weight + i))));
   }
-#elif defined(POISE_ELEMENTWISE_AVX2)
+#elif defined(POISE_ATTENTION_AVX2)
   const __m256 s = _mm256_set1_ps(inv);
   for (; i + 8 <= dim; i += 8)
     store8(out + i, _mm256_mul_ps(round_bf16_8(_mm256_mul_ps(load8(x + i), s)), load8(weight + i)));
@@ -154,7 +153,7 @@ void silu_mul_row(const bf16* gate, const bf16* up, bf16* out, int64_t n) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
                         to_bf16_16(_mm512_mul_ps(silu, load16(up + i))));
   }
-#elif defined(POISE_ELEMENTWISE_AVX2)
+#elif defined(POISE_ATTENTION_AVX2)
   const __m256 one = _mm256_set1_ps(1.0f);
   for (; i + 8 <= n; i += 8) {
     const __m256 g = load8(gate + i);
@@ -188,7 +187,7 @@ void rope_row(bf16* x, const bf16* cos, const bf16* sin, int heads, int64_t head
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + i), to_bf16_16(lo));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + half + i), to_bf16_16(hi));
     }
-#elif defined(POISE_ELEMENTWISE_AVX2)
+#elif defined(POISE_ATTENTION_AVX2)
     for (; i + 8 <= half; i += 8) {
       const __m256 a = load8(v + i), b = load8(v + half + i);
       const __m256 lo = _mm256_add_ps(round_bf16_8(_mm256_mul_ps(a, load8(cos + i))),

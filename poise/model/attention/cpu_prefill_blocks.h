@@ -197,9 +197,7 @@ template <bool PAIRS, bool MASKED>
 inline void softmax_block(Scratch& w, int rp, int n, int n2) {
 #if defined(POISE_ATTENTION_AVX2)
   poise_prefill_avx2::softmax_block<MASKED>(w, rp, n, n2);
-  return;
-#endif
-#if defined(__AVX512F__)
+#elif defined(__AVX512F__)
   constexpr float kInf = std::numeric_limits<float>::infinity();
   for (int r = 0; r < rp; r += 16) {
     const __m512i pos = _mm512_loadu_si512(&w.pos[r]);
