@@ -48,6 +48,11 @@ def _compiler() -> str | None:
     return None
 
 
+# The flags of the AVX2 kernel builds (cpu_linear_avx2.cpp; the attention and elementwise
+# kernels' AVX2 bodies): where the CPU has them but not AVX-512, those run.
+AVX2_FLAGS = frozenset({"avx2", "fma"})
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     """The CPU feature flags the kernel reports (empty where /proc/cpuinfo does not exist):

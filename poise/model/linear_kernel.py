@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from poise.model.cpu_build import cpu_flags, load_library
+from poise.model.cpu_build import AVX2_FLAGS, cpu_flags, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def load_linear_kernel() -> Any:
     flags = cpu_flags()
     if {"avx512_bf16", "avx512_vnni"} <= flags:
         lib = load_library("cpu_linear", [SOURCE], HEADERS, _FALLBACK)
-    elif {"avx2", "fma"} <= flags:
+    elif AVX2_FLAGS.issubset(flags):
         lib = load_library("cpu_linear_avx2", [SOURCE_AVX2], HEADERS_AVX2, _FALLBACK)
     else:
         logger.info("neither AVX512-BF16 / VNNI nor AVX2 / FMA: %s", _FALLBACK)

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from poise.model.cpu_build import cpu_flags
+from poise.model.cpu_build import AVX2_FLAGS, cpu_flags
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # /proc/cpuinfo flags of a native bf16 dot product (AVX512-BF16) or matrix unit (AMX).
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-# Flags under which poise's AVX2 kernel build runs bf16 (model/linear_kernel.py).
-AVX2_BF16_FLAGS = frozenset({"avx2", "fma"})
 
 
 def resolve_device(name: str) -> torch.device:
@@ -40,7 +38,7 @@ def cpu_runs_bf16_fast(flags: frozenset[str] | None = None, kernels: bool | None
     have = cpu_flags() if flags is None else flags
     if cpu_has_native_bf16(have):
         return True
-    if not AVX2_BF16_FLAGS.issubset(have):
+    if not AVX2_FLAGS.issubset(have):
         return False
     if kernels is None:
         from poise.model.linear_kernel import load_linear_kernel
