@@ -22,9 +22,10 @@
 // to the shared partitions together, one unit per partition for the whole group (cascade:
 // cpu_decode_cascade.h); their partials merge with the rows' own ones the same way.
 //
-// Numerics: everything in float32 (bfloat16 inputs are widened, the output rounded once to
-// nearest even), softmax with the max subtracted, exp by a polynomial accurate to ~2 ulp that
-// the compiler vectorises.
+// Numerics: sums in float32 (bfloat16 inputs are widened, or multiplied in pairs by vdpbf16ps
+// where the CPU has AVX512-BF16; there P V takes P rounded to bf16, as torch's flash attention
+// does), the output rounded once to nearest even, softmax with the max subtracted, exp by a
+// polynomial accurate to ~2 ulp.
 
 #include <omp.h>
 
