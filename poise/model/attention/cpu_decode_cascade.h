@@ -176,4 +176,19 @@ void fill_slots(const T* cache, const int64_t* table, int block_size, int begin,
   }
 }
 
+// Every line of keys [0, n) of `slots` (filled from a block boundary, as a partition's or a
+// unit's keys are) towards L2, block by block: a block's slots are one contiguous run of
+// block_size * slot_bytes, so the cache reads them as a few sequential streams before the
+// kernel walks one head's rows at the slot's stride. Measured on the int8 decode kernel (Zen 4,
+// two threads, the all-unique seed mix at concurrency 32: 8 rows of ~3.5k keys, 24 of ~300):
+// 1.95 -> 1.57 ms a layer with the blocks scattered over the pool, 1.49 -> 1.40 in order.
+template <typename T>
+void prefetch_slots(const T* const* slots, int n, int block_size, int64_t slot_bytes) {
+  for (int j = 0; j < n; j += block_size) {
+    const char* base = reinterpret_cast<const char*>(slots[j]);
+    const int64_t bytes = std::min(block_size, n - j) * slot_bytes;
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(base + off, _MM_HINT_T1);
+  }
+}
+
 }  // namespace poise_attention

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cpu_attention_common.h"
+#include "cpu_decode_cascade.h"
 #include "cpu_kv_int8.h"
 #include "../cpu_pool.h"
 
@@ -115,6 +116,7 @@ void attend_partition(const Problem& p, int row, int begin, int end, float* scor
     for (int off = pos - block * p.block_size; pos < stop; ++pos, ++off, ++j)
       slots[j] = base + off * slot_stride;
   }
+  prefetch_slots(slots, n, p.block_size, slot_stride);
   for (int h = 0; h < H; ++h)
     for (int d = 0; d < hd; ++d) q_f[h * hd + d] = to_float(q[h * hd + d]) * p.scale;
 
