@@ -176,19 +176,40 @@ void fill_slots(const T* cache, const int64_t* table, int block_size, int begin,
   }
 }
 
-// Every line of keys [0, n) of `slots` (filled from a block boundary, as a partition's or a
-// unit's keys are) towards L2, block by block: a block's slots are one contiguous run of
+// Every line of keys [0, n) of `slots` (filled from a block boundary, as a partition's keys
+// are) towards L2, block by block: a block's slots are one contiguous run of
 // block_size * slot_bytes, so the cache reads them as a few sequential streams before the
-// kernel walks one head's rows at the slot's stride. Measured on the int8 decode kernel (Zen 4,
-// two threads, the all-unique seed mix at concurrency 32: 8 rows of ~3.5k keys, 24 of ~300):
-// 1.95 -> 1.57 ms a layer with the blocks scattered over the pool, 1.49 -> 1.40 in order.
+// kernel walks one head's rows at the slot's stride. Used by the int8 decode kernel (66-byte
+// rows, slots not a multiple of a line). Measured on Zen 4, two threads, with and without in
+// one process, the all-unique seed mix at concurrency 32 (RESULTS.md, "Decode P V on
+// AVX512-BF16"): 1.95 -> 1.57 ms a layer with the blocks scattered over the pool, 1.49 -> 1.40
+// in order. In the bf16 kernel's units it was no faster with scattered blocks and 5-10 %
+// slower with blocks in order (the seed mix's layout), so not there.
+// Not on AVX2 builds (not measured there: their kernels prefetch each key's rows a few keys
+// ahead, cpu_attention_avx2.h), nor for partitions over kPrefetchUnitBytes (not measured: L2
+// is 1-2 MB a core, and the next partition's lines must fit beside it; SmolLM2-135M's is 99 KB).
+constexpr int64_t kPrefetchUnitBytes = 256 << 10;
+
+// One line towards L2. An asm statement, not _mm_prefetch: GCC (12, -O3) deleted a loop of
+// prefetch_slots' shape, prefetches and all, when it held nothing else (a prefetch has no
+// effect the compiler must keep), without a warning.
+inline void prefetch_line_l2(const char* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
+
 template <typename T>
 void prefetch_slots(const T* const* slots, int n, int block_size, int64_t slot_bytes) {
+#if !defined(POISE_ATTENTION_AVX2)
+  if (n * slot_bytes > kPrefetchUnitBytes) return;
   for (int j = 0; j < n; j += block_size) {
     const char* base = reinterpret_cast<const char*>(slots[j]);
     const int64_t bytes = std::min(block_size, n - j) * slot_bytes;
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(base + off, _MM_HINT_T1);
+    for (int64_t off = 0; off < bytes; off += 64) prefetch_line_l2(base + off);
   }
+#else
+  (void)slots;
+  (void)n;
+  (void)block_size;
+  (void)slot_bytes;
+#endif
 }
 
 }  // namespace poise_attention
