@@ -125,25 +125,8 @@ void attend_unit_blocks(const Problem& p, const DecodePlan& plan, const DecodeUn
           with_count(std::min(kHeads, G - i), [&](auto nq) { f(m, g * G + i, nq, g); });
   };
   auto group_scores = [&](int m, int h) { return scores.data() + m * row_floats + h * (n + 2); };
-  // Every kv head's K (part 0) or V (part 1) of keys [b, b + kWalkKeys) towards L2, a block
-  // ahead. AVX2 only: measured there (Zen 3, Llama-3.2-1B at 16 rows x 1,024 keys: half of P V's
-  // samples waited on each block's first V load without it); AVX-512 is as it was measured.
-  auto prefetch_block = [&](int b, int part) {
-#if defined(POISE_ATTENTION_AVX2)
-    const int64_t bytes = static_cast<int64_t>(Hkv) * HD * sizeof(T);
-    for (int j = b; j < std::min(n, b + kWalkKeys); ++j) {
-      const char* base = reinterpret_cast<const char*>(slots[j]) + part * bytes;
-      for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(base + off, _MM_HINT_T1);
-    }
-#else
-    (void)b;
-    (void)part;
-#endif
-  };
-  prefetch_block(0, 0);
   for (int b0 = 0; b0 < n; b0 += kWalkKeys) {
     const int b1 = std::min(n, b0 + kWalkKeys);
-    prefetch_block(b1, 0);
     each_group([&](int m, int h, auto nq, int g) {
       const T* q = static_cast<const T*>(p.q) + p.row_token[rows[m]] * p.q_token_stride;
       qk_vec<T, HD, decltype(nq)::value>(q_f + (static_cast<size_t>(m) * H + h) * HD,
@@ -161,10 +144,8 @@ void attend_unit_blocks(const Problem& p, const DecodePlan& plan, const DecodeUn
       st[H + h + c] = s[count * n + 2 * c + 1];
     }
   });
-  prefetch_block(0, 1);
   for (int b0 = 0; b0 < n; b0 += kWalkKeys) {
     const int b1 = std::min(n, b0 + kWalkKeys);
-    prefetch_block(b1, 1);
     each_group([&](int m, int h, auto nq, int g) {
       pv_vec<T, HD, decltype(nq)::value>(group_scores(m, h), n, slots, b1,
                                          static_cast<int64_t>(Hkv + g) * HD,
