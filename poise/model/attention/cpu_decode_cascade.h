@@ -183,8 +183,8 @@ void fill_slots(const T* cache, const int64_t* table, int block_size, int begin,
 // rows, slots not a multiple of a line). Measured on Zen 4, two threads, with and without in
 // one process, the all-unique seed mix at concurrency 32 (RESULTS.md, "Decode P V on
 // AVX512-BF16"): 1.95 -> 1.57 ms a layer with the blocks scattered over the pool, 1.49 -> 1.40
-// in order. In the bf16 kernel's units it was no faster with scattered blocks and 5-10 %
-// slower with blocks in order (the seed mix's layout), so not there.
+// in order. In the bf16 kernel's units it was at most 5 % faster with scattered blocks and
+// 5-10 % slower with blocks in order (the seed mix's layout), so not there.
 // Not on AVX2 builds (not measured there: their kernels prefetch each key's rows a few keys
 // ahead, cpu_attention_avx2.h), nor for partitions over kPrefetchUnitBytes (not measured: L2
 // is 1-2 MB a core, and the next partition's lines must fit beside it; SmolLM2-135M's is 99 KB).
