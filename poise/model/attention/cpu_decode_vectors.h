@@ -113,10 +113,14 @@ void pv_bf16_pairs(const float* weights, int weights_stride, const bf16* const* 
   constexpr int NC = NV / 2;
   alignas(64) static const bf16 zeros[NV * 16] = {};
   // [dims 0-15 | dims 16-31] of a chunk <-> [lo | hi] pair lanes (permutex2var indices).
-  const __m512i to_lo = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
-  const __m512i to_hi = _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
-  const __m512i from_0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-  const __m512i from_1 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  const __m512i to_lo =
+      _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+  const __m512i to_hi =
+      _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
+  const __m512i from_0 =
+      _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i from_1 =
+      _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
   __m512 a[NQ][NV];  // [i][2c]: chunk c's lo lanes, [i][2c + 1]: its hi lanes
   for (int i = 0; i < NQ; ++i)
     for (int c = 0; c < NC; ++c) {
@@ -133,7 +137,8 @@ void pv_bf16_pairs(const float* weights, int weights_stride, const bf16* const* 
   for (int j = j0; j < n; j += 32) {
     const int m = std::min(32, n - j);
     const __mmask16 k0 = m >= 16 ? __mmask16(0xffff) : __mmask16((1u << m) - 1);
-    const __mmask16 k1 = m >= 32 ? __mmask16(0xffff) : m > 16 ? __mmask16((1u << (m - 16)) - 1) : 0;
+    const __mmask16 k1 =
+        m >= 32 ? __mmask16(0xffff) : m > 16 ? __mmask16((1u << (m - 16)) - 1) : __mmask16(0);
     for (int i = 0; i < NQ; ++i) {
       const float* w = weights + i * weights_stride + j;
       const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(k1, w + 16),
@@ -153,7 +158,8 @@ void pv_bf16_pairs(const float* weights, int weights_stride, const bf16* const* 
         const __m512bh w = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairs[i][t]));
         for (int c = 0; c < NC; ++c) {
           a[i][2 * c] = _mm512_dpbf16_ps(a[i][2 * c], w, reinterpret_cast<__m512bh>(lo[c]));
-          a[i][2 * c + 1] = _mm512_dpbf16_ps(a[i][2 * c + 1], w, reinterpret_cast<__m512bh>(hi[c]));
+          a[i][2 * c + 1] =
+              _mm512_dpbf16_ps(a[i][2 * c + 1], w, reinterpret_cast<__m512bh>(hi[c]));
         }
       }
     }
