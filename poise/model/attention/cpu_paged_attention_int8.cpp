@@ -109,13 +109,7 @@ void attend_partition(const Problem& p, int row, int begin, int end, float* scor
   const int64_t slot_stride = 2 * Hkv * row_bytes;
   const T* q = static_cast<const T*>(p.q) + p.row_token[row] * p.q_token_stride;
   const int64_t* table = p.tables + p.row_table[row] * p.table_stride;
-  for (int pos = begin, j = 0; pos < end;) {
-    const int block = pos / p.block_size;
-    const int stop = std::min(end, (block + 1) * p.block_size);
-    const int8_t* base = p.kv_cache + table[block] * p.block_size * slot_stride;
-    for (int off = pos - block * p.block_size; pos < stop; ++pos, ++off, ++j)
-      slots[j] = base + off * slot_stride;
-  }
+  fill_slots(p.kv_cache, table, p.block_size, begin, end, slot_stride, slots);
   prefetch_slots(slots, n, p.block_size, slot_stride);
   for (int h = 0; h < H; ++h)
     for (int d = 0; d < hd; ++d) q_f[h * hd + d] = to_float(q[h * hd + d]) * p.scale;
