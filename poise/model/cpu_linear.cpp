@@ -20,10 +20,9 @@
 //   (int8: tdpbusd on the stored bytes; int4: tdpbf16ps on blocks decoded just before use,
 //   or once per group when several row blocks read them), rows in chunks that stay in L2.
 // Groups go to the threads dynamically: on a shared CPU (the server's event loop, another
-// process) a static split waits for the thread whose core is taken. The decode-sized paths
-// (bf16 rows, streamed, blocked int8) run on cpu_pool.h's pool, whose caller starts at once
-// and whose helpers join when awake; the AMX paths keep OpenMP regions (each thread
-// configures its tiles once per call).
+// process) a static split waits for the thread whose core is taken. Every path runs on
+// cpu_pool.h's pool, whose caller starts at once and whose helpers join when awake; on the AMX
+// paths each thread configures its tiles at its first item of a call.
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -111,6 +110,12 @@ void tiled_int4_group(const Problem& p, int64_t g, const uint16_t* x, int64_t r_
 // weights decoded once per row chunk.
 constexpr int64_t kInt4ScaledRows = 16;
 
+// A new id per bf16 AMX call: the pool's threads configure their tiles once per call.
+uint64_t amx_call_id() {
+  static std::atomic<uint64_t> next{0};
+  return next.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+
 bool request_amx() {
   constexpr long kReqPerm = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
   return syscall(SYS_arch_prctl, kReqPerm, kTileData) == 0;
@@ -153,23 +158,30 @@ extern "C" int poise_linear_bf16_amx(const uint16_t* x, int64_t m, int64_t k, co
   // An output larger than the caches is written past them (cpu_linear_bf16_amx.h, write_rows):
   // at 2,048 rows 1.2x faster; a smaller one stays cached for the next operation to read.
   const bool stream_y = t == 2 && m * n * 2 > (int64_t(4) << 20);
-#pragma omp parallel num_threads(threads)
-  {
-    configure_tiles(m < 16 ? static_cast<int>(m) : 16);
-    alignas(64) float cbuf[2 * 32 * 32];
-    // (row chunk, group) items, chunk-major: a thread's next item mostly reads the same rows.
-    const int64_t chunks = (m_pad + kAmxRowChunk - 1) / kAmxRowChunk;
-#pragma omp for schedule(dynamic)
-    for (int64_t item = 0; item < chunks * groups; ++item) {
-      const int64_t g = item % groups, c0 = item / groups * kAmxRowChunk;
-      const int64_t c1 = c0 + kAmxRowChunk < m_pad ? c0 + kAmxRowChunk : m_pad;
-      const uint16_t* wg = w + g * group_elems;
-      if (stream_y) amx_bf16_group<2, true>(x, tail, k, wg, n, g, m, c0, c1, y, cbuf);
-      else if (t == 2) amx_bf16_group<2, false>(x, tail, k, wg, n, g, m, c0, c1, y, cbuf);
-      else amx_bf16_group<1, false>(x, tail, k, wg, n, g, m, c0, c1, y, cbuf);
+  // (row chunk, group) items, chunk-major: a thread's next item mostly reads the same rows. On
+  // the pool (cpu_pool.h), not an OpenMP region: a decode-sized call takes ~150 us, and the
+  // region's wake of its sleeping worker cost as much as the second thread gave (SmolLM2-135M's
+  // 120 decode linears at 8 rows: 19.2 ms on two threads in regions, 18.6 ms on one).
+  const int64_t chunks = (m_pad + kAmxRowChunk - 1) / kAmxRowChunk;
+  const int tile_rows = m < 16 ? static_cast<int>(m) : 16;
+  const uint64_t call = amx_call_id();
+  ppool::parallel_for(chunks * groups, threads, [&](int64_t item) {
+    // Each thread configures its tiles once per call (the caller's may have been changed by
+    // torch's oneDNN between calls; a helper's hold this call's row count from then on).
+    static thread_local uint64_t configured_for = 0;
+    alignas(64) static thread_local float cbuf[2 * 32 * 32];
+    if (configured_for != call) {
+      configure_tiles(tile_rows);
+      configured_for = call;
     }
-    _tile_release();
-  }
+    const int64_t g = item % groups, c0 = item / groups * kAmxRowChunk;
+    const int64_t c1 = c0 + kAmxRowChunk < m_pad ? c0 + kAmxRowChunk : m_pad;
+    const uint16_t* wg = w + g * group_elems;
+    if (stream_y) amx_bf16_group<2, true>(x, tail, k, wg, n, g, m, c0, c1, y, cbuf);
+    else if (t == 2) amx_bf16_group<2, false>(x, tail, k, wg, n, g, m, c0, c1, y, cbuf);
+    else amx_bf16_group<1, false>(x, tail, k, wg, n, g, m, c0, c1, y, cbuf);
+  });
+  _tile_release();  // the calling thread's tile state, for whatever it runs next
   return 0;
 #else
   (void)x; (void)m; (void)k; (void)w; (void)t; (void)n; (void)y; (void)threads;
@@ -258,28 +270,31 @@ extern "C" int poise_linear(const uint16_t* x, int64_t m, int64_t k, const void*
     std::memcpy(padded.data(), x, m * k * 2);
     xs = padded.data();
   }
-#pragma omp parallel num_threads(threads)
-  {
-    configure_tiles();
+  // On the pool, as the bf16 AMX path (poise_linear_bf16_amx: the OpenMP region's wake cost
+  // as much as the second thread gave at decode sizes). Rows in chunks that stay in L2 while
+  // every group's weights pass by (one read of the weights per chunk): 1.5x faster than all
+  // rows per group at 2,048 rows; (chunk, group) items, chunk-major.
+  const int64_t chunks = (m_pad + kRowChunk - 1) / kRowChunk;
+  const uint64_t call = amx_call_id();
+  ppool::parallel_for(chunks * groups, threads, [&](int64_t item) {
+    static thread_local uint64_t configured_for = 0;  // tiles configured once per call
+    if (configured_for != call) {
+      configure_tiles();
+      configured_for = call;
+    }
     // int4 weights of one group decoded once, when more than one row block reads them.
     static thread_local std::vector<uint16_t> buf;
     if (fmt == kInt4 && m_pad > 32 && buf.size() < size_t(t * (k / 2) * 32))
       buf.resize(t * (k / 2) * 32);
     alignas(64) float cbuf[32 * 32], acc[16 * 64];
-    // Rows in chunks that stay in L2 while every group's weights pass by (one read of the
-    // weights per chunk): 1.5x faster than all rows per group at 2,048 rows.
-    for (int64_t c0 = 0; c0 < m_pad; c0 += kRowChunk) {
-      const int64_t c1 = c0 + kRowChunk < m_pad ? c0 + kRowChunk : m_pad;
-#pragma omp for schedule(dynamic)
-      for (int64_t g = 0; g < groups; ++g) {
-        if (fmt == kInt8) tiled_int8_group(p, g, c0, c1, reinterpret_cast<int32_t*>(cbuf));
-        else if (m_pad <= kInt4ScaledRows)
-          for (int64_t r0 = c0; r0 < c1; r0 += 16) tiled_int4_rows16(p, g, xs, r0, sums, cbuf, acc);
-        else tiled_int4_group(p, g, xs, c0, c1, buf.data(), cbuf);
-      }
-    }
-    _tile_release();
-  }
+    const int64_t g = item % groups, c0 = item / groups * kRowChunk;
+    const int64_t c1 = c0 + kRowChunk < m_pad ? c0 + kRowChunk : m_pad;
+    if (fmt == kInt8) tiled_int8_group(p, g, c0, c1, reinterpret_cast<int32_t*>(cbuf));
+    else if (m_pad <= kInt4ScaledRows)
+      for (int64_t r0 = c0; r0 < c1; r0 += 16) tiled_int4_rows16(p, g, xs, r0, sums, cbuf, acc);
+    else tiled_int4_group(p, g, xs, c0, c1, buf.data(), cbuf);
+  });
+  _tile_release();  // the calling thread's tile state, for whatever it runs next
   return 0;
 #else
   return 1;  // no tiled path in this build (poise_linear_init() said so)
