@@ -2,7 +2,8 @@
 random block tables with 1 to 8 groups of rows that begin with the same blocks, the kernel's
 output with cascade is bit-identical to per-row attention (the same kernel, cascade off: groups
 share whole partitions, so a row's sums are the same), within float32 / bf16 rounding of a
-float64 reference, and the groups it forms are the ones built."""
+float64 reference, and the groups it forms are the ones built. Where the CPU has AMX, bf16 rows
+at head_dim 64 / 128 run on tiles (cpu_decode_amx.h); the vector path is checked there too."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from poise.model.attention import AttentionMetadata, CpuPagedAttentionBackend
-from poise.model.attention.cpu_kernel import load_cpu_kernel, use_decode_cascade
+from poise.model.attention.cpu_kernel import load_cpu_kernel, use_decode_amx, use_decode_cascade
 
 pytestmark = pytest.mark.skipif(load_cpu_kernel() is None, reason="no C++ compiler")
 
@@ -25,6 +26,7 @@ PART = CpuPagedAttentionBackend.PARTITION_SIZE  # groups share whole partitions 
 def _restore_cascade() -> Iterator[None]:
     yield
     use_decode_cascade(True)
+    use_decode_amx(True)
 
 
 def _tables(
@@ -201,3 +203,26 @@ def test_backend_flag_reaches_the_kernel() -> None:
     for cascade in (False, True):
         _attend(q, cache, tables, contexts, cascade)
         assert use_decode_cascade() is cascade
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (28, 4, 128)])
+def test_bf16_on_vectors_and_on_tiles(heads: int, kv_heads: int, head_dim: int) -> None:
+    """The same tables through both bf16 paths: each within bf16 rounding of the reference, each
+    bit-identical with cascade on and off (a group of 5 rows at 7 query heads per kv head is
+    three sets of up to 16 queries on tiles). Where the CPU has no AMX both runs take the
+    vectors."""
+    gen = torch.Generator().manual_seed(7 + heads)
+    tables, contexts, _ = _tables(4, gen)
+    cache = torch.randn(NUM_BLOCKS, BLOCK, 2 * kv_heads, head_dim, generator=gen).bfloat16()
+    q = torch.randn(len(tables), heads, head_dim, generator=gen).bfloat16()
+    want = _reference(q, cache, tables, contexts)
+    outs = {}
+    for amx in (False, True):
+        use_decode_amx(amx)
+        cascade = _attend(q, cache, tables, contexts, cascade=True)
+        per_row = _attend(q, cache, tables, contexts, cascade=False)
+        torch.testing.assert_close(cascade.double(), want, atol=1e-2, rtol=1e-2)
+        assert torch.equal(cascade, per_row)
+        outs[amx] = cascade
+    if use_decode_amx():  # the tiles ran: another order of sums, the same values within rounding
+        torch.testing.assert_close(outs[True], outs[False], atol=1e-2, rtol=1e-2)

@@ -31,6 +31,8 @@ HEADERS = (
     _HERE / "cpu_kv_int8.h",
     _HERE / "cpu_decode_cascade.h",
     _HERE / "cpu_decode_vectors.h",
+    _HERE / "cpu_decode_amx.h",
+    _HERE / "cpu_amx.h",
     _HERE / "cpu_prefill_blocks.h",
     _HERE / "cpu_prefill_avx2.h",
     _HERE / "cpu_prefill_amx.h",
@@ -115,6 +117,8 @@ def load_cpu_kernel() -> ctypes.CDLL | None:
     lib.poise_prefill_use_amx.restype = ctypes.c_int
     lib.poise_decode_use_cascade.argtypes = [ctypes.c_int]
     lib.poise_decode_use_cascade.restype = ctypes.c_int
+    lib.poise_decode_use_amx.argtypes = [ctypes.c_int]
+    lib.poise_decode_use_amx.restype = ctypes.c_int
     lib.poise_attention_threading.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.poise_attention_threading.restype = None
     # tables, table stride, row_table, context_len, rows, block size, shared keys out
@@ -132,6 +136,16 @@ def use_prefill_amx(enable: bool | None = None) -> bool:
     if lib is None:
         return False
     return bool(lib.poise_prefill_use_amx(-1 if enable is None else int(enable)))
+
+
+def use_decode_amx(enable: bool | None = None) -> bool:
+    """Whether bf16 decode rows (head_dim 64 or 128, blocks of a multiple of 16 keys) run on AMX
+    tiles (cpu_decode_amx.h), as they do wherever the CPU and the OS allow it. ``enable=False``
+    keeps them on the vectors (tests compare both paths on one machine), None only asks."""
+    lib = load_cpu_kernel()
+    if lib is None:
+        return False
+    return bool(lib.poise_decode_use_amx(-1 if enable is None else int(enable)))
 
 
 def use_decode_cascade(enable: bool | None = None) -> bool:

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "cpu_attention_common.h"
+#include "cpu_decode_amx.h"
 #include "cpu_decode_cascade.h"
 #include "cpu_decode_vectors.h"
 #include "../cpu_pool.h"
@@ -197,6 +198,28 @@ void attend_unit(const Problem& p, const DecodePlan& plan, const DecodeUnit& uni
 
 // Whether rows that share prefix blocks attend to them together (poise_decode_use_cascade).
 std::atomic<bool> use_cascade{true};
+// Whether bf16 units run on AMX tiles where they can (poise_decode_use_amx; cpu_decode_amx.h).
+std::atomic<bool> use_amx{true};
+
+// Whether this call's units all run on AMX tiles (cpu_decode_amx.h): bf16 at head_dim 64 or
+// 128, blocks of a multiple of 16 keys (a tile's 16 keys from a 16-aligned start lie in one
+// block), where the CPU and the OS allow AMX.
+template <typename T, int HD_FIXED>
+bool amx_units(const Problem& p) {
+#if defined(POISE_ATTENTION_AMX)
+  if constexpr (std::is_same_v<T, bf16> && (HD_FIXED == 64 || HD_FIXED == 128))
+    return use_amx.load(std::memory_order_relaxed) && p.block_size % 16 == 0 &&
+           amx_available();
+#endif
+  (void)p;
+  return false;
+}
+
+// A new id per decode call: the pool's threads configure their tiles once per call.
+uint64_t next_call_id() {
+  static std::atomic<uint64_t> next{0};
+  return next.fetch_add(1, std::memory_order_relaxed) + 1;
+}
 
 template <typename T, int HD_FIXED>
 void run(const Problem& p, int num_threads) {
@@ -224,11 +247,35 @@ void run(const Problem& p, int num_threads) {
     if (q_f.size() < q_size) q_f.resize(q_size);
     if (slots.size() < static_cast<size_t>(part)) slots.resize(part);
   };
+  const bool amx = amx_units<T, HD_FIXED>(p);
+  const uint64_t call = next_call_id();
   ppool::parallel_for(num_units, threads, [&](int64_t u) {
     buffers();
+#if defined(POISE_ATTENTION_AMX)
+    if constexpr (std::is_same_v<T, bf16> && (HD_FIXED == 64 || HD_FIXED == 128)) {
+      if (amx) {
+        static thread_local uint64_t configured_for = 0;  // tiles configured once per call
+        static thread_local AmxDecodeScratch w;
+        if (configured_for != call) {
+          amx_configure();
+          configured_for = call;
+        }
+        const DecodeUnit& unit = plan.units[u];
+        const int64_t* table = p.tables + p.row_table[plan.unit_rows[unit.rows_begin]] *
+                                              p.table_stride;
+        fill_slots(static_cast<const T*>(p.kv_cache), table, p.block_size, unit.begin, unit.end,
+                   static_cast<int64_t>(2 * p.num_kv_heads) * hd, slots.data());
+        attend_unit_amx<HD_FIXED>(p, plan, unit, slots.data(), w, acc.data(), stats.data());
+        return;
+      }
+    }
+#endif
     attend_unit<T, HD_FIXED>(p, plan, plan.units[u], scores.data(), q_f.data(), slots.data(),
                              acc.data(), stats.data());
   });
+#if defined(POISE_ATTENTION_AMX)
+  if (amx) _tile_release();  // the calling thread's tile state, for whatever it runs next
+#endif
   ppool::parallel_for(p.num_rows, threads, [&](int64_t r) {
     buffers();
     merge_partials(stats.data(), acc.data(), plan.row_first_item[r], plan.row_first_item[r + 1],
@@ -263,6 +310,18 @@ int poise_paged_attention(int dtype, const void* q, int64_t q_token_stride, cons
 int poise_decode_use_cascade(int enable) {
   if (enable >= 0) use_cascade.store(enable != 0, std::memory_order_relaxed);
   return use_cascade.load(std::memory_order_relaxed) ? 1 : 0;
+}
+
+// bf16 decode units on AMX tiles (1, the default, where the CPU and the OS allow them) or on
+// the vectors (0; tests compare both on one machine); -1 only asks. Returns whether a bf16
+// call at head_dim 64 with 16-key blocks would take the tiles now.
+int poise_decode_use_amx(int enable) {
+  if (enable >= 0) use_amx.store(enable != 0, std::memory_order_relaxed);
+#if defined(POISE_ATTENTION_AMX)
+  return use_amx.load(std::memory_order_relaxed) && amx_available() ? 1 : 0;
+#else
+  return 0;
+#endif
 }
 
 // How the decode kernels spread their units (cpu_pool.h; linear_kernel.set_threading).
