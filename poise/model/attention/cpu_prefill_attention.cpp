@@ -217,7 +217,8 @@ std::atomic<bool> use_amx{true};
 
 // INT8: the int8 KV cache, its blocks dequantized to bf16 as they are packed, so the same block
 // math runs after (on AMX tiles too: a cold 3,363-token prefill's attention on the embedded
-// model, RESULTS.md "The decode linears on the pool, int8 KV prefill on AMX").
+// model: RESULTS.md "The decode linears on the pool, int8 KV prefill and decode attention on
+// AMX").
 template <typename T, bool PAIRS, bool INT8 = false>
 void dispatch_head_dim(const Chunks& p, int num_threads) {
 #if defined(POISE_PREFILL_AMX)
