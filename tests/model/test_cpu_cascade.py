@@ -70,7 +70,11 @@ def _tables(
 
 
 def _reference(
-    q: torch.Tensor, cache: torch.Tensor, tables: list[torch.Tensor], contexts: list[int]
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    tables: list[torch.Tensor],
+    contexts: list[int],
+    block: int = BLOCK,
 ) -> torch.Tensor:
     """Per row, in float64: softmax(q K^T * scale) V over its visible keys (GQA: repeat_kv)."""
     heads, hd = q.shape[1], q.shape[2]
@@ -79,7 +83,7 @@ def _reference(
     out = torch.empty(q.shape, dtype=torch.float64)
     for r, (t, c) in enumerate(zip(tables, contexts, strict=True)):
         pos = torch.arange(c)
-        kv = flat[t[pos // BLOCK] * BLOCK + pos % BLOCK]  # [c, 2Hkv, hd]
+        kv = flat[t[pos // block] * block + pos % block]  # [c, 2Hkv, hd]
         k = kv[:, :kv_heads].repeat_interleave(heads // kv_heads, dim=1)
         v = kv[:, kv_heads:].repeat_interleave(heads // kv_heads, dim=1)
         w = torch.softmax(torch.einsum("hd,khd->hk", q[r].double(), k) * hd**-0.5, dim=-1)
@@ -93,6 +97,7 @@ def _attend(
     tables: list[torch.Tensor],
     contexts: list[int],
     cascade: bool,
+    block: int = BLOCK,
 ) -> torch.Tensor:
     rows = len(tables)
     table = torch.zeros(rows, max(len(t) for t in tables), dtype=torch.int64)
@@ -101,7 +106,7 @@ def _attend(
     ctx = torch.tensor(contexts)
     meta = AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.int64),  # no K/V written: the cache is given
-        block_size=BLOCK,
+        block_size=block,
         num_decodes=rows,
         decode_block_tables=table,
         decode_context_lens=ctx,
@@ -226,3 +231,25 @@ def test_bf16_on_vectors_and_on_tiles(heads: int, kv_heads: int, head_dim: int) 
         outs[amx] = cascade
     if use_decode_amx():  # the tiles ran: another order of sums, the same values within rounding
         torch.testing.assert_close(outs[True], outs[False], atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("block", [8, 32])
+def test_bf16_other_block_sizes(block: int) -> None:
+    """Blocks of 32 keys (two 16-key tile runs each) on tiles, blocks of 8 on the vectors (a tile
+    run would cross blocks): each within bf16 rounding of the reference, cascade on and off the
+    same bits. Rows of 1-700 keys, three sharing their first 40 blocks."""
+    gen = torch.Generator().manual_seed(block)
+    perm = iter(torch.randperm(NUM_BLOCKS, generator=gen).tolist())
+    shared = [next(perm) for _ in range(40)]
+    contexts = [40 * block + 17, 40 * block + 90, 40 * block + 3, 1, 255, 700]
+    tables = []
+    for i, c in enumerate(contexts):
+        need = -(-c // block)
+        head = shared[:need] if i < 3 else []
+        tables.append(torch.tensor(head + [next(perm) for _ in range(need - len(head))]))
+    cache = torch.randn(NUM_BLOCKS, block, 6, 64, generator=gen).bfloat16()
+    q = torch.randn(len(tables), 9, 64, generator=gen).bfloat16()
+    want = _reference(q, cache, tables, contexts, block)
+    cascade = _attend(q, cache, tables, contexts, True, block)
+    torch.testing.assert_close(cascade.double(), want, atol=1e-2, rtol=1e-2)
+    assert torch.equal(cascade, _attend(q, cache, tables, contexts, False, block))
