@@ -74,7 +74,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["llama", "tied"])
+@pytest.mark.parametrize("kind", ["llama", "tied", "llama_hd64"])
 def test_alone_equals_batched(kind: str, tiny_checkpoints: dict[str, Path]) -> None:
     prompts = _prompts(8, seed=1)
     llm = _llm(tiny_checkpoints[kind])
@@ -105,13 +105,17 @@ def _small_partitions() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("_small_partitions")
-def test_requests_on_one_document_answer_as_alone(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("kind", ["llama", "llama_hd64"])
+def test_requests_on_one_document_answer_as_alone(
+    kind: str, tiny_checkpoints: dict[str, Path]
+) -> None:
     """A document, then questions on it at once (their decode rows share the document's
-    blocks: cascade groups) against each question alone with the document cached."""
+    blocks: cascade groups) against each question alone with the document cached. At head_dim
+    64 the decode rows run on AMX tiles where the CPU has them (cpu_decode_amx.h)."""
     rng = random.Random(4)
     doc = [rng.randrange(3, 500) for _ in range(150)]
     questions = [[rng.randrange(3, 500) for _ in range(5 + q)] for q in range(6)]
-    llm = _llm(tiny_llama_dir, enable_prefix_caching=True)
+    llm = _llm(tiny_checkpoints[kind], enable_prefix_caching=True)
     _generate(llm, [doc])  # cache the document
     alone = [_generate(llm, [doc + q])[0] for q in questions]
     together = _generate(llm, [doc + q for q in questions])

@@ -13,7 +13,9 @@ from typing import Any
 import torch
 
 KINDS = ("llama", "qwen2", "qwen3", "llama3_rope", "tied")
-# Also buildable, tested more lightly: "mistral" (sliding window 64 < max positions).
+# Also buildable, tested more lightly: "mistral" (sliding window 64 < max positions) and
+# "llama_hd64" (head_dim 64: the CPU decode kernel's AMX path, cpu_decode_amx.h, takes only 64
+# and 128).
 
 _COMMON: dict[str, Any] = dict(
     hidden_size=64,
@@ -46,6 +48,9 @@ def tiny_config(kind: str) -> Any:
             "original_max_position_embeddings": 32,
         }
         return LlamaConfig(**_COMMON, rope_scaling=rope, tie_word_embeddings=False)
+    if kind == "llama_hd64":
+        wide = {**_COMMON, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2}
+        return LlamaConfig(**{**wide, "num_key_value_heads": 1}, tie_word_embeddings=False)
     if kind == "mistral":
         return MistralConfig(**_COMMON, sliding_window=64, tie_word_embeddings=False)
     if kind == "qwen2":
