@@ -13,31 +13,40 @@
 // Not bit-identical to torch: the mean's summation order, and exp (Cephes' polynomial here,
 // torch's own vectorised one there), can move a value across a bf16 rounding boundary (one ulp).
 //
-// Rows are split over OpenMP threads (torch's pool: the library links the same libgomp), but
-// only for large inputs: a decode step at batch 1-16 calls these ~100 times on a few thousand
-// elements (~1-10 us of work), and waking torch's sleeping workers for each (OMP_WAIT_POLICY=
-// PASSIVE, poise/__init__.py) cost more than the work: norms/rope/SiLU of a SmolLM2-1.7B step at
-// batch 1 took 10.7 ms over 2 threads, 2.6 ms on one.
+// Rows are split over cpu_pool.h's pool in chunks of at least kChunkElements: its caller starts
+// at once and a helper joins when awake. Until now an OpenMP region from 64k elements on: with
+// OMP_WAIT_POLICY=PASSIVE (poise/__init__.py) waking torch's sleeping worker cost more than the
+// work up to ~128 rows of SmolLM2-135M (SiLU x up at 64 rows: 106 us on two threads, 65 on one;
+// the norm at 128 rows: 100 against 44 us), and below 64k elements one thread did it all.
 // Shapes: row r of x at x + r * x_stride (elements); other tensors likewise with their strides.
 
 #include <immintrin.h>
-#include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 #include "attention/cpu_attention_common.h"  // bf16 conversions, load16, exp16
+#include "cpu_pool.h"
 
 namespace {
 
 using poise_attention::bf16;
 
-// Elements below which one thread does the whole op (see above).
-constexpr int64_t kParallelFrom = 1 << 16;
+// Elements per work item of the pool (a few microseconds of work): smaller calls run on the
+// calling thread alone.
+constexpr int64_t kChunkElements = 1 << 13;
 
-int threads_for(int64_t elements, int num_threads) {
-  return elements >= kParallelFrom && num_threads > 1 ? num_threads : 1;
+// f(r) for every row, in chunks of rows on up to num_threads threads (the caller among them).
+template <class F>
+void for_rows(int64_t rows, int64_t row_elements, int num_threads, F&& f) {
+  const int64_t per = std::max<int64_t>(1, kChunkElements / std::max<int64_t>(row_elements, 1));
+  const int64_t chunks = (rows + per - 1) / per;
+  ppool::parallel_for(chunks, num_threads, [&](int64_t c) {
+    const int64_t end = std::min(rows, (c + 1) * per);
+    for (int64_t r = c * per; r < end; ++r) f(r);
+  });
 }
 using poise_attention::to_float;
 
@@ -220,12 +229,12 @@ int poise_rms_norm_bf16(void* x, int64_t x_stride, const void* delta, int64_t de
                         const void* weight, void* out, int64_t out_stride, int64_t rows,
                         int64_t dim, float eps, int num_threads) {
   if (rows < 0 || dim <= 0) return -1;
-#pragma omp parallel for num_threads(threads_for(rows * dim, num_threads)) schedule(static)
-  for (int64_t r = 0; r < rows; ++r)
+  for_rows(rows, dim, num_threads, [&](int64_t r) {
     norm_row(static_cast<bf16*>(x) + r * x_stride,
              delta ? static_cast<const bf16*>(delta) + r * delta_stride : nullptr,
              static_cast<const bf16*>(weight), static_cast<bf16*>(out) + r * out_stride, dim,
              eps);
+  });
   return 0;
 }
 
@@ -233,11 +242,10 @@ int poise_rms_norm_bf16(void* x, int64_t x_stride, const void* delta, int64_t de
 int poise_silu_mul_bf16(const void* gate_up, int64_t in_stride, void* out, int64_t out_stride,
                         int64_t rows, int64_t n, int num_threads) {
   if (rows < 0 || n <= 0) return -1;
-#pragma omp parallel for num_threads(threads_for(rows * n, num_threads)) schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
+  for_rows(rows, 2 * n, num_threads, [&](int64_t r) {
     const bf16* row = static_cast<const bf16*>(gate_up) + r * in_stride;
     silu_mul_row(row, row + n, static_cast<bf16*>(out) + r * out_stride, n);
-  }
+  });
   return 0;
 }
 
@@ -247,12 +255,11 @@ int poise_rope_bf16(void* x, int64_t x_stride, int64_t head_stride, int heads, i
                     const void* cos, const void* sin, int64_t table_stride, int64_t tokens,
                     int num_threads) {
   if (tokens < 0 || heads <= 0 || hd <= 0 || hd % 2 != 0) return -1;
-#pragma omp parallel for num_threads(threads_for(tokens * heads * hd, num_threads)) \
-    schedule(static)
-  for (int64_t t = 0; t < tokens; ++t)
+  for_rows(tokens, static_cast<int64_t>(heads) * hd, num_threads, [&](int64_t t) {
     rope_row(static_cast<bf16*>(x) + t * x_stride,
              static_cast<const bf16*>(cos) + t * table_stride,
              static_cast<const bf16*>(sin) + t * table_stride, heads, head_stride, hd);
+  });
   return 0;
 }
 

@@ -23,8 +23,11 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "cpu_elementwise.cpp"
 HEADERS = [
-    Path(__file__).parent / "attention" / name
-    for name in ("cpu_attention_common.h", "cpu_attention_avx2.h")
+    *(
+        Path(__file__).parent / "attention" / name
+        for name in ("cpu_attention_common.h", "cpu_attention_avx2.h")
+    ),
+    Path(__file__).parent / "cpu_pool.h",
 ]
 _FALLBACK = "RMSNorm and SiLU use torch's ops"
 
